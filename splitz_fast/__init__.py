@@ -1,0 +1,46 @@
+"""splitz_fast: sound, fast SPLITZ (split Lipschitz randomized smoothing) for PyTorch.
+
+Everything a user needs is importable from here::
+
+    import splitz_fast as sz
+    model = sz.split_sequential(net, 1, num_classes=10, input_shape=(1, 28, 28))
+    result = sz.Smoother(model, sigma=0.5).certify(x, n0=100, n=100_000, alpha=0.001)
+"""
+from .bounds import BallBounds, ball_bounds
+from .lipschitz import (
+    LipschitzBound,
+    PowerIterationState,
+    certified_lambda_max,
+    global_lipschitz_bound,
+    lipschitz_bound,
+    lipschitz_estimate,
+)
+from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
+from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
+from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABSTAIN",
+    "BallBounds",
+    "CertifyResult",
+    "ClippedReLU",
+    "LeftHalf",
+    "LipschitzBound",
+    "PowerIterationState",
+    "PredictResult",
+    "Smoother",
+    "SplitModel",
+    "Standardize",
+    "ball_bounds",
+    "certified_lambda_max",
+    "clopper_pearson_lower",
+    "global_lipschitz_bound",
+    "latent_radius",
+    "lipschitz_bound",
+    "lipschitz_estimate",
+    "max_latent_radius",
+    "split_sequential",
+    "two_sided_binomial_pvalue",
+]

@@ -1,0 +1,71 @@
+"""Input validation shared by every public entry point.
+
+Each check raises ``ValueError`` (or ``TypeError``) with a message that names the argument and says what to fix.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+
+def check_positive(name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def check_nonnegative(name: str, value: float, allow_inf: bool = False) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be a {'' if allow_inf else 'finite '}number >= 0, got {value}")
+    return float(value)
+
+
+def check_probability(name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (0.0 < value < 1.0):
+        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value}")
+    return float(value)
+
+
+def check_count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_tensor(
+    name: str,
+    x: torch.Tensor,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    shape_tail: Sequence[int] | None = None,
+    finite: bool = True,
+) -> torch.Tensor:
+    """Check type, floating dtype, rank, trailing shape and finiteness of ``x``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}; convert it with .float()")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.ndim not in allowed:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(x.shape)}")
+    if shape_tail is not None:
+        tail = tuple(x.shape[x.ndim - len(shape_tail):])
+        if tail != tuple(shape_tail):
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, but the model expects inputs of shape {tuple(shape_tail)} "
+                f"(optionally with a leading batch dimension)"
+            )
+    if finite and not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or Inf values; clean the input before certifying")
+    return x

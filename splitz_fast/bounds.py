@@ -1,0 +1,143 @@
+"""Pre-activation bounds of ``f_L`` over the l2 ball ``B(x, γ)`` and the varying masks ``I^v``.
+
+First affine layer: the exact ball bound ``w_i·x + b_i ± γ‖w_i‖₂`` with ``1/sd`` folded into ``w_i`` and, for a
+convolution, ``‖w_i‖₂`` taken over the filter taps that land inside the image (zero padding stays zero in
+standardized space, so padded taps never see the perturbation). Deeper layers: interval arithmetic in
+center/radius form, ``c' = W c + b``, ``r' = |W| r``.
+
+Everything is computed in float64 and every interval is widened by a margin that dominates the rounding error of
+the sums that formed it (``1e-10 · (|W||h| + |b| + r)``, far above ``K·u₆₄`` for any layer with fewer than 10⁵ terms
+per output), so a neuron is never declared constant because of rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .modules import LeftHalf
+
+# Relative widening of every interval (see module docstring).
+ROUNDING_MARGIN = 1e-10
+
+
+def linear_part(layer: nn.Module, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the linear part of an affine layer (no bias), optionally with another weight (e.g. ``|W|`` or ``W²``)."""
+    w = layer.weight if weight is None else weight
+    w = w.to(h.dtype)
+    if isinstance(layer, nn.Conv2d):
+        return F.conv2d(h, w, None, layer.stride, layer.padding, layer.dilation)
+    return F.linear(h.flatten(1) if h.ndim > 2 else h, w)
+
+
+def affine(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Apply the whole affine layer (bias included) in ``h``'s dtype."""
+    out = linear_part(layer, h)
+    if layer.bias is not None:
+        b = layer.bias.to(h.dtype)
+        out = out + (b.view(1, -1, 1, 1) if out.ndim == 4 else b)
+    return out
+
+
+def bias_magnitude(layer: nn.Module, like: torch.Tensor) -> torch.Tensor | float:
+    if layer.bias is None:
+        return 0.0
+    b = layer.bias.detach().to(like.dtype).abs()
+    return b.view(1, -1, 1, 1) if like.ndim == 4 else b
+
+
+def input_scale(left: LeftHalf, x: torch.Tensor) -> torch.Tensor | None:
+    """``1/sd`` shaped like one input ``[1, *input_shape]``, or ``None`` without standardization."""
+    if left.standardize is None:
+        return None
+    return left.standardize.inverse_std(x).expand_as(x[:1]).to(x.dtype)
+
+
+def first_layer_row_norms(layer: nn.Module, scale: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """‖w_i D‖₂ for every neuron ``i`` of the first layer, restricted to taps inside the input: ``[1, *out_shape]``.
+
+    Computed as ``sqrt(W² ⊛ s²)`` where ``s`` is ``1/sd`` inside the image (1 without standardization) and the
+    convolution's zero padding supplies the 0 outside it.
+    """
+    s2 = torch.ones_like(x[:1]) if scale is None else scale.square()
+    w2 = layer.weight.detach().to(x.dtype).square()
+    return linear_part(layer, s2, weight=w2).clamp_min(0).sqrt()
+
+
+@dataclass
+class BallBounds:
+    """Bounds of every pre-activation of ``f_L`` over ``B(x, γ)``.
+
+    Attributes:
+        lower, upper: per affine layer ``k``, ``[B, *shape_k]`` float64 bounds on the pre-activation ``z_k``.
+        masks: per layer, ``[B, *shape_k]`` bool, True where the neuron is *varying* over the ball
+            (``UB > 0`` and ``LB < θ``; all True for a layer without activation).
+        input_scale: ``1/sd`` as ``[1, *input_shape]`` (``None`` without standardization), folded into layer 1.
+        gamma: ``[B]`` float64 ball radii, in raw input units.
+    """
+
+    lower: list[torch.Tensor]
+    upper: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    input_scale: torch.Tensor | None
+    gamma: torch.Tensor
+
+
+def _as_gamma(gamma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    g = torch.as_tensor(gamma, dtype=torch.float64, device=device).flatten()
+    if g.numel() == 1:
+        g = g.expand(batch)
+    if g.numel() != batch:
+        raise ValueError(f"gamma must be a scalar or have one value per input ({batch}), got {g.numel()} values")
+    if not torch.isfinite(g).all() or (g < 0).any():
+        raise ValueError("gamma must be finite and >= 0")
+    return g.clone()
+
+
+def _batch_view(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return v.view(-1, *([1] * (like.ndim - 1)))
+
+
+@torch.no_grad()
+def ball_bounds(left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor) -> BallBounds:
+    """Pre-activation bounds and varying masks of ``f_L`` over ``B(x, γ)`` for a batch ``x: [B, *input_shape]``.
+
+    ``gamma`` is a scalar or a ``[B]`` tensor (one radius per input), in raw input units.
+    """
+    left.check_thresholds()
+    x64 = x.detach().to(torch.float64)
+    g = _as_gamma(gamma, x.shape[0], x.device)
+    scale = input_scale(left, x64)
+    h = left.standardize(x64) if left.standardize is not None else x64
+    lower: list[torch.Tensor] = []
+    upper: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    center, radius = h, None
+    for k, layer in enumerate(left.layers):
+        abs_w = layer.weight.detach().to(torch.float64).abs()
+        z = affine(layer, center)
+        if k == 0:
+            # Exact ball bound: |w_i·(x' − x)| ≤ γ‖w_i D‖ for ‖x' − x‖ ≤ γ.
+            r = _batch_view(g, z) * first_layer_row_norms(layer, scale, x64)
+            magnitude = linear_part(layer, center.abs(), weight=abs_w)
+        else:
+            r = linear_part(layer, radius, weight=abs_w)
+            magnitude = linear_part(layer, center.abs() + radius, weight=abs_w)
+        margin = ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r)
+        lo, up = z - r - margin, z + r + margin
+        act = left.activation(k)
+        if act is None:
+            mask = torch.ones_like(lo, dtype=torch.bool)
+            out_lo, out_up = lo, up
+        else:
+            theta = act.broadcast_threshold(lo).detach()
+            mask = (up > 0) & (lo < theta)
+            out_lo = torch.minimum(lo.clamp_min(0), theta)
+            out_up = torch.minimum(up.clamp_min(0), theta)
+        lower.append(lo)
+        upper.append(up)
+        masks.append(mask)
+        center, radius = (out_lo + out_up) / 2, (out_up - out_lo) / 2
+    return BallBounds(lower=lower, upper=upper, masks=masks, input_scale=scale, gamma=g)

@@ -1,0 +1,312 @@
+"""Lipschitz bounds of ``f_L`` over a ball: the certificate bound, the global bound and the training estimate.
+
+``L(x, γ) ≤ Π_k ‖I_k W_k I_{k−1}‖₂`` (``I_0 = I``, ``W_1`` with ``1/sd`` folded in, ``I_k`` the varying masks of
+:func:`~splitz_fast.bounds.ball_bounds`). Why it holds: on the convex ball ``f_L`` is piecewise linear with Jacobian
+``J = D_s W_s D_{s−1} ⋯ D_1 W_1 D`` whose activity diagonals satisfy ``D_k = D_k I_k`` and ``‖D_k‖ ≤ 1``, so
+``‖J‖ ≤ Π_k ‖I_k W_k I_{k−1}‖``; integrating ``J`` along the segment ``x → x'`` gives the Lipschitz bound.
+
+Three ways to bound each factor ``‖A‖₂`` (:class:`~splitz_fast.operators.MaskedAffine`):
+
+* ``"exact"`` — deterministic: the float64 Gram matrix ``G = AᵀA``, an eigenvalue estimate ``μ``, and a Cholesky
+  factorization of ``sI − G`` (``s`` slightly above ``μ``) whose success *proves* ``λ_max(G) ≤ s`` up to explicit
+  floating-point terms (:func:`certified_lambda_max`). Used while the Gram dimension is at most ``exact_max_dim``.
+* ``"probabilistic"`` — for operators too large for a dense Gram (ImageNet-sized first layers): ``k`` power steps
+  from a Gaussian start ``b`` give ``‖Gᵏb‖ ≥ λ_maxᵏ |⟨b, e₁⟩|``, and ``P(|⟨b, e₁⟩| < t) ≤ t·√(2/π)``; with
+  ``t = δ√(π/2)``, ``‖A‖ ≤ (‖Gᵏb‖/t)^{1/(2k)}`` fails with probability at most ``δ``, whatever the spectrum
+  (:func:`probabilistic_norm_bound`). The caller adds every ``δ`` used to α.
+* ``"estimate"`` — power iteration only (a *lower* estimate, differentiable): for training, never for certificates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse.linalg
+import torch
+
+from .bounds import BallBounds, ball_bounds, input_scale
+from .modules import LeftHalf
+from .operators import MaskedAffine
+
+UNIT_ROUNDOFF_64 = 2.0 ** -53
+DEFAULT_EXACT_MAX_DIM = 4096
+DEFAULT_PROBABILISTIC_ITERS = 128
+
+
+@dataclass
+class LipschitzBound:
+    """A bound on the Lipschitz constant of ``f_L`` for each input of a batch.
+
+    Attributes:
+        value: ``[B]`` float64 upper bounds (raw input units → latent units).
+        kind: per input, one of ``"identity"`` (``s = 0``), ``"exact"`` (every factor deterministic) or
+            ``"probabilistic"`` (at least one factor probabilistic).
+        failure_prob: per input, the probability that ``value`` is *not* an upper bound (0 for deterministic kinds):
+            the sum of the ``δ`` of its probabilistic factors. Add it to α.
+        local: ``True`` for the local bound ``L(x, γ)``, ``False`` for the global one.
+        gamma: ``[B]`` the ball radii used (zeros for the global bound).
+    """
+
+    value: torch.Tensor
+    kind: list[str]
+    failure_prob: list[float]
+    local: bool
+    gamma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+
+
+def certified_lambda_max(gram: torch.Tensor, terms: int) -> float:
+    """A proven upper bound on ``λ_max`` of the *exact* Gram matrix whose float64 rounding is ``gram``.
+
+    ``terms`` is the longest sum that formed an entry of ``gram`` from float64-exact inputs, so the exact Gram
+    differs from ``gram`` by ``E`` with ``‖E‖₂ ≤ γ_{terms+2} tr(|A|ᵀ|A|) = γ_{terms+2}·tr(gram)(1 + O(u))``.
+
+    Certificate: if Cholesky of ``H = fl(sI − gram)`` completes, then ``R̂ᵀR̂ = H + ΔH`` with
+    ``|ΔH| ≤ γ_{d+1}|R̂ᵀ||R̂|`` (Higham, *Accuracy and Stability*, Thm 10.5), hence
+    ``‖ΔH‖₂ ≤ γ_{d+1}‖R̂‖_F² ≤ γ_{d+1} tr(H)/(1 − γ_{d+1})`` and ``H ⪰ −‖ΔH‖₂ I``; forming ``H``'s diagonal adds at
+    most ``u·max|H_ii|``. So ``λ_max(gram) ≤ s + ‖ΔH‖₂ + u·max|H_ii|``.
+    """
+    d = gram.shape[0]
+    if d == 0:
+        return 0.0
+    u = UNIT_ROUNDOFF_64
+    trace = float(torch.diagonal(gram).sum().clamp_min(0))
+    if trace == 0.0:
+        return 0.0
+
+    def gamma_n(n: int) -> float:
+        return n * u / (1 - n * u)
+
+    gram_error = gamma_n(terms + 2) * trace * (1 + 4 * u)
+    if d <= 2048:
+        mu = float(torch.linalg.eigvalsh(gram)[-1])
+    else:
+        mu = float(
+            scipy.sparse.linalg.eigsh(gram.cpu().numpy(), k=1, which="LA", tol=1e-10, return_eigenvectors=False)[0]
+        )
+    mu = max(mu, 0.0)
+    eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
+    # Shift just above the estimate; widen only if the factorization fails (clustered top eigenvalues).
+    for eta in (1e-8, 1e-6, 1e-4, 1e-2, 1e-1):
+        s = mu * (1 + eta) + eta * trace / d
+        h = s * eye - gram
+        _, info = torch.linalg.cholesky_ex(h)
+        if int(info) == 0:
+            trace_h = float(torch.diagonal(h).sum())
+            chol_error = gamma_n(d + 1) * trace_h / (1 - gamma_n(d + 1))
+            diag_error = u * float(torch.diagonal(h).abs().max())
+            return (s + chol_error + diag_error + gram_error) * (1 + 8 * u)
+    # λ_max ≤ trace for a PSD matrix: always valid, rarely needed.
+    return (trace + gram_error) * (1 + 8 * u)
+
+
+def probabilistic_norm_bound(
+    op: MaskedAffine, n_iter: int, delta: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``[B]`` bounds on ``‖A_b‖₂``, each failing with probability at most ``delta`` (see module docstring).
+
+    The power steps run in float64; a relative slack of 1e-6 on the result dominates their rounding.
+    """
+    device = op.weight.device
+    v = torch.randn((op.batch, *op.in_shape), dtype=torch.float64, device=device, generator=generator)
+    log_norm = torch.zeros(op.batch, dtype=torch.float64, device=device)
+    zero = torch.zeros(op.batch, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        for _ in range(n_iter):
+            w = op.rmatvec(op.matvec(v))
+            norms = w.flatten(1).norm(dim=1)
+            zero |= norms == 0
+            safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+            log_norm += torch.log(safe)
+            v = w / safe.view(-1, *([1] * (w.ndim - 1)))
+    t = delta * math.sqrt(math.pi / 2)
+    bound = torch.exp((log_norm - math.log(t)) / (2 * n_iter)) * (1 + 1e-6)
+    # G^k b = 0 means λ_max·|⟨b, e₁⟩| = 0, i.e. λ_max = 0 (⟨b, e₁⟩ ≠ 0 almost surely; δ covers the rest).
+    return torch.where(zero, torch.zeros_like(bound), bound)
+
+
+def _layer_shapes(left: LeftHalf, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Input shape of every affine layer of ``f_L``."""
+    shapes = []
+    device = left.layers[0].weight.device
+    h = torch.zeros(1, *input_shape, device=device)
+    with torch.no_grad():
+        for layer, act in zip(left.layers, left.activations):
+            shapes.append(tuple(h.shape[1:]))
+            h = act(layer(left.layer_input(layer, h)))
+    return shapes
+
+
+def masked_operators(
+    left: LeftHalf, bounds: BallBounds | None, input_shape: tuple[int, ...], batch: int, scale: torch.Tensor | None,
+    dtype: torch.dtype = torch.float64,
+) -> list[MaskedAffine]:
+    """The factors ``I_k W_k I_{k−1}`` of the product bound; without ``bounds``, the unmasked (global) factors."""
+    ops = []
+    shapes = _layer_shapes(left, input_shape)
+    for k, layer in enumerate(left.layers):
+        out_mask = None if bounds is None else bounds.masks[k]
+        in_mask = None if (bounds is None or k == 0) else bounds.masks[k - 1]
+        ops.append(
+            MaskedAffine(
+                layer, shapes[k], out_mask=out_mask, in_mask=in_mask, in_scale=scale if k == 0 else None,
+                batch=batch, dtype=dtype,
+            )
+        )
+    return ops
+
+
+def _check_method(method: str) -> None:
+    if method not in ("auto", "exact", "probabilistic"):
+        raise ValueError(f"method must be 'auto', 'exact' or 'probabilistic', got {method!r}")
+
+
+def _bound_factors(
+    ops: list[MaskedAffine], batch: int, *, method: str, delta: float, n_iter: int, exact_max_dim: int,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, list[str], list[float]]:
+    value = torch.ones(batch, dtype=torch.float64)
+    n_prob = [0] * batch
+    for op in ops:
+        # The Gram dimension of sample b: the non-zero columns (varying inputs), or rows for a wide Linear.
+        use_exact = method == "exact"
+        if method == "auto":
+            use_exact = _gram_dim(op) <= exact_max_dim
+        if use_exact:
+            for b in range(batch):
+                gram, terms = op.gram(b)
+                value[b] *= math.sqrt(certified_lambda_max(gram, terms))
+        else:
+            norms = probabilistic_norm_bound(op, n_iter, delta, generator).cpu()
+            value *= norms
+            n_prob = [n + 1 for n in n_prob]
+    kind = ["exact" if n == 0 else "probabilistic" for n in n_prob]
+    failure = [n * delta for n in n_prob]
+    return value * (1 + 1e-12), kind, failure
+
+
+def _gram_dim(op: MaskedAffine) -> int:
+    n_in = math.prod(op.in_shape)
+    if op.in_mask is not None:
+        n_in = int(op.in_mask.flatten(1).sum(1).max())
+    if isinstance(op.layer, torch.nn.Linear):
+        return min(n_in, op.layer.out_features)
+    return n_in
+
+
+def lipschitz_bound(
+    left: LeftHalf,
+    x: torch.Tensor,
+    gamma: float | torch.Tensor,
+    *,
+    method: str = "auto",
+    delta: float = 1e-6,
+    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
+    generator: torch.Generator | None = None,
+) -> LipschitzBound:
+    """Certificate bound on the local Lipschitz constant ``L(x, γ)`` of ``f_L`` for each input of ``x: [B, ...]``.
+
+    Args:
+        gamma: scalar or ``[B]`` ball radii in raw input units, ≥ 0.
+        method: ``"exact"`` (deterministic, dense Gram + Cholesky certificate), ``"probabilistic"`` (power method
+            from a random start, failure probability ``delta`` per factor), or ``"auto"`` (exact while the Gram
+            dimension is ≤ ``exact_max_dim``).
+        n_iter: power steps of the probabilistic bound; the bound's slack factor is about ``(1/δ)^{1/(2·n_iter)}``.
+    """
+    _check_method(method)
+    batch = x.shape[0]
+    if left.depth == 0:
+        return LipschitzBound(torch.ones(batch, dtype=torch.float64), ["identity"] * batch, [0.0] * batch, True,
+                              torch.as_tensor(gamma, dtype=torch.float64).expand(batch).clone())
+    bounds = ball_bounds(left, x, gamma)
+    ops = masked_operators(left, bounds, tuple(x.shape[1:]), batch, bounds.input_scale)
+    value, kind, failure = _bound_factors(
+        ops, batch, method=method, delta=delta, n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator
+    )
+    return LipschitzBound(value, kind, failure, True, bounds.gamma.cpu())
+
+
+def global_lipschitz_bound(
+    left: LeftHalf,
+    input_shape: tuple[int, ...],
+    *,
+    method: str = "auto",
+    delta: float = 1e-6,
+    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
+    generator: torch.Generator | None = None,
+) -> LipschitzBound:
+    """The global bound ``Π_k ‖W_k‖₂`` (with ``1/sd`` folded into ``W_1``; convolutions as zero-padded operators on
+    ``input_shape``). Input-independent; returned for a batch of one."""
+    _check_method(method)
+    if left.depth == 0:
+        return LipschitzBound(torch.ones(1, dtype=torch.float64), ["identity"], [0.0], False, torch.zeros(1))
+    device = left.layers[0].weight.device
+    probe = torch.zeros(1, *input_shape, device=device)
+    scale = input_scale(left, probe.to(torch.float64))
+    ops = masked_operators(left, None, tuple(input_shape), 1, scale)
+    value, kind, failure = _bound_factors(
+        ops, 1, method=method, delta=delta, n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator
+    )
+    return LipschitzBound(value, kind, failure, False, torch.zeros(1, dtype=torch.float64))
+
+
+class PowerIterationState:
+    """Warm-start vectors for :func:`lipschitz_estimate`, one per affine layer of ``f_L`` (shape ``[*in_shape_k]``),
+    shared by all inputs — no per-example state. Keep one instance across training steps."""
+
+    def __init__(self) -> None:
+        self.vectors: list[torch.Tensor | None] = []
+
+    def get(self, k: int) -> torch.Tensor | None:
+        return self.vectors[k] if k < len(self.vectors) else None
+
+    def set(self, k: int, v: torch.Tensor) -> None:
+        while len(self.vectors) <= k:
+            self.vectors.append(None)
+        self.vectors[k] = v.detach()
+
+
+def lipschitz_estimate(
+    left: LeftHalf,
+    x: torch.Tensor,
+    gamma: float | torch.Tensor,
+    *,
+    n_iter: int = 5,
+    state: PowerIterationState | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Training estimate of ``L(x, γ)``: masked power iteration, differentiable w.r.t. the weights of ``f_L``.
+
+    **Not an upper bound** (power iteration under-estimates spectral norms); never use it in a certificate.
+    The masks are hard indicators without gradient; ``n_iter`` power steps run without gradient from the warm-start
+    vectors in ``state`` (random on first use), and the returned ``[B]`` tensor is ``Π_k ‖A_k v_k‖`` with gradient
+    flowing through ``A_k``'s weights (the standard spectral-norm gradient at convergence).
+    """
+    batch = x.shape[0]
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    if left.depth == 0:
+        return torch.ones(batch, dtype=dtype, device=x.device)
+    bounds = ball_bounds(left, x, gamma)
+    scale = bounds.input_scale
+    ops = masked_operators(left, bounds, tuple(x.shape[1:]), batch, scale, dtype=dtype)
+    estimate = torch.ones(batch, dtype=dtype, device=x.device)
+    for k, op in enumerate(ops):
+        v0 = state.get(k) if state is not None else None
+        if v0 is None or tuple(v0.shape) != op.in_shape:
+            v0 = torch.randn(op.in_shape, dtype=dtype, device=x.device, generator=generator)
+        v = v0.to(dtype).expand(batch, *op.in_shape).clone()
+        with torch.no_grad():
+            frozen = MaskedAffine(op.layer, op.in_shape, out_mask=op.out_mask, in_mask=op.in_mask,
+                                  in_scale=None, batch=batch, dtype=dtype)
+            frozen.weight = op.weight.detach()
+            frozen.in_factor = None if op.in_factor is None else op.in_factor.detach()
+            for _ in range(n_iter):
+                v = frozen.rmatvec(frozen.matvec(v))
+                v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
+        estimate = estimate * op.matvec(v).flatten(1).norm(dim=1) / v.flatten(1).norm(dim=1).clamp_min(1e-30)
+        if state is not None:
+            mean = v.mean(0)
+            state.set(k, mean / mean.norm().clamp_min(1e-30))
+    return estimate

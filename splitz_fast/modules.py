@@ -1,0 +1,249 @@
+"""Model pieces: the clipped ReLU, input standardization, the left half ``f_L`` and the split model.
+
+A SPLITZ classifier is ``f = f_R ∘ f_L``. ``f_L`` (:class:`LeftHalf`) is an optional standardization followed by
+``s`` affine layers (``nn.Conv2d`` / ``nn.Linear``), each followed by a :class:`ClippedReLU` (or by nothing, which
+the bound code treats as an identity). ``f_R`` is any module. Noise is never added by a model: the smoother
+(:mod:`splitz_fast.smoothing`) owns σ and adds it between the halves.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+AFFINE_TYPES = (nn.Conv2d, nn.Linear)
+
+
+class ClippedReLU(nn.Module):
+    """``ReLU_θ(z) = min(max(z, 0), θ)`` with a threshold that is a scalar, per channel or per element.
+
+    Args:
+        threshold: initial θ ≥ 0 (``float('inf')`` gives a plain ReLU).
+        shape: shape of θ: ``()`` scalar, ``(C,)`` per channel (broadcast over dim 1 of ``[B, C, ...]``), or the full
+            element shape ``(C, H, W)`` / ``(F,)``.
+        learnable: whether θ is an ``nn.Parameter``. Optimizers can push it below zero; call
+            :meth:`project_` after each step (the training loop does) — the bound code refuses negative θ.
+    """
+
+    def __init__(self, threshold: float = 1.0, shape: Sequence[int] = (), learnable: bool = False):
+        super().__init__()
+        if math.isnan(threshold) or threshold < 0:
+            raise ValueError(f"ClippedReLU threshold must be >= 0, got {threshold}")
+        value = torch.full(tuple(shape), float(threshold))
+        if learnable:
+            self.threshold = nn.Parameter(value)
+        else:
+            self.register_buffer("threshold", value)
+        self.per_channel = len(shape) == 1
+
+    def broadcast_threshold(self, z: torch.Tensor) -> torch.Tensor:
+        """θ shaped to broadcast against a pre-activation ``z`` of shape ``[B, ...]``."""
+        theta = self.threshold
+        if self.per_channel and z.ndim > 2:
+            theta = theta.view(-1, *([1] * (z.ndim - 2)))
+        return theta.to(z.dtype)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        theta = self.broadcast_threshold(z)
+        return torch.minimum(F.relu(z), theta)
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        """Clamp θ to ≥ 0 in place (the projection step after an optimizer update)."""
+        self.threshold.clamp_(min=0.0)
+
+    def check_valid(self) -> None:
+        if torch.isnan(self.threshold).any() or (self.threshold < 0).any():
+            raise ValueError(
+                "ClippedReLU has a negative or NaN threshold; call .project_() after each optimizer step "
+                "(bounds for negative thresholds are not defined)"
+            )
+
+    def extra_repr(self) -> str:
+        return f"threshold_shape={tuple(self.threshold.shape)}, learnable={isinstance(self.threshold, nn.Parameter)}"
+
+
+class Standardize(nn.Module):
+    """``(x − μ) / sd`` per input channel (dim 1). It belongs to ``f_L``; its ``1/sd`` is folded into the first layer's
+    weights by the bound code, and zero padding of the next convolution stays zero in standardized space."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]):
+        super().__init__()
+        mean_t = torch.as_tensor(mean, dtype=torch.float32).flatten()
+        std_t = torch.as_tensor(std, dtype=torch.float32).flatten()
+        if mean_t.shape != std_t.shape:
+            raise ValueError(f"mean and std must have the same length, got {mean_t.numel()} and {std_t.numel()}")
+        if not torch.isfinite(std_t).all() or (std_t <= 0).any():
+            raise ValueError(f"every std must be finite and > 0, got {std_t.tolist()}")
+        self.register_buffer("mean", mean_t)
+        self.register_buffer("std", std_t)
+
+    def _view(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return t.to(x.dtype).view(1, -1, *([1] * (x.ndim - 2))) if x.ndim > 2 else t.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self._view(self.mean, x)) / self._view(self.std, x)
+
+    def inverse_std(self, x: torch.Tensor) -> torch.Tensor:
+        """``1/sd`` shaped to broadcast against ``x``."""
+        return 1.0 / self._view(self.std, x)
+
+
+class LeftHalf(nn.Module):
+    """``f_L``: optional standardization, then affine layers each followed by a clipped ReLU (or nothing).
+
+    Args:
+        layers: affine layers, ``nn.Conv2d`` (``groups=1``) or ``nn.Linear``. A ``Linear`` after a convolution sees the
+            flattened activation (as ``nn.Flatten`` would give).
+        activations: one per layer, a :class:`ClippedReLU` or ``None`` (no activation, e.g. the last layer of the
+            paper's toy example).
+        standardize: optional :class:`Standardize` applied first.
+        input_shape: shape of one input without the batch dimension, e.g. ``(1, 28, 28)``.
+    """
+
+    def __init__(
+        self,
+        layers: Iterable[nn.Module],
+        activations: Iterable[ClippedReLU | None] | None = None,
+        standardize: Standardize | None = None,
+        input_shape: Sequence[int] | None = None,
+    ):
+        super().__init__()
+        layers = list(layers)
+        activations = [ClippedReLU(1.0) for _ in layers] if activations is None else list(activations)
+        if len(activations) != len(layers):
+            raise ValueError(f"got {len(layers)} affine layers but {len(activations)} activations")
+        for layer in layers:
+            if not isinstance(layer, AFFINE_TYPES):
+                raise TypeError(
+                    f"f_L may hold only nn.Conv2d and nn.Linear layers, got {type(layer).__name__}; "
+                    "move it into f_R (split earlier) or fold it into the neighbouring affine layer"
+                )
+            if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
+                raise ValueError("f_L supports Conv2d with groups=1 and padding_mode='zeros' only")
+        for act in activations:
+            if act is not None and not isinstance(act, ClippedReLU):
+                raise TypeError(f"f_L activations must be ClippedReLU or None, got {type(act).__name__}")
+        self.layers = nn.ModuleList(layers)
+        self.activations = nn.ModuleList([act if act is not None else nn.Identity() for act in activations])
+        self.standardize = standardize
+        self.input_shape = tuple(input_shape) if input_shape is not None else None
+
+    @property
+    def depth(self) -> int:
+        """Number of affine layers ``s``."""
+        return len(self.layers)
+
+    def activation(self, k: int) -> ClippedReLU | None:
+        act = self.activations[k]
+        return act if isinstance(act, ClippedReLU) else None
+
+    @staticmethod
+    def layer_input(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Reshape ``h`` for ``layer`` (flatten before a Linear)."""
+        return h.flatten(1) if isinstance(layer, nn.Linear) and h.ndim > 2 else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.standardize(x) if self.standardize is not None else x
+        for layer, act in zip(self.layers, self.activations):
+            h = act(layer(self.layer_input(layer, h)))
+        return h
+
+    def check_thresholds(self) -> None:
+        for k in range(self.depth):
+            act = self.activation(k)
+            if act is not None:
+                act.check_valid()
+
+    def project_thresholds_(self) -> None:
+        for k in range(self.depth):
+            act = self.activation(k)
+            if act is not None:
+                act.project_()
+
+
+class SplitModel(nn.Module):
+    """``f = f_R ∘ f_L``. ``forward`` is the noiseless classifier; smoothing adds noise between the halves.
+
+    ``split_index == 0`` (``left.depth == 0``) is plain randomized smoothing: ``f_L`` is the identity.
+    """
+
+    def __init__(self, left: LeftHalf, right: nn.Module, num_classes: int):
+        super().__init__()
+        if left.standardize is not None and left.depth == 0:
+            raise ValueError("with split index 0, standardization belongs to f_R (noise is added to the raw input)")
+        self.left = left
+        self.right = right
+        self.num_classes = int(num_classes)
+
+    @property
+    def split_index(self) -> int:
+        return self.left.depth
+
+    @property
+    def input_shape(self) -> tuple[int, ...] | None:
+        return self.left.input_shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.right(self.left(x))
+
+
+def split_sequential(
+    network: nn.Sequential,
+    split_index: int,
+    *,
+    num_classes: int,
+    input_shape: Sequence[int],
+    standardize: Standardize | None = None,
+    threshold: float = 1.0,
+    learnable_threshold: bool = False,
+) -> SplitModel:
+    """Split a sequential network after its ``split_index``-th affine layer.
+
+    Each affine layer that lands in ``f_L`` takes the activation that follows it: an ``nn.ReLU`` becomes a
+    :class:`ClippedReLU` with ``threshold`` (``float('inf')`` keeps the network's function unchanged), a
+    :class:`ClippedReLU` is kept, ``nn.Flatten`` is absorbed; any other module inside ``f_L`` (pooling, BatchNorm,
+    dropout) is an error. ``standardize`` (if given) goes to ``f_L`` for ``split_index ≥ 1`` and to the front of
+    ``f_R`` for ``split_index == 0``.
+    """
+    modules = list(network.children())
+    n_affine = sum(isinstance(m, AFFINE_TYPES) for m in modules)
+    if isinstance(split_index, bool) or not isinstance(split_index, int) or not 0 <= split_index <= n_affine:
+        raise ValueError(f"split_index must be an integer in [0, {n_affine}] for this network, got {split_index}")
+    layers: list[nn.Module] = []
+    activations: list[ClippedReLU | None] = []
+    i = 0
+    while len(layers) < split_index:
+        m = modules[i]
+        if isinstance(m, AFFINE_TYPES):
+            layers.append(m)
+            activations.append(None)
+        elif isinstance(m, nn.ReLU) and layers and activations[-1] is None:
+            activations[-1] = ClippedReLU(threshold, learnable=learnable_threshold)
+        elif isinstance(m, ClippedReLU) and layers and activations[-1] is None:
+            activations[-1] = m
+        elif isinstance(m, nn.Flatten):
+            pass
+        else:
+            raise ValueError(
+                f"module {i} ({type(m).__name__}) would fall inside f_L, which holds only affine layers and "
+                f"(clipped) ReLUs; choose a smaller split_index or restructure the network"
+            )
+        i += 1
+    # The activation right after the last affine layer of f_L belongs to f_L too.
+    if layers and i < len(modules) and activations[-1] is None:
+        if isinstance(modules[i], nn.ReLU):
+            activations[-1] = ClippedReLU(threshold, learnable=learnable_threshold)
+            i += 1
+        elif isinstance(modules[i], ClippedReLU):
+            activations[-1] = modules[i]
+            i += 1
+    rest = modules[i:]
+    if split_index == 0 and standardize is not None:
+        rest = [standardize] + rest
+        standardize = None
+    left = LeftHalf(layers, activations, standardize=standardize, input_shape=input_shape)
+    return SplitModel(left, nn.Sequential(*rest), num_classes=num_classes)

@@ -1,0 +1,148 @@
+"""The masked linear operators whose spectral norms bound the Lipschitz constant of ``f_L``.
+
+For affine layer ``k`` of ``f_L`` (weights ``W_k``), the factor in ``L(x, γ) ≤ Π_k ‖I_k W_k I_{k−1}‖`` is
+
+    A_k = diag(out_mask) · W_k · diag(in_scale) · diag(in_mask)
+
+per input of the batch: ``out_mask`` is the varying mask of layer ``k`` (all ones for the global bound or a layer
+without activation), ``in_mask`` the varying mask of layer ``k−1`` (none for the first layer), ``in_scale`` the
+folded ``1/sd`` (first layer only). :class:`MaskedAffine` applies ``A`` and ``Aᵀ`` batched and builds the explicit
+float64 Gram matrix of one input for the exact bound.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .bounds import linear_part
+
+
+class MaskedAffine:
+    """``A_b = diag(m_out_b) W diag(s) diag(m_in_b)`` for a batch ``b = 0..B−1``.
+
+    Args:
+        layer: ``nn.Conv2d`` or ``nn.Linear`` (its weight is used as is, so gradients flow to it).
+        in_shape: shape of one input of the layer, e.g. ``(3, 32, 32)``; ``(F,)`` or a conv shape for a Linear.
+        out_mask: ``[B, *out_shape]`` bool/0-1, or ``None`` (no masking).
+        in_mask: ``[B, *in_shape]`` bool/0-1, or ``None``.
+        in_scale: tensor broadcastable to ``[1, *in_shape]`` (``1/sd``), or ``None``.
+        batch: ``B`` (needed when both masks are ``None``).
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        in_shape: tuple[int, ...],
+        *,
+        out_mask: torch.Tensor | None,
+        in_mask: torch.Tensor | None,
+        in_scale: torch.Tensor | None,
+        batch: int,
+        dtype: torch.dtype = torch.float64,
+    ):
+        self.layer = layer
+        self.in_shape = tuple(in_shape)
+        self.batch = batch
+        self.dtype = dtype
+        self.weight = layer.weight.to(dtype)
+        self.out_mask = None if out_mask is None else out_mask.to(dtype)
+        in_factor = None
+        if in_scale is not None:
+            in_factor = in_scale.to(dtype).expand(1, *self.in_shape)
+        if in_mask is not None:
+            m = in_mask.to(dtype).reshape(-1, *self.in_shape)
+            in_factor = m if in_factor is None else m * in_factor
+        self.in_factor = in_factor  # [1 or B, *in_shape] or None
+        self.in_mask = None if in_mask is None else in_mask.reshape(-1, *self.in_shape).bool()
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        probe = torch.zeros(1, *self.in_shape, dtype=self.dtype, device=self.weight.device)
+        return tuple(linear_part(self.layer, probe, self.weight.detach()).shape[1:])
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``A v`` for ``v: [B, *in_shape]`` → ``[B, *out_shape]``."""
+        if self.in_factor is not None:
+            v = v * self.in_factor
+        y = linear_part(self.layer, v, self.weight)
+        return y if self.out_mask is None else y * self.out_mask
+
+    def rmatvec(self, u: torch.Tensor) -> torch.Tensor:
+        """``Aᵀ u`` for ``u: [B, *out_shape]`` → ``[B, *in_shape]``."""
+        if self.out_mask is not None:
+            u = u * self.out_mask
+        layer = self.layer
+        if isinstance(layer, nn.Conv2d):
+            h_in, w_in = self.in_shape[-2:]
+            out_padding = []
+            for size_in, size_out, k, s, p, d in zip(
+                (h_in, w_in), u.shape[-2:], layer.kernel_size, layer.stride, layer.padding, layer.dilation
+            ):
+                out_padding.append(size_in - ((size_out - 1) * s - 2 * p + d * (k - 1) + 1))
+            v = F.conv_transpose2d(
+                u, self.weight, None, layer.stride, layer.padding, tuple(out_padding), 1, layer.dilation
+            )
+        else:
+            v = (u @ self.weight).reshape(u.shape[0], *self.in_shape)
+        return v if self.in_factor is None else v * self.in_factor
+
+    def gram(self, b: int) -> tuple[torch.Tensor, int]:
+        """Explicit float64 Gram matrix of ``A_b`` restricted to its non-zero columns (or rows), and the length of
+        the longest sum that formed an entry (for the rounding-error bound).
+
+        Returns ``(G, terms)``: ``G`` is ``[d, d]`` with ``λ_max(G) = ‖A_b‖₂²``.
+        """
+        with torch.no_grad():
+            w = self.weight.detach().to(torch.float64)
+            out_mask = None if self.out_mask is None else self.out_mask[b if self.out_mask.shape[0] > 1 else 0]
+            factor = None
+            if self.in_factor is not None:
+                factor = self.in_factor[b if self.in_factor.shape[0] > 1 else 0].to(torch.float64)
+            if isinstance(self.layer, nn.Conv2d):
+                return self._conv_gram(w, out_mask, factor)
+            return self._linear_gram(w, out_mask, factor)
+
+    def _linear_gram(self, w, out_mask, factor) -> tuple[torch.Tensor, int]:
+        a = w
+        if out_mask is not None:
+            a = a[out_mask.flatten().bool()]
+        if factor is not None:
+            f = factor.flatten()
+            a = a[:, f != 0] * f[f != 0]
+        if a.shape[0] < a.shape[1]:  # the smaller Gram has the same largest eigenvalue
+            return a @ a.T, a.shape[1]
+        return a.T @ a, a.shape[0]
+
+    def _conv_gram(self, w, out_mask, factor) -> tuple[torch.Tensor, int]:
+        # AᵀA = Σ_p P_pᵀ (W_fᵀ diag(m_p) W_f) P_p over output positions p, where P_p selects the input entries under
+        # the filter at p (padding taps select nothing) and W_f is the [C_out, C_in·kh·kw] filter matrix.
+        layer = self.layer
+        c_in, h_in, w_in = self.in_shape
+        n_in = c_in * h_in * w_in
+        ids = torch.arange(1, n_in + 1, dtype=torch.float64, device=w.device).view(1, c_in, h_in, w_in)
+        patches = F.unfold(ids, layer.kernel_size, layer.dilation, layer.padding, layer.stride)[0]  # [K, P]
+        patches = patches.round().long() - 1  # -1 marks a padding tap
+        w_f = w.reshape(w.shape[0], -1)  # [C_out, K]
+        n_pos = patches.shape[1]
+        m = torch.ones(w.shape[0], n_pos, dtype=torch.float64, device=w.device)
+        if out_mask is not None:
+            m = out_mask.reshape(w.shape[0], n_pos).to(torch.float64)
+        gram = torch.zeros(n_in * n_in, dtype=torch.float64, device=w.device)
+        # Chunk the positions so [chunk, K, K] stays small.
+        k = w_f.shape[1]
+        chunk = max(1, int(4e6 // (k * k)))
+        for start in range(0, n_pos, chunk):
+            idx = patches[:, start:start + chunk]  # [K, p]
+            blocks = torch.einsum("cp,ck,cl->pkl", m[:, start:start + chunk], w_f, w_f)
+            valid = (idx.T[:, :, None] >= 0) & (idx.T[:, None, :] >= 0)
+            flat = idx.T[:, :, None] * n_in + idx.T[:, None, :]
+            gram.index_add_(0, flat[valid], blocks[valid])
+        gram = gram.view(n_in, n_in)
+        if factor is not None:
+            f = factor.flatten()
+            keep = f != 0
+            gram = gram[keep][:, keep] * f[keep][:, None] * f[keep][None, :]
+        # An entry sums C_out products per covering position, and at most kh·kw positions cover an input entry.
+        terms = w.shape[0] * layer.kernel_size[0] * layer.kernel_size[1]
+        return gram, terms

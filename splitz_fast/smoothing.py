@@ -1,0 +1,306 @@
+"""The SPLITZ smoothed classifier: Cohen's CERTIFY and PREDICT around ``f_R``, and the SPLITZ radius.
+
+``g(x) = argmax_c P_δ[f_R(f_L(x) + δ) = c]`` with ``δ ~ N(0, σ² I)`` in the latent space of ``f_L``. The smoother
+owns σ: it draws the noise (float32, on the input's device, from a seeded generator), and the same σ enters the
+radius. Certification of one input is a pure function of that input, the model and the seed.
+
+Radius (Theorem 1): ``max over evaluated γ of min(R / L(x, γ), γ)`` with ``R = σ Φ⁻¹(p_A_lower)`` and ``L`` a
+certificate bound from :mod:`splitz_fast.lipschitz`.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ._checks import check_count, check_positive, check_probability, check_tensor
+from .lipschitz import (
+    DEFAULT_EXACT_MAX_DIM,
+    DEFAULT_PROBABILISTIC_ITERS,
+    LipschitzBound,
+    global_lipschitz_bound,
+    lipschitz_bound,
+)
+from .modules import SplitModel
+from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
+
+ABSTAIN = -1
+GAMMA_SEARCHES = ("bisection", "one-step")
+BOUNDS = ("local", "global")
+
+
+@dataclass
+class CertifyResult:
+    """Outcome of CERTIFY for one input.
+
+    ``radius`` is in raw input units (``ABSTAIN`` prediction → radius 0). ``failure_prob`` is the total probability
+    that the certificate is wrong: α plus the failure probability of every probabilistic Lipschitz bound evaluated.
+    ``bound_kind`` says what produced ``lipschitz``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``,
+    ``global-exact`` or ``global-probabilistic``.
+    """
+
+    prediction: int
+    radius: float
+    p_a_lower: float
+    latent_radius: float
+    lipschitz: float
+    gamma: float
+    bound_kind: str
+    failure_prob: float
+    count_a: int
+    n: int
+    gamma_evaluations: int
+    seed: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PredictResult:
+    """Outcome of PREDICT: ``prediction`` is ``ABSTAIN`` unless the top class wins the binomial test at level α."""
+
+    prediction: int
+    count_top: int
+    count_second: int
+    p_value: float
+    seed: int
+
+
+class Smoother:
+    """Randomized smoothing of ``f_R`` in the latent space of ``f_L``, with SPLITZ certificates.
+
+    Args:
+        model: a :class:`~splitz_fast.modules.SplitModel` (``split_index == 0`` is Cohen's plain RS).
+        sigma: noise level σ > 0, in latent units.
+        bound: ``"local"`` (``L(x, γ)``, the paper's method) or ``"global"`` (input-independent product of norms).
+        bound_method: ``"auto"``, ``"exact"`` or ``"probabilistic"``, see :func:`~splitz_fast.lipschitz.lipschitz_bound`.
+        bound_delta: total failure probability allowed to probabilistic bounds *per certified input*; it is split
+            evenly over the γ evaluations and layers and added to α in the result. Unused by exact bounds.
+        power_iters: power steps of the probabilistic bound.
+        exact_max_dim: largest Gram dimension handled by the exact bound under ``"auto"``.
+        gamma_search: ``"bisection"`` (``gamma_steps`` halvings of ``[0, R/L(x,0)]``) or ``"one-step"`` (paper
+            Remark 1: ``γ₁ = R/L_ref``, then ``γ₂ = R/L(x, γ₁)``). Every evaluated γ gives a valid radius; the best
+            is reported.
+        reference_lipschitz: ``L_ref`` of the one-step search (e.g. the mean ``L`` over data); ``L(x, 0)`` if None.
+        gamma_max: search ceiling when ``L(x, 0) = 0`` (``f_L`` locally constant), in raw input units.
+    """
+
+    def __init__(
+        self,
+        model: SplitModel,
+        sigma: float,
+        *,
+        bound: str = "local",
+        bound_method: str = "auto",
+        bound_delta: float = 1e-6,
+        power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
+        exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
+        gamma_search: str = "bisection",
+        gamma_steps: int = 8,
+        reference_lipschitz: float | None = None,
+        gamma_max: float = 10.0,
+    ):
+        if not isinstance(model, SplitModel):
+            raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
+                            "build one with split_sequential() or SplitModel(left, right, num_classes)")
+        if bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
+        if gamma_search not in GAMMA_SEARCHES:
+            raise ValueError(f"gamma_search must be one of {GAMMA_SEARCHES}, got {gamma_search!r}")
+        if bound_method not in ("auto", "exact", "probabilistic"):
+            raise ValueError(f"bound_method must be 'auto', 'exact' or 'probabilistic', got {bound_method!r}")
+        self.model = model
+        self.sigma = check_positive("sigma", sigma)
+        self.bound = bound
+        self.bound_method = bound_method
+        self.bound_delta = check_probability("bound_delta", bound_delta)
+        self.power_iters = check_count("power_iters", power_iters)
+        self.exact_max_dim = check_count("exact_max_dim", exact_max_dim, 0)
+        self.gamma_search = gamma_search
+        self.gamma_steps = check_count("gamma_steps", gamma_steps, 0)
+        if reference_lipschitz is not None:
+            check_positive("reference_lipschitz", reference_lipschitz)
+        self.reference_lipschitz = reference_lipschitz
+        self.gamma_max = check_positive("gamma_max", gamma_max)
+        self._global: LipschitzBound | None = None
+        model.left.check_thresholds()
+
+    # ------------------------------------------------------------------ sampling engine
+    @property
+    def device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.model.input_shape
+        check_tensor("x", x, ndim=None if shape is None else (len(shape), len(shape) + 1), shape_tail=shape)
+        if shape is not None and x.ndim == len(shape) + 1:
+            if x.shape[0] != 1:
+                raise ValueError(f"certify/predict take one input at a time, got a batch of {x.shape[0]}")
+            x = x[0]
+        return x.to(self.device, torch.float32)
+
+    def _generator(self, seed: int | None) -> tuple[torch.Generator, int]:
+        if seed is None:
+            seed = secrets.randbits(63)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen, seed
+
+    @torch.inference_mode()
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``f_L(x)`` for one input ``x`` (computed once per input; noise is added after it)."""
+        return self.model.left(x.unsqueeze(0))[0]
+
+    @torch.inference_mode()
+    def sample_counts(self, latent: torch.Tensor, num: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        """Class counts of ``f_R(latent + δ)`` over ``num`` float32 noise draws, ``[num_classes]`` int64 on the CPU.
+
+        Votes are counted on the device; the only host synchronisation is the final ``.cpu()``.
+        """
+        num_classes = self.model.num_classes
+        counts = torch.zeros(num_classes, dtype=torch.int64, device=latent.device)
+        remaining = num
+        while remaining > 0:
+            b = min(batch_size, remaining)
+            noise = torch.randn((b, *latent.shape), generator=generator, device=latent.device, dtype=torch.float32)
+            noisy = noise.mul_(self.sigma).add_(latent.float())
+            predictions = self.model.right(noisy).argmax(dim=1)
+            counts += torch.bincount(predictions, minlength=num_classes)[:num_classes]
+            remaining -= b
+        return counts.cpu()
+
+    # ------------------------------------------------------------------ Lipschitz bounds and γ search
+    def global_bound(self) -> LipschitzBound:
+        """The global bound of ``f_L`` (computed once, then reused)."""
+        if self._global is None:
+            if self.model.input_shape is None:
+                raise ValueError("the global bound needs the model's input_shape (LeftHalf(input_shape=...))")
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(0)
+            self._global = global_lipschitz_bound(
+                self.model.left, self.model.input_shape, method=self.bound_method,
+                delta=self.bound_delta / max(1, self.model.split_index), n_iter=self.power_iters,
+                exact_max_dim=self.exact_max_dim, generator=gen,
+            )
+        return self._global
+
+    def _max_evaluations(self) -> int:
+        return 2 + self.gamma_steps if self.gamma_search == "bisection" else 3
+
+    def _search_gamma(self, x: torch.Tensor, radius_latent: float, generator: torch.Generator) -> dict:
+        """Best ``min(R/L(x,γ), γ)`` over the γ evaluated by the configured search."""
+        if self.model.split_index == 0:
+            return dict(radius=radius_latent, gamma=radius_latent, lipschitz=1.0, kind="identity",
+                        failure=0.0, evaluations=0)
+        if self.bound == "global":
+            g = self.global_bound()
+            lip = float(g.value[0])
+            radius = radius_latent / lip if lip > 0 else self.gamma_max
+            return dict(radius=radius, gamma=radius, lipschitz=lip, kind=f"global-{g.kind[0]}",
+                        failure=g.failure_prob[0], evaluations=0)
+
+        delta_eval = self.bound_delta / (self._max_evaluations() * self.model.split_index)
+        best = dict(radius=0.0, gamma=0.0, lipschitz=math.nan, kind="local-exact", failure=0.0, evaluations=0)
+        failure = 0.0
+        evaluations = 0
+
+        def evaluate(gamma: float) -> float:
+            nonlocal failure, evaluations
+            bound = lipschitz_bound(
+                self.model.left, x.unsqueeze(0), gamma, method=self.bound_method, delta=delta_eval,
+                n_iter=self.power_iters, exact_max_dim=self.exact_max_dim, generator=generator,
+            )
+            lip = float(bound.value[0])
+            failure += bound.failure_prob[0]
+            evaluations += 1
+            radius = gamma if lip == 0 else min(radius_latent / lip, gamma)
+            if radius > best["radius"] or evaluations == 1:
+                best.update(radius=radius, gamma=gamma, lipschitz=lip, kind=f"local-{bound.kind[0]}")
+            return lip
+
+        lip0 = evaluate(0.0)
+        ceiling = radius_latent / lip0 if lip0 > 0 else self.gamma_max
+        if self.gamma_search == "bisection":
+            # h(γ) = γ − R/L(x,γ) is increasing and crosses 0 in [0, R/L(x,0)].
+            evaluate(ceiling)
+            lo, hi = 0.0, ceiling
+            for _ in range(self.gamma_steps):
+                mid = (lo + hi) / 2
+                lip = evaluate(mid)
+                if lip == 0 or radius_latent / lip >= mid:
+                    lo = mid
+                else:
+                    hi = mid
+        else:
+            reference = self.reference_lipschitz if self.reference_lipschitz is not None else lip0
+            gamma1 = radius_latent / reference if reference > 0 else self.gamma_max
+            lip1 = evaluate(gamma1)
+            gamma2 = radius_latent / lip1 if lip1 > 0 else self.gamma_max
+            if gamma2 != gamma1:
+                evaluate(gamma2)
+        best.update(failure=failure, evaluations=evaluations)
+        return best
+
+    # ------------------------------------------------------------------ Cohen's CERTIFY and PREDICT
+    def certify(
+        self, x: torch.Tensor, n0: int, n: int, alpha: float, batch_size: int = 1000, seed: int | None = None
+    ) -> CertifyResult:
+        """CERTIFY (Cohen et al. 2019) with the SPLITZ radius, for one input ``x: [*input_shape]``.
+
+        ``n0`` selection draws pick ``ĉ_A`` (ties to the lowest class index); ``n`` fresh, independent draws give
+        ``p_A_lower = Beta.ppf(α; n_A, n − n_A + 1)``; abstain if ``p_A_lower < 1/2``.
+        """
+        start = time.perf_counter()
+        x = self._prepare_input(x)
+        check_count("n0", n0)
+        check_count("n", n)
+        if n0 > n:
+            raise ValueError(f"n0 ({n0}) must not exceed n ({n}); n0 only selects the class, n estimates p_A")
+        check_probability("alpha", alpha)
+        check_count("batch_size", batch_size)
+        generator, seed = self._generator(seed)
+        latent = self.latent(x)
+        selection = self.sample_counts(latent, n0, batch_size, generator)
+        candidate = int(selection.argmax())
+        estimation = self.sample_counts(latent, n, batch_size, generator)
+        count_a = int(estimation[candidate])
+        p_lower = clopper_pearson_lower(count_a, n, alpha)
+        if p_lower < 0.5:
+            return CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha, count_a, n, 0, seed,
+                                 time.perf_counter() - start)
+        radius_latent = latent_radius(self.sigma, p_lower)
+        best = self._search_gamma(x, radius_latent, generator)
+        return CertifyResult(
+            prediction=candidate, radius=best["radius"], p_a_lower=p_lower, latent_radius=radius_latent,
+            lipschitz=best["lipschitz"], gamma=best["gamma"], bound_kind=best["kind"],
+            failure_prob=alpha + best["failure"], count_a=count_a, n=n, gamma_evaluations=best["evaluations"],
+            seed=seed, seconds=time.perf_counter() - start,
+        )
+
+    def predict(self, x: torch.Tensor, n: int, alpha: float, batch_size: int = 1000,
+                seed: int | None = None) -> PredictResult:
+        """PREDICT (Cohen et al. 2019): abstain unless the two-sided binomial test of the top two counts at
+        p = 1/2 has p-value ≤ α."""
+        x = self._prepare_input(x)
+        check_count("n", n)
+        check_probability("alpha", alpha)
+        check_count("batch_size", batch_size)
+        generator, seed = self._generator(seed)
+        counts = self.sample_counts(self.latent(x), n, batch_size, generator)
+        top = int(counts.argmax())  # ties go to the lowest class index
+        ordered = counts.sort(descending=True).values
+        n1 = int(ordered[0])
+        n2 = int(ordered[1]) if counts.numel() > 1 else 0
+        p_value = two_sided_binomial_pvalue(n1, n2)
+        prediction = top if p_value <= alpha else ABSTAIN
+        return PredictResult(prediction, n1, n2, p_value, seed)
+
