@@ -87,7 +87,7 @@ def certified_lambda_max(gram: torch.Tensor, terms: int) -> float:
     mu = max(mu, 0.0)
     eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
     # Shift just above the estimate; widen only if the factorization fails (clustered top eigenvalues).
-    for eta in (1e-8, 1e-6, 1e-4, 1e-2, 1e-1):
+    for eta in (1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1e-1):
         s = mu * (1 + eta) + eta * trace / d
         h = s * eye - gram
         _, info = torch.linalg.cholesky_ex(h)
@@ -128,8 +128,8 @@ def probabilistic_norm_bound(
 def _layer_shapes(left: LeftHalf, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Input shape of every affine layer of ``f_L``."""
     shapes = []
-    device = left.layers[0].weight.device
-    h = torch.zeros(1, *input_shape, device=device)
+    weight = left.layers[0].weight
+    h = torch.zeros(1, *input_shape, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         for layer, act in zip(left.layers, left.activations):
             shapes.append(tuple(h.shape[1:]))
