@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._checks import check_tensor
 from .modules import LeftHalf
 
 # Relative widening of every interval (see module docstring).
@@ -107,6 +108,8 @@ def ball_bounds(left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor) ->
     ``gamma`` is a scalar or a ``[B]`` tensor (one radius per input), in raw input units.
     """
     left.check_thresholds()
+    shape = left.input_shape
+    check_tensor("x", x, ndim=None if shape is None else len(shape) + 1, shape_tail=shape)
     x64 = x.detach().to(torch.float64)
     g = _as_gamma(gamma, x.shape[0], x.device)
     scale = input_scale(left, x64)

@@ -9,6 +9,7 @@ certificate bound from :mod:`splitz_fast.lipschitz`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import time
@@ -131,6 +132,18 @@ class Smoother:
         model.left.check_thresholds()
 
     # ------------------------------------------------------------------ sampling engine
+    @contextlib.contextmanager
+    def _evaluating(self):
+        """Run the model in eval mode (BatchNorm running statistics, no dropout) and restore its modes afterwards:
+        votes must be i.i.d. draws of one fixed base classifier, and certifying must not change the model."""
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
     @property
     def device(self) -> torch.device:
         for p in self.model.parameters():
@@ -149,8 +162,8 @@ class Smoother:
     def _generator(self, seed: int | None) -> tuple[torch.Generator, int]:
         if seed is None:
             seed = secrets.randbits(63)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         return gen, seed
@@ -173,8 +186,12 @@ class Smoother:
             b = min(batch_size, remaining)
             noise = torch.randn((b, *latent.shape), generator=generator, device=latent.device, dtype=torch.float32)
             noisy = noise.mul_(self.sigma).add_(latent.float())
-            predictions = self.model.right(noisy).argmax(dim=1)
-            counts += torch.bincount(predictions, minlength=num_classes)[:num_classes]
+            logits = self.model.right(noisy)
+            if logits.ndim != 2 or logits.shape[1] != num_classes:
+                raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
+                                 f"{num_classes}]; fix num_classes of the SplitModel or the last layer of f_R")
+            predictions = logits.argmax(dim=1)
+            counts += torch.bincount(predictions, minlength=num_classes)
             remaining -= b
         return counts.cpu()
 
@@ -257,8 +274,12 @@ class Smoother:
         """CERTIFY (Cohen et al. 2019) with the SPLITZ radius, for one input ``x: [*input_shape]``.
 
         ``n0`` selection draws pick ``ĉ_A`` (ties to the lowest class index); ``n`` fresh, independent draws give
-        ``p_A_lower = Beta.ppf(α; n_A, n − n_A + 1)``; abstain if ``p_A_lower < 1/2``.
+        ``p_A_lower = Beta.ppf(α; n_A, n − n_A + 1)``; abstain if ``p_A_lower < 1/2``. The model runs in eval mode.
         """
+        with self._evaluating():
+            return self._certify(x, n0, n, alpha, batch_size, seed)
+
+    def _certify(self, x, n0, n, alpha, batch_size, seed) -> CertifyResult:
         start = time.perf_counter()
         x = self._prepare_input(x)
         check_count("n0", n0)
@@ -289,7 +310,11 @@ class Smoother:
     def predict(self, x: torch.Tensor, n: int, alpha: float, batch_size: int = 1000,
                 seed: int | None = None) -> PredictResult:
         """PREDICT (Cohen et al. 2019): abstain unless the two-sided binomial test of the top two counts at
-        p = 1/2 has p-value ≤ α."""
+        p = 1/2 has p-value ≤ α. The model runs in eval mode."""
+        with self._evaluating():
+            return self._predict(x, n, alpha, batch_size, seed)
+
+    def _predict(self, x, n, alpha, batch_size, seed) -> PredictResult:
         x = self._prepare_input(x)
         check_count("n", n)
         check_probability("alpha", alpha)

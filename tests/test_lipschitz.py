@@ -181,7 +181,7 @@ def test_first_layer_ball_bound_is_attained_with_border_aware_norms():
         row = jac[i]
         x_star = x + gamma * (row / row.norm()).view_as(x)
         z_star = left.layers[0](left.standardize(x_star)).flatten()[i]
-        assert float(z_star) == pytest.approx(float(bounds.upper[0].flatten()[i]), rel=1e-9, abs=1e-9)
+        assert float(z_star.detach()) == pytest.approx(float(bounds.upper[0].flatten()[i]), rel=1e-9, abs=1e-9)
         assert float(bounds.upper[0].flatten()[i] - z0[i]) == pytest.approx(gamma * float(row.norm()), rel=1e-9)
 
 

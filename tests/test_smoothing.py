@@ -368,6 +368,49 @@ def test_predict_fair_coin_abstains():
         assert p.p_value == pytest.approx(binomtest(p.count_top, n, 0.5).pvalue, rel=1e-12)
 
 
+class VoteSchedule(nn.Module):
+    """Ignores its input: the i-th sample it ever sees (counting across calls) votes ``pattern[i % len(pattern)]``.
+
+    Over any number of samples that is a multiple of ``len(pattern)`` the vote counts are exact, whatever the
+    batching, so PREDICT's decision can be tested right at its threshold.
+    """
+
+    def __init__(self, pattern, num_classes):
+        super().__init__()
+        self.pattern = torch.tensor(pattern)
+        self.num_classes = num_classes
+        self.seen = 0
+
+    def forward(self, u):
+        idx = torch.arange(self.seen, self.seen + u.shape[0]) % len(self.pattern)
+        self.seen += u.shape[0]
+        return nn.functional.one_hot(self.pattern[idx], self.num_classes).to(u.dtype)
+
+
+@pytest.mark.parametrize("batch_size", [7, 1000])
+def test_predict_decision_at_the_alpha_threshold(batch_size):
+    # 60 votes for class 1, 40 for class 0 out of n = 100: two-sided p-value 0.0569.
+    n = 100
+    pv = binomtest(60, 100, 0.5).pvalue
+    assert 0.05 < pv < 0.06
+    for alpha, expected in [(0.05, ABSTAIN), (pv / 2, ABSTAIN), (pv * (1 - 1e-9), ABSTAIN),
+                            (pv, 1), (0.06, 1), (0.5, 1)]:
+        model = plain_rs(VoteSchedule([1, 0, 1, 0, 1], 2), (2,), 2)
+        p = Smoother(model, 0.5).predict(torch.zeros(2), n=n, alpha=alpha, batch_size=batch_size, seed=0)
+        assert (p.count_top, p.count_second) == (60, 40)
+        assert p.p_value == pytest.approx(pv, rel=1e-12)
+        assert p.prediction == expected, f"alpha={alpha}"
+
+
+def test_predict_uses_top_two_counts():
+    # Votes 5/3/2 per 10 samples over classes (2, 0, 3); class 1 never wins.
+    model = plain_rs(VoteSchedule([2, 0, 2, 3, 2, 0, 2, 3, 2, 0], 4), (2,), 4)
+    p = Smoother(model, 0.5).predict(torch.zeros(2), n=1000, alpha=0.001, batch_size=64, seed=0)
+    assert (p.count_top, p.count_second) == (500, 300)
+    assert p.p_value == pytest.approx(binomtest(500, 800, 0.5).pvalue, rel=1e-12)
+    assert p.prediction == 2
+
+
 def test_predict_p_value_and_decision_match_binomtest():
     torch.manual_seed(5)
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
@@ -438,6 +481,58 @@ def test_splitz_local_bisection_radius():
     assert r.radius >= R / L_global * (1 - 1e-9)
     # This x has clipped (constant) neurons, so the local bound is strictly better here.
     assert r.radius > R / L_global * (1 + 1e-3)
+
+
+def _local_L(model: SplitModel, x: torch.Tensor, gamma: float) -> float:
+    return float(sz.lipschitz_bound(model.left, x.unsqueeze(0), gamma, method="exact").value[0])
+
+
+def _theorem1(model, x, R, gamma):
+    lip = _local_L(model, x, gamma)
+    return gamma if lip == 0 else min(R / lip, gamma)
+
+
+@pytest.mark.parametrize("steps", [0, 3, 10])
+def test_splitz_bisection_reports_best_evaluated_gamma(steps):
+    """Reference bisection on h(γ) = γ − R/L(x, γ) over [0, R/L(x, 0)]; the reported radius is the best
+    min(R/L(x, γ), γ) over the γ it evaluates, and at least the final lower end of the bracket."""
+    model, x = _splitz_model()
+    r = Smoother(model, 0.25, gamma_search="bisection", gamma_steps=steps).certify(
+        x, n0=100, n=4000, alpha=0.001, seed=1)
+    R = r.latent_radius
+    values = [_theorem1(model, x, R, 0.0)]
+    ceiling = R / _local_L(model, x, 0.0)
+    values.append(_theorem1(model, x, R, ceiling))
+    lo, hi = 0.0, ceiling
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        values.append(_theorem1(model, x, R, mid))
+        if R / _local_L(model, x, mid) >= mid:
+            lo = mid
+        else:
+            hi = mid
+    assert r.radius == pytest.approx(max(values), rel=1e-12)
+    assert r.radius >= lo * (1 - 1e-12)
+    # The crossing γ* lies in [lo, hi]; no γ certifies more than γ*, so the radius is at most hi.
+    assert r.radius <= hi * (1 + 1e-12)
+    if steps == 10:
+        # Bisection finds the crossing to within ceiling / 2^steps.
+        assert hi - r.radius <= ceiling / 2 ** steps * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("ref", [None, 0.5, 2.0, 50.0])
+def test_splitz_one_step_reports_best_evaluated_gamma(ref):
+    """Paper Remark 1: γ₁ = R / L_ref (L_ref = L(x, 0) by default), γ₂ = R / L(x, γ₁); best of the evaluated γ."""
+    model, x = _splitz_model()
+    r = Smoother(model, 0.25, gamma_search="one-step", reference_lipschitz=ref).certify(
+        x, n0=100, n=4000, alpha=0.001, seed=1)
+    R = r.latent_radius
+    l0 = _local_L(model, x, 0.0)
+    gamma1 = R / (l0 if ref is None else ref)
+    gamma2 = R / _local_L(model, x, gamma1)
+    expected = max(_theorem1(model, x, R, g) for g in (0.0, gamma1, gamma2))
+    assert r.radius == pytest.approx(expected, rel=1e-12)
+    assert r.radius > 0
 
 
 def test_splitz_radius_is_sound_for_f_L():
@@ -620,3 +715,54 @@ def test_negative_threshold_rejected():
         model.left.activations[0].threshold.fill_(-0.5)
     with pytest.raises(ValueError, match="threshold"):
         Smoother(model, 0.25)
+
+
+def test_seed_too_large_has_clear_message(rs_model):
+    with pytest.raises(ValueError, match="seed"):
+        Smoother(rs_model, 0.5).certify(torch.zeros(3), n0=10, n=100, alpha=0.01, seed=2 ** 64)
+
+
+def test_model_in_training_mode_is_not_silently_certified():
+    torch.manual_seed(0)
+    right = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 2))
+    model = plain_rs(right, (3,), 2)
+    assert model.training  # freshly built modules are in training mode
+    x = torch.tensor([0.3, 0.1, -0.2])
+    try:
+        s = Smoother(model, 0.5)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        r1 = s.certify(x, n0=10, n=500, alpha=0.01, seed=1)
+        r2 = s.certify(x, n0=10, n=500, alpha=0.01, seed=1)
+    except (ValueError, RuntimeError) as e:  # refusing a training-mode model is an acceptable fix
+        assert "train" in str(e) or "eval" in str(e)
+        return
+    assert result_fields(r1) == result_fields(r2), "same seed must give the same certificate"
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "certify must not change the model"
+
+
+def test_f_r_with_wrong_number_of_classes_is_refused():
+    right = nn.Linear(3, 4)  # 4 scores, but the model claims 2 classes
+    model = SplitModel(LeftHalf([], [], input_shape=(3,)), right, num_classes=2)
+    with pytest.raises(ValueError, match="num_classes"):
+        Smoother(model, 0.5).certify(torch.zeros(3), n0=10, n=20, alpha=0.01, seed=0)
+
+
+@pytest.mark.parametrize("search", ["bisection", "one-step"])
+def test_probabilistic_bounds_add_their_failure_probability_to_alpha(search):
+    """Forcing the probabilistic bound (as for ImageNet-sized first layers) must report α + the δ it spent, never more
+    than ``bound_delta``; the radius stays min(R/L, γ) and L stays above the dense spectral norm."""
+    model, x = _splitz_model()
+    alpha, bound_delta = 0.001, 1e-4
+    exact = Smoother(model, 0.25, gamma_search=search).certify(x, n0=50, n=2000, alpha=alpha, seed=3)
+    smoother = Smoother(model, 0.25, bound_method="probabilistic", bound_delta=bound_delta, gamma_search=search)
+    r = smoother.certify(x, n0=50, n=2000, alpha=alpha, seed=3)
+    assert r.bound_kind == "local-probabilistic" and exact.bound_kind == "local-exact"
+    per_evaluation = bound_delta / smoother._max_evaluations()
+    assert r.failure_prob == pytest.approx(alpha + per_evaluation * r.gamma_evaluations)
+    assert alpha < r.failure_prob <= alpha + bound_delta
+    assert r.radius == pytest.approx(min(r.latent_radius / r.lipschitz, r.gamma))
+    dense = sz.lipschitz_bound(model.left, x.unsqueeze(0), r.gamma, method="exact").value[0]
+    assert r.lipschitz >= float(dense)
+    # The bound does not touch the sampling: same seed, same votes, same R.
+    assert r.latent_radius == exact.latent_radius and r.count_a == exact.count_a

@@ -1,0 +1,130 @@
+"""Model pieces: ClippedReLU, Standardize, LeftHalf, SplitModel and split_sequential, and their input checks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import splitz_fast as sz
+
+
+def test_clipped_relu_scalar_channel_and_element_thresholds():
+    z = torch.linspace(-2, 3, 2 * 3 * 2 * 2).view(2, 3, 2, 2)
+    scalar = sz.ClippedReLU(1.0)
+    assert torch.equal(scalar(z), z.clamp(0, 1))
+    per_channel = sz.ClippedReLU(1.0, shape=(3,))
+    per_channel.threshold.copy_(torch.tensor([0.5, 1.0, 2.0]))
+    expected = torch.stack([z[:, c].clamp(0, t) for c, t in enumerate([0.5, 1.0, 2.0])], dim=1)
+    assert torch.equal(per_channel(z), expected)
+    per_element = sz.ClippedReLU(1.0, shape=(3, 2, 2))
+    per_element.threshold.copy_(torch.rand(3, 2, 2))
+    assert torch.equal(per_element(z), torch.minimum(z.clamp_min(0), per_element.threshold))
+    relu = sz.ClippedReLU(math.inf)
+    assert torch.equal(relu(z), torch.relu(z))
+
+
+def test_clipped_relu_learnable_threshold_gets_gradient_and_projection():
+    act = sz.ClippedReLU(0.5, shape=(2,), learnable=True)
+    z = torch.tensor([[0.2, 3.0], [1.0, -1.0]])
+    act(z).sum().backward()
+    assert act.threshold.grad.tolist() == [1.0, 1.0]  # the clipped entries z=1.0 and z=3.0
+    with torch.no_grad():
+        act.threshold.sub_(1.0)
+    with pytest.raises(ValueError, match="negative"):
+        act.check_valid()
+    act.project_()
+    assert act.threshold.min() >= 0
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan")])
+def test_clipped_relu_rejects_bad_threshold(bad):
+    with pytest.raises(ValueError, match="threshold"):
+        sz.ClippedReLU(bad)
+
+
+def test_standardize_rejects_bad_std_and_length_mismatch():
+    with pytest.raises(ValueError, match="std"):
+        sz.Standardize([0.5, 0.5], [0.2, 0.0])
+    with pytest.raises(ValueError, match="same length"):
+        sz.Standardize([0.5], [0.2, 0.3])
+
+
+def test_left_half_rejects_non_affine_layers_and_bad_activations():
+    with pytest.raises(TypeError, match="Conv2d and nn.Linear"):
+        sz.LeftHalf([nn.BatchNorm2d(3)], [None])
+    with pytest.raises(TypeError, match="ClippedReLU"):
+        sz.LeftHalf([nn.Linear(3, 3)], [nn.ReLU()])
+    with pytest.raises(ValueError, match="activations"):
+        sz.LeftHalf([nn.Linear(3, 3)], [None, None])
+    with pytest.raises(ValueError, match="groups"):
+        sz.LeftHalf([nn.Conv2d(4, 4, 3, groups=2)], [None])
+
+
+def _net():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 6), nn.ReLU(), nn.Linear(6, 3),
+    )
+
+
+@pytest.mark.parametrize("split_index", [0, 1, 2, 3, 4])
+def test_split_sequential_preserves_the_function_with_infinite_thresholds(split_index):
+    torch.manual_seed(0)
+    net = _net().eval()
+    std = sz.Standardize([0.5], [0.25])
+    model = sz.split_sequential(net, split_index, num_classes=3, input_shape=(1, 8, 8), standardize=std,
+                                threshold=math.inf)
+    x = torch.rand(5, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), net(std(x)), atol=1e-6)
+    assert model.split_index == split_index
+    assert model.left.depth == split_index
+    if split_index == 0:
+        assert model.left.standardize is None  # RS: noise on the raw input, standardization inside f_R
+
+
+def test_split_sequential_uses_clipped_relu_threshold_and_rejects_pooling_inside_f_l():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(2, 2, 3), nn.ReLU())
+    model = sz.split_sequential(net, 1, num_classes=2, input_shape=(1, 10, 10), threshold=0.7)
+    assert float(model.left.activation(0).threshold) == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="MaxPool2d"):
+        sz.split_sequential(net, 2, num_classes=2, input_shape=(1, 10, 10))
+    with pytest.raises(ValueError, match="split_index"):
+        sz.split_sequential(net, 3, num_classes=2, input_shape=(1, 10, 10))
+
+
+def test_split_model_never_adds_noise():
+    torch.manual_seed(0)
+    model = sz.split_sequential(_net(), 1, num_classes=3, input_shape=(1, 8, 8)).eval()
+    x = torch.rand(2, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))
+
+
+def test_ball_bounds_and_lipschitz_bound_check_gamma_and_method():
+    left = sz.LeftHalf([nn.Linear(3, 2)], [sz.ClippedReLU(1.0)], input_shape=(3,))
+    x = torch.rand(2, 3)
+    with pytest.raises(ValueError, match="gamma"):
+        sz.ball_bounds(left, x, -0.1)
+    with pytest.raises(ValueError, match="gamma"):
+        sz.ball_bounds(left, x, float("nan"))
+    with pytest.raises(ValueError, match="one value per input"):
+        sz.ball_bounds(left, x, torch.tensor([0.1, 0.2, 0.3]))
+    with pytest.raises(ValueError, match="method"):
+        sz.lipschitz_bound(left, x, 0.1, method="power")
+    per_input = sz.lipschitz_bound(left, x, torch.tensor([0.0, 10.0]))
+    assert per_input.gamma.tolist() == [0.0, 10.0]
+
+
+def test_bounds_reject_bad_inputs():
+    left = sz.LeftHalf([nn.Linear(3, 2)], [sz.ClippedReLU(1.0)], input_shape=(3,))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        sz.lipschitz_bound(left, torch.tensor([[0.0, float("nan"), 1.0]]), 0.1)
+    with pytest.raises(ValueError, match="expects inputs of shape"):
+        sz.lipschitz_bound(left, torch.rand(2, 4), 0.1)
+    with pytest.raises(ValueError, match="dimensions"):
+        sz.lipschitz_bound(left, torch.rand(3), 0.1)
+    with pytest.raises(TypeError, match="floating-point"):
+        sz.lipschitz_bound(left, torch.ones(1, 3, dtype=torch.long), 0.1)
