@@ -102,16 +102,19 @@ def _batch_view(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ball_bounds(left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor) -> BallBounds:
+def ball_bounds(
+    left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor, dtype: torch.dtype = torch.float64
+) -> BallBounds:
     """Pre-activation bounds and varying masks of ``f_L`` over ``B(x, γ)`` for a batch ``x: [B, *input_shape]``.
 
-    ``gamma`` is a scalar or a ``[B]`` tensor (one radius per input), in raw input units.
+    ``gamma`` is a scalar or a ``[B]`` tensor (one radius per input), in raw input units. Certificates use the
+    default float64; the training estimate passes float32 for speed (its masks need not be rigorous).
     """
     left.check_thresholds()
     shape = left.input_shape
     check_tensor("x", x, ndim=None if shape is None else len(shape) + 1, shape_tail=shape)
-    x64 = x.detach().to(torch.float64)
-    g = _as_gamma(gamma, x.shape[0], x.device)
+    x64 = x.detach().to(dtype)
+    g = _as_gamma(gamma, x.shape[0], x.device).to(dtype)
     scale = input_scale(left, x64)
     h = left.standardize(x64) if left.standardize is not None else x64
     lower: list[torch.Tensor] = []
@@ -119,7 +122,7 @@ def ball_bounds(left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor) ->
     masks: list[torch.Tensor] = []
     center, radius = h, None
     for k, layer in enumerate(left.layers):
-        abs_w = layer.weight.detach().to(torch.float64).abs()
+        abs_w = layer.weight.detach().to(dtype).abs()
         z = affine(layer, center)
         if k == 0:
             # Exact ball bound: |w_i·(x' − x)| ≤ γ‖w_i D‖ for ‖x' − x‖ ≤ γ.

@@ -287,7 +287,7 @@ def lipschitz_estimate(
     dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     if left.depth == 0:
         return torch.ones(batch, dtype=dtype, device=x.device)
-    bounds = ball_bounds(left, x, gamma)
+    bounds = ball_bounds(left, x, gamma, dtype=dtype)
     scale = bounds.input_scale
     ops = masked_operators(left, bounds, tuple(x.shape[1:]), batch, scale, dtype=dtype)
     estimate = torch.ones(batch, dtype=dtype, device=x.device)

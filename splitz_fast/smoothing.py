@@ -175,9 +175,8 @@ class Smoother:
 
     @torch.inference_mode()
     def sample_counts(self, latent: torch.Tensor, num: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        """Class counts of ``f_R(latent + δ)`` over ``num`` float32 noise draws, ``[num_classes]`` int64 on the CPU.
-
-        Votes are counted on the device; the only host synchronisation is the final ``.cpu()``.
+        """Class counts of ``f_R(latent + δ)`` over ``num`` float32 noise draws: ``[num_classes]`` int64, left on the
+        latent's device (votes are counted there; the caller synchronises once per input).
         """
         num_classes = self.model.num_classes
         counts = torch.zeros(num_classes, dtype=torch.int64, device=latent.device)
@@ -193,7 +192,7 @@ class Smoother:
             predictions = logits.argmax(dim=1)
             counts += torch.bincount(predictions, minlength=num_classes)
             remaining -= b
-        return counts.cpu()
+        return counts
 
     # ------------------------------------------------------------------ Lipschitz bounds and γ search
     def global_bound(self) -> LipschitzBound:
@@ -290,10 +289,12 @@ class Smoother:
         check_count("batch_size", batch_size)
         generator, seed = self._generator(seed)
         latent = self.latent(x)
+        # Selection and estimation draws are independent, so both run before the single host synchronisation.
         selection = self.sample_counts(latent, n0, batch_size, generator)
-        candidate = int(selection.argmax())
         estimation = self.sample_counts(latent, n, batch_size, generator)
-        count_a = int(estimation[candidate])
+        candidate_on_device = selection.argmax()  # ties go to the lowest class index
+        summary = torch.stack([candidate_on_device, estimation[candidate_on_device]]).cpu()  # the one host sync
+        candidate, count_a = int(summary[0]), int(summary[1])
         p_lower = clopper_pearson_lower(count_a, n, alpha)
         if p_lower < 0.5:
             return CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha, count_a, n, 0, seed,
@@ -320,7 +321,7 @@ class Smoother:
         check_probability("alpha", alpha)
         check_count("batch_size", batch_size)
         generator, seed = self._generator(seed)
-        counts = self.sample_counts(self.latent(x), n, batch_size, generator)
+        counts = self.sample_counts(self.latent(x), n, batch_size, generator).cpu()
         top = int(counts.argmax())  # ties go to the lowest class index
         ordered = counts.sort(descending=True).values
         n1 = int(ordered[0])

@@ -176,7 +176,7 @@ def test_first_layer_ball_bound_is_attained_with_border_aware_norms():
     gamma = 0.2
     bounds = sz.ball_bounds(left, x, gamma)
     jac = layer_jacobians(left, x[0])[0]  # rows: d z_i / d x (in-image taps only, 1/sd folded)
-    z0 = left.layers[0](left.standardize(x)).flatten()
+    z0 = left.layers[0](left.standardize(x)).flatten().detach()
     for i in range(jac.shape[0]):
         row = jac[i]
         x_star = x + gamma * (row / row.norm()).view_as(x)

@@ -1,0 +1,378 @@
+"""Model builders: the networks of the SPLITZ experiments, returned as :class:`~splitz_fast.modules.SplitModel`.
+
+Every builder returns ``f = f_R ∘ f_L`` split after ``split_index`` affine layers (default 1, the paper's choice
+for every dataset). ``f_L`` holds the input standardization (if any), the affine layers and a clipped ReLU with
+``threshold`` θ after each; ``split_index=0`` gives ``f_L = identity`` (plain randomized smoothing), with any
+standardization moved to the front of ``f_R`` so noise is added to the raw input.
+
+Registered models (:data:`MODELS`, :func:`build_model`), input ``[B, ...]`` → valid ``split_index``:
+
+* ``lenet`` (:func:`lenet`, advertorch LeNet-5): ``[B, 1, 28, 28]`` in [0, 1] → 0, 1
+* ``lenet-splitz`` (:func:`lenet`, no first max-pool): ``[B, 1, 28, 28]`` in [0, 1] → 0, 1, 2
+* ``cifar_resnet20`` / ``56`` / ``110`` (:func:`cifar_resnet`): ``[B, 3, 32, 32]`` in [0, 1] → 0, 1
+* ``imagenet_resnet50`` (:func:`imagenet_resnet50`): ``[B, 3, 224, 224]`` in [0, 1] → 0, 1
+* ``mlp`` (:func:`tabular_mlp`): ``[B, in_features]`` → 0, …, ``len(hidden)``
+
+ResNets split at 1 lose the BatchNorm after ``conv1`` (BatchNorm is not an affine layer with bounds in ``f_L``, and
+residual blocks cannot sit in ``f_L`` at all). :func:`split_resnet` folds that BatchNorm into ``conv1`` (exact in eval
+mode), so a trained torchvision-style ResNet can be split without changing its function apart from the clip at θ.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
+from .zoo import lenet5, pretrained_lenet5
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+MNIST_INPUT_SHAPE = (1, 28, 28)
+CIFAR_INPUT_SHAPE = (3, 32, 32)
+IMAGENET_INPUT_SHAPE = (3, 224, 224)
+
+LENET_VARIANTS = ("advertorch", "splitz")
+
+
+def _check_split_index(split_index: int, largest: int, model_name: str, reason: str) -> None:
+    """Raise ``ValueError`` unless ``split_index`` is an integer in ``[0, largest]``."""
+    if isinstance(split_index, bool) or not isinstance(split_index, int) or not 0 <= split_index <= largest:
+        valid = ", ".join(str(s) for s in range(largest + 1))
+        raise ValueError(f"{model_name}: split_index must be one of {{{valid}}} ({reason}), got {split_index!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MNIST LeNet
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def lenet_network(variant: str = "advertorch") -> nn.Sequential:
+    """The unsplit MNIST LeNet, ``[B, 1, 28, 28] → [B, 10]`` logits.
+
+    * ``"advertorch"``: conv(1→32, 3, p1)-ReLU-maxpool2-conv(32→64, 3, p1)-ReLU-maxpool2-flatten-fc(3136→200)-ReLU-
+      fc(200→10) (:func:`splitz_fast.zoo.lenet5`).
+    * ``"splitz"``: the SPLITZ authors' variant without the first max-pool, so both convolutions can go into
+      ``f_L``: conv(1→32, 3, p1)-ReLU-conv(32→64, 3, p1)-ReLU-maxpool2-flatten-fc(64·14·14→200)-ReLU-fc(200→10).
+    """
+    if variant == "advertorch":
+        return lenet5()
+    if variant == "splitz":
+        return nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),      # [B, 32, 28, 28]
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),     # [B, 64, 28, 28]
+            nn.MaxPool2d(2), nn.Flatten(),                  # [B, 64·14·14]
+            nn.Linear(64 * 14 * 14, 200), nn.ReLU(), nn.Linear(200, 10),
+        )
+    raise ValueError(f"unknown LeNet variant {variant!r}; valid variants: {', '.join(LENET_VARIANTS)}")
+
+
+def lenet(
+    split_index: int = 1,
+    variant: str = "advertorch",
+    threshold: float = 1.0,
+    learnable_threshold: bool = False,
+    pretrained: bool = False,
+) -> SplitModel:
+    """MNIST LeNet (:func:`lenet_network`) split after ``split_index`` affine layers. Input ``[B, 1, 28, 28]`` in
+    [0, 1] (no standardization), output ``[B, 10]`` logits.
+
+    Valid splits: 0 or 1 for ``"advertorch"`` (a max-pool follows the first convolution), 0, 1 or 2 for ``"splitz"``;
+    a split that would put a pooling layer into ``f_L`` raises ``ValueError``.
+
+    Args:
+        threshold: θ of the clipped ReLUs in ``f_L`` (``float('inf')`` keeps the network's function).
+        learnable_threshold: make each θ an ``nn.Parameter``.
+        pretrained: load advertorch's clean-trained MNIST weights (``"advertorch"`` variant only; needs the
+            ``advertorch==0.2.3`` distribution installed, see :func:`splitz_fast.zoo.pretrained_lenet5`).
+    """
+    if pretrained and variant != "advertorch":
+        raise ValueError(f"pretrained weights exist only for the 'advertorch' LeNet variant, not {variant!r}")
+    network = pretrained_lenet5() if pretrained else lenet_network(variant)
+    return split_sequential(
+        network, split_index, num_classes=10, input_shape=MNIST_INPUT_SHAPE,
+        threshold=threshold, learnable_threshold=learnable_threshold,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ResNets (CIFAR and ImageNet) and how to split them
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """Residual block ``ReLU(BN(conv3x3(ReLU(BN(conv3x3(x))))) + shortcut(x))``: ``[B, C_in, H, W] →
+    [B, C_out, H/stride, W/stride]``. The shortcut is the identity, or a 1×1 convolution + BN where the shape
+    changes (as in Cohen et al.'s CIFAR ResNet)."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    """The CIFAR ResNet of He et al. (2016) as used by Cohen et al. (2019): depth ``6n + 2`` (20, 56, 110, …).
+
+    ``[B, 3, 32, 32]`` (already standardized) → conv1 3→16 + BN + ReLU ``[B, 16, 32, 32]`` → ``layer1`` (n blocks,
+    16 ch) ``[B, 16, 32, 32]`` → ``layer2`` (32 ch, stride 2) ``[B, 32, 16, 16]`` → ``layer3`` (64 ch, stride 2)
+    ``[B, 64, 8, 8]`` → global average pool → ``fc`` → ``[B, num_classes]``. Attribute names follow torchvision's
+    ResNet, so :func:`split_resnet` handles both.
+    """
+
+    def __init__(self, depth: int = 110, num_classes: int = 10):
+        super().__init__()
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6 != 0:
+            raise ValueError(f"CIFAR ResNet depth must be 6n + 2 with n >= 1 (e.g. 20, 56, 110), got {depth!r}")
+        blocks = (depth - 2) // 6
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = self._stage(16, 16, blocks, stride=1)
+        self.layer2 = self._stage(16, 32, blocks, stride=2)
+        self.layer3 = self._stage(32, 64, blocks, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    @staticmethod
+    def _stage(in_channels: int, out_channels: int, blocks: int, stride: int) -> nn.Sequential:
+        layers = [BasicBlock(in_channels, out_channels, stride)]
+        layers += [BasicBlock(out_channels, out_channels) for _ in range(blocks - 1)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+@torch.no_grad()
+def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """A new ``nn.Conv2d`` (with bias) equal to ``bn ∘ conv`` when ``bn`` is in eval mode (running statistics).
+
+    ``w' = w · γ/√(var + ε)`` per output channel, ``b' = (b − mean) · γ/√(var + ε) + β``. For a freshly initialized
+    BatchNorm (γ = 1, β = 0, mean 0, var 1) this is ``conv`` scaled by ``1/√(1 + ε)``, i.e. removing the BatchNorm.
+    """
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError("fold_batchnorm needs a BatchNorm with running statistics (track_running_stats=True)")
+    if bn.num_features != conv.out_channels:
+        raise ValueError(f"BatchNorm has {bn.num_features} features but the convolution {conv.out_channels} channels")
+    scale = torch.rsqrt(bn.running_var + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight
+    shift = -bn.running_mean * scale
+    if bn.bias is not None:
+        shift = shift + bn.bias
+    if conv.bias is not None:
+        shift = shift + conv.bias * scale
+    folded = nn.Conv2d(
+        conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+        dilation=conv.dilation, groups=conv.groups, bias=True, padding_mode=conv.padding_mode,
+        device=conv.weight.device, dtype=conv.weight.dtype,
+    )
+    folded.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1).to(conv.weight.dtype))
+    folded.bias.copy_(shift.to(conv.weight.dtype))
+    return folded
+
+
+def split_resnet(
+    network: nn.Module,
+    split_index: int,
+    *,
+    mean: Sequence[float],
+    std: Sequence[float],
+    input_shape: Sequence[int],
+    num_classes: int,
+    threshold: float = 1.0,
+    learnable_threshold: bool = False,
+) -> SplitModel:
+    """Split a torchvision-style ResNet (children ``conv1, bn1, relu, …, fc`` in forward order, e.g. torchvision's
+    ``ResNet`` or :class:`CifarResNet`) at ``split_index`` ∈ {0, 1}.
+
+    * ``0``: ``f_L`` = identity; ``f_R`` = ``Standardize(mean, std)`` then the whole ``network``.
+    * ``1``: ``f_L`` = ``Standardize(mean, std)`` → ``conv1`` with ``bn1`` folded in (:func:`fold_batchnorm`) →
+      :class:`ClippedReLU` (θ = ``threshold``); ``f_R`` = the remaining children (e.g. ``maxpool``, ``layer1…``,
+      ``avgpool``) + ``flatten`` + ``fc``, under the same names as in ``network`` (so ``network``'s state-dict keys
+      minus ``conv1.*``/``bn1.*`` load into ``f_R``).
+
+    The network's modules are reused, not copied. With ``threshold=inf``, the split model in eval mode computes the
+    same function as ``network(standardize(x))`` in eval mode (up to float rounding of the fold).
+    """
+    _check_split_index(split_index, 1, "ResNet", "residual blocks cannot sit in f_L; split 1 puts only conv1 there")
+    standardize = Standardize(mean, std)
+    if split_index == 0:
+        left = LeftHalf([], [], input_shape=input_shape)
+        right = nn.Sequential(OrderedDict(standardize=standardize, network=network))
+        return SplitModel(left, right, num_classes=num_classes)
+
+    children = list(network.named_children())
+    names = [name for name, _ in children]
+    if names[:3] != ["conv1", "bn1", "relu"] or names[-1] != "fc":
+        raise ValueError(
+            f"split_resnet expects a torchvision-style ResNet whose children start with conv1, bn1, relu and end "
+            f"with fc; got {names}"
+        )
+    stem = fold_batchnorm(network.conv1, network.bn1)
+    activation = ClippedReLU(threshold, learnable=learnable_threshold)
+    left = LeftHalf([stem], [activation], standardize=standardize, input_shape=input_shape)
+    rest = OrderedDict(children[3:-1])
+    rest["flatten"] = nn.Flatten()
+    rest["fc"] = network.fc
+    return SplitModel(left, nn.Sequential(rest), num_classes=num_classes)
+
+
+def cifar_resnet(
+    depth: int = 110,
+    split_index: int = 1,
+    threshold: float = 1.0,
+    learnable_threshold: bool = False,
+    num_classes: int = 10,
+) -> SplitModel:
+    """CIFAR ResNet-``depth`` (:class:`CifarResNet`) split at ``split_index`` ∈ {0, 1} (:func:`split_resnet`), with
+    CIFAR-10 standardization. Input ``[B, 3, 32, 32]`` in [0, 1], output ``[B, num_classes]`` logits.
+
+    Split 1: ``f_L`` = standardize → conv1 (3→16, 3×3, pad 1, BatchNorm removed) → clipped ReLU, output
+    ``[B, 16, 32, 32]``; ``f_R`` = ``layer1..3`` → avgpool → flatten → fc.
+    """
+    _check_split_index(split_index, 1, f"cifar_resnet{depth}", "residual blocks cannot sit in f_L")
+    return split_resnet(
+        CifarResNet(depth, num_classes), split_index, mean=CIFAR10_MEAN, std=CIFAR10_STD,
+        input_shape=CIFAR_INPUT_SHAPE, num_classes=num_classes,
+        threshold=threshold, learnable_threshold=learnable_threshold,
+    )
+
+
+def imagenet_resnet50(
+    split_index: int = 1,
+    threshold: float = 1.0,
+    learnable_threshold: bool = False,
+    num_classes: int = 1000,
+) -> SplitModel:
+    """torchvision ``resnet50(weights=None)`` (randomly initialized; weights are never downloaded) split at
+    ``split_index`` ∈ {0, 1} (:func:`split_resnet`), with ImageNet standardization. Input ``[B, 3, 224, 224]`` in
+    [0, 1], output ``[B, num_classes]`` logits. Needs ``torchvision``.
+
+    Split 1 (the paper's ImageNet model): ``f_L`` = standardize → conv1 (3→64, 7×7, stride 2, pad 3, BatchNorm
+    removed) → clipped ReLU, output ``[B, 64, 112, 112]``; ``f_R`` = maxpool → ``layer1..4`` → avgpool → flatten → fc.
+    """
+    _check_split_index(split_index, 1, "imagenet_resnet50", "residual blocks cannot sit in f_L")
+    try:
+        from torchvision.models import resnet50
+    except ImportError as err:  # torchvision is not a hard dependency of splitz_fast
+        raise ImportError("imagenet_resnet50 needs torchvision: pip install torchvision") from err
+    return split_resnet(
+        resnet50(weights=None, num_classes=num_classes), split_index, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+        input_shape=IMAGENET_INPUT_SHAPE, num_classes=num_classes,
+        threshold=threshold, learnable_threshold=learnable_threshold,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tabular MLP
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def mlp_network(in_features: int, num_classes: int = 2, hidden: Sequence[int] = (64, 64)) -> nn.Sequential:
+    """The unsplit MLP ``Linear-ReLU-…-Linear``: ``[B, in_features] → [B, num_classes]`` logits."""
+    widths = [in_features, *hidden]
+    for w in [*widths, num_classes]:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"layer widths must be positive integers, got in_features={in_features!r}, "
+                             f"hidden={tuple(hidden)!r}, num_classes={num_classes!r}")
+    layers: list[nn.Module] = []
+    for n_in, n_out in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+    layers.append(nn.Linear(widths[-1], num_classes))
+    return nn.Sequential(*layers)
+
+
+def tabular_mlp(
+    in_features: int,
+    num_classes: int = 2,
+    hidden: Sequence[int] = (64, 64),
+    split_index: int = 1,
+    threshold: float = 1.0,
+    mean: Sequence[float] | torch.Tensor | None = None,
+    std: Sequence[float] | torch.Tensor | None = None,
+    learnable_threshold: bool = False,
+) -> SplitModel:
+    """MLP for tabular data (:func:`mlp_network`) split after ``split_index`` ∈ {0, …, len(hidden)} hidden layers.
+    Input ``[B, in_features]``, output ``[B, num_classes]`` logits.
+
+    Args:
+        mean, std: optional per-feature standardization ``(x − mean)/std`` (both ``[in_features]``, or both
+            ``None``); it belongs to ``f_L`` (to the front of ``f_R`` for ``split_index=0``).
+    """
+    hidden = tuple(hidden)
+    _check_split_index(split_index, len(hidden), "mlp", "f_L can hold the hidden layers, not the output layer")
+    standardize = None
+    if (mean is None) != (std is None):
+        raise ValueError("give both mean and std for standardization, or neither")
+    if mean is not None:
+        standardize = Standardize(mean, std)
+        if standardize.mean.numel() != in_features:
+            raise ValueError(f"mean/std have {standardize.mean.numel()} entries but in_features is {in_features}")
+    return split_sequential(
+        mlp_network(in_features, num_classes, hidden), split_index, num_classes=num_classes,
+        input_shape=(in_features,), standardize=standardize,
+        threshold=threshold, learnable_threshold=learnable_threshold,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _preset(builder: Callable[..., SplitModel], name: str, **fixed) -> Callable[..., SplitModel]:
+    """``builder`` with some arguments fixed; passing a fixed argument again is an error, not a silent override."""
+
+    def build(**kwargs) -> SplitModel:
+        clash = sorted(set(kwargs) & set(fixed))
+        if clash:
+            raise TypeError(f"model {name!r} fixes {clash}; call {builder.__name__}(...) directly to choose them")
+        return builder(**fixed, **kwargs)
+
+    build.__name__ = name
+    build.__doc__ = f"``{builder.__name__}({', '.join(f'{k}={v!r}' for k, v in fixed.items())}, **kwargs)``."
+    return build
+
+
+MODELS: dict[str, Callable[..., SplitModel]] = {
+    "lenet": _preset(lenet, "lenet", variant="advertorch"),
+    "lenet-splitz": _preset(lenet, "lenet-splitz", variant="splitz"),
+    "cifar_resnet20": _preset(cifar_resnet, "cifar_resnet20", depth=20),
+    "cifar_resnet56": _preset(cifar_resnet, "cifar_resnet56", depth=56),
+    "cifar_resnet110": _preset(cifar_resnet, "cifar_resnet110", depth=110),
+    "imagenet_resnet50": imagenet_resnet50,
+    "mlp": tabular_mlp,
+}
+
+
+def build_model(name: str, **kwargs) -> SplitModel:
+    """Build a registered model by name (see :data:`MODELS`), passing ``kwargs`` to its builder, e.g.
+    ``build_model("cifar_resnet110", split_index=0)`` or ``build_model("mlp", in_features=14)``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}")
+    return MODELS[name](**kwargs)

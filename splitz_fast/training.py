@@ -1,0 +1,330 @@
+"""SPLITZ training (paper Eq. final_loss, Algorithm 2) and its randomized-smoothing baseline, with resumable runs.
+
+    loss = (1 − λ) · 1/N Σ_i 1/Q Σ_q CE(f_R(f_L(x_i) + δ_q), y_i)  +  λ · 1/N Σ_i max(θ_lip, L̂(x_i, γ_train))
+
+``L̂`` is the differentiable power-iteration *estimate* (:func:`~splitz_fast.lipschitz.lipschitz_estimate`); the hinge
+is applied per sample, then averaged. With ``split_index = 0`` (or λ = 0) the loss is plain Gaussian augmentation —
+the RS baseline trained in the same loop. Clipped-ReLU thresholds are projected to ≥ 0 after every step.
+
+A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
+accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch). Checkpoints hold only tensors and plain
+Python values, so they load with ``torch.load(..., weights_only=True)``. The data order of epoch ``e`` depends only on
+``(seed, e)``, so a run resumed from ``last.pt`` continues exactly as an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from ._checks import check_count, check_nonnegative, check_positive
+from .lipschitz import PowerIterationState, lipschitz_estimate
+from .modules import SplitModel
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of one training run (defaults: the paper's MNIST settings where it gives them).
+
+    Attributes:
+        sigma: training noise σ (the paper trains at the test σ).
+        noise_samples: Q noise draws per input.
+        lambda_start, lambda_end: weight λ of the Lipschitz term, linear over epochs (MNIST 0.8 → 0.4).
+        theta_lip: hinge threshold θ_lip of ``max(θ_lip, L̂)``.
+        gamma_train: ball radius γ of the training estimate (raw input units).
+        power_iters: power steps of the estimate per training step (MNIST/CIFAR 5, ImageNet 2).
+        optimizer: ``"adam"`` or ``"sgd"`` (momentum 0.9).
+        lr_schedule: ``"step"`` (×``lr_decay`` every ``lr_step`` epochs), ``"half-cosine"`` (constant for the first half,
+            then cosine to ``lr_min``: the paper's CIFAR schedule), ``"cosine"`` or ``"none"``.
+        val_fraction: share of the training set held out (seeded) for validation and best-checkpoint selection.
+        max_batches: stop each epoch after this many batches (quick runs and tests); ``None`` = full epochs.
+    """
+
+    sigma: float = 0.25
+    epochs: int = 10
+    batch_size: int = 512
+    noise_samples: int = 1
+    lambda_start: float = 0.8
+    lambda_end: float = 0.4
+    theta_lip: float = 0.5
+    gamma_train: float = 0.1
+    power_iters: int = 5
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    lr_schedule: str = "step"
+    lr_step: int = 50
+    lr_decay: float = 0.1
+    lr_min: float = 1e-6
+    val_fraction: float = 0.1
+    max_batches: int | None = None
+    seed: int = 0
+    num_workers: int = 0
+
+    def validate(self) -> "TrainConfig":
+        check_positive("sigma", self.sigma)
+        check_count("epochs", self.epochs)
+        check_count("batch_size", self.batch_size)
+        check_count("noise_samples", self.noise_samples)
+        for name in ("lambda_start", "lambda_end"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        check_nonnegative("theta_lip", self.theta_lip)
+        check_nonnegative("gamma_train", self.gamma_train)
+        check_count("power_iters", self.power_iters)
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        check_positive("lr", self.lr)
+        check_nonnegative("weight_decay", self.weight_decay)
+        if self.lr_schedule not in ("step", "half-cosine", "cosine", "none"):
+            raise ValueError(f"lr_schedule must be step, half-cosine, cosine or none, got {self.lr_schedule!r}")
+        check_count("lr_step", self.lr_step)
+        check_positive("lr_decay", self.lr_decay)
+        check_nonnegative("lr_min", self.lr_min)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {self.val_fraction}")
+        if self.max_batches is not None:
+            check_count("max_batches", self.max_batches)
+        check_count("seed", self.seed, 0)
+        check_count("num_workers", self.num_workers, 0)
+        return self
+
+    def lambda_at(self, epoch: int) -> float:
+        if self.epochs == 1:
+            return self.lambda_start
+        return self.lambda_start + (self.lambda_end - self.lambda_start) * epoch / (self.epochs - 1)
+
+    def lr_at(self, epoch: int) -> float:
+        if self.lr_schedule == "step":
+            return self.lr * self.lr_decay ** (epoch // self.lr_step)
+        if self.lr_schedule == "none":
+            return self.lr
+        start = 0 if self.lr_schedule == "cosine" else self.epochs // 2
+        if epoch < start:
+            return self.lr
+        progress = (epoch - start) / max(1, self.epochs - start)
+        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
+
+
+def splitz_loss(
+    model: SplitModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: TrainConfig,
+    lam: float,
+    state: PowerIterationState | None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The SPLITZ objective on a batch ``x: [B, *input_shape]``, ``y: [B]``; returns ``(loss, parts)``.
+
+    With ``model.split_index == 0`` or ``lam == 0`` it is the Gaussian-augmentation loss (no Lipschitz term).
+    """
+    q = config.noise_samples
+    latent = model.left(x)  # f_L once per input; the Q noise draws are added after it
+    noise = torch.randn((latent.shape[0], q, *latent.shape[1:]), device=latent.device, dtype=torch.float32,
+                        generator=generator)
+    noisy = (latent.unsqueeze(1).float() + config.sigma * noise).flatten(0, 1)
+    cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q))
+    parts = {"ce": float(cross_entropy.detach())}
+    if model.split_index == 0 or lam == 0.0:
+        return cross_entropy, parts
+    lip = lipschitz_estimate(model.left, x, config.gamma_train, n_iter=config.power_iters, state=state,
+                             generator=generator)
+    hinge = torch.clamp(lip, min=config.theta_lip).mean()  # per-sample hinge, then the mean
+    parts["lip"] = float(lip.detach().mean())
+    return (1.0 - lam) * cross_entropy + lam * hinge, parts
+
+
+def _split_train_val(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    n = len(dataset)
+    n_val = max(1, int(round(n * fraction)))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.utils.data.Subset(dataset, order[n_val:]), torch.utils.data.Subset(dataset, order[:n_val])
+
+
+@torch.no_grad()
+def evaluate(model: SplitModel, loader: DataLoader, config: TrainConfig, device: torch.device) -> dict[str, float]:
+    """Validation: accuracy under one draw of training noise, clean accuracy, and the mean training estimate L̂."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(config.seed + 10_000)
+    correct_noisy = correct_clean = total = 0
+    lip_sum = 0.0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        latent = model.left(x)
+        noisy = latent + config.sigma * torch.randn(latent.shape, device=device, generator=gen)
+        correct_noisy += int((model.right(noisy).argmax(1) == y).sum())
+        correct_clean += int((model.right(latent).argmax(1) == y).sum())
+        if model.split_index > 0:
+            with torch.enable_grad():
+                lip_sum += float(lipschitz_estimate(model.left, x, config.gamma_train,
+                                                    n_iter=config.power_iters).detach().sum())
+        total += len(y)
+    model.train(was_training)
+    return {"val_noisy_acc": correct_noisy / total, "val_clean_acc": correct_clean / total,
+            "val_lip_estimate": lip_sum / total if model.split_index > 0 else 1.0}
+
+
+def _atomic_save(obj: dict, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
+    """Load a checkpoint with ``weights_only=True`` and check its format; clear errors for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # pickle errors, truncated files, foreign objects
+        raise ValueError(f"{path} is not a splitz_fast checkpoint loadable with weights_only=True: {err}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "model" not in ckpt:
+        raise ValueError(f"{path} is not a splitz_fast checkpoint (format {CHECKPOINT_FORMAT}); "
+                         "train one with `splitz train` or splitz_fast.train()")
+    return ckpt
+
+
+@dataclass
+class TrainResult:
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_epoch: int = -1
+    best_val_noisy_acc: float = -1.0
+    out_dir: Path | None = None
+
+
+def train(
+    model: SplitModel,
+    train_set: Dataset,
+    config: TrainConfig,
+    out_dir: str | os.PathLike,
+    *,
+    model_spec: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+    resume: bool = False,
+    stop_after_epochs: int | None = None,
+    on_epoch_end: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Train ``model`` with the SPLITZ loss (RS loss when ``split_index == 0``) and write checkpoints to ``out_dir``.
+
+    Args:
+        train_set: dataset of ``(x, y)``; ``config.val_fraction`` of it (seeded) is held out for validation.
+        model_spec: how to rebuild the model (e.g. ``{"name": "lenet", "split_index": 1}``), stored in checkpoints.
+        resume: continue from ``out_dir/last.pt``; refused if that run used a different config or model spec.
+            Without ``resume``, an existing ``last.pt`` is an error (nothing is overwritten silently).
+        stop_after_epochs: stop (as an interruption would) after this many epochs of *this call*.
+    """
+    config.validate()
+    device = torch.device(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    last_path, best_path, log_path = out / "last.pt", out / "best.pt", out / "train.log"
+    config_dict = dataclasses.asdict(config)
+    spec = dict(model_spec or {})
+
+    model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "adam":
+        optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    state = PowerIterationState()
+    result = TrainResult(out_dir=out)
+    start_epoch = 0
+    if last_path.exists():
+        if not resume:
+            raise FileExistsError(f"{last_path} exists: pass resume=True (--resume) to continue that run, "
+                                  "or choose another output folder")
+        ckpt = load_checkpoint_file(last_path, device)
+        if ckpt["config"] != config_dict or ckpt.get("model_spec", {}) != spec:
+            raise ValueError(f"{last_path} was written with another config or model; refusing to resume it with "
+                             "different settings (use a new output folder)")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state.vectors = [v.to(device) for v in ckpt["power_vectors"]]
+        result.history = list(ckpt["history"])
+        result.best_epoch, result.best_val_noisy_acc = ckpt["best_epoch"], ckpt["best_val_noisy_acc"]
+        start_epoch = ckpt["epoch"] + 1
+
+    train_part, val_part = _split_train_val(train_set, config.val_fraction, config.seed)
+    val_loader = DataLoader(val_part, batch_size=config.batch_size, shuffle=False, num_workers=config.num_workers)
+    epochs_run = 0
+    for epoch in range(start_epoch, config.epochs):
+        if stop_after_epochs is not None and epochs_run >= stop_after_epochs:
+            break
+        lam = config.lambda_at(epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(epoch)
+        # The epoch's data order and noise depend only on (seed, epoch): resuming reproduces them.
+        order_gen = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+        noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
+        loader = DataLoader(train_part, batch_size=config.batch_size, shuffle=True, generator=order_gen,
+                            num_workers=config.num_workers, drop_last=False)
+        model.train()
+        sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0}
+        batches = 0
+        start = time.perf_counter()
+        n_batches = len(loader) if config.max_batches is None else min(len(loader), config.max_batches)
+        progress = tqdm(loader, total=n_batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False)
+        for x, y in progress:
+            if batches >= n_batches:
+                break
+            x, y = x.to(device), y.to(device)
+            loss, parts = splitz_loss(model, x, y, config, lam, state, noise_gen)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            model.left.project_thresholds_()
+            sums["loss"] += float(loss.detach())
+            sums["ce"] += parts["ce"]
+            sums["lip"] += parts.get("lip", 1.0)
+            batches += 1
+            progress.set_postfix(loss=f"{sums['loss'] / batches:.4f}")
+        progress.close()
+        record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam,
+                  "train_loss": sums["loss"] / batches, "train_ce": sums["ce"] / batches,
+                  "train_lip_estimate": sums["lip"] / batches, "epoch_seconds": time.perf_counter() - start}
+        record.update(evaluate(model, val_loader, config, device))
+        result.history.append(record)
+        improved = record["val_noisy_acc"] > result.best_val_noisy_acc
+        if improved:
+            result.best_epoch, result.best_val_noisy_acc = epoch, record["val_noisy_acc"]
+        ckpt = {"format": CHECKPOINT_FORMAT, "config": config_dict, "model_spec": spec,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                "power_vectors": [v.detach().cpu() for v in state.vectors if v is not None],
+                "history": result.history, "best_epoch": result.best_epoch,
+                "best_val_noisy_acc": result.best_val_noisy_acc}
+        if improved:
+            _atomic_save(ckpt, best_path)
+        _atomic_save(ckpt, last_path)
+        with log_path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if on_epoch_end is not None:
+            on_epoch_end(record)
+        epochs_run += 1
+    return result
+
+
+def load_state_into(model: nn.Module, checkpoint: dict) -> nn.Module:
+    """Load a checkpoint's weights into a model built from its ``model_spec``; explains a mismatch."""
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as err:
+        raise ValueError(f"checkpoint does not match the model {checkpoint.get('model_spec')}: {err}") from None
+    return model
