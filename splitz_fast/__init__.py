@@ -5,6 +5,9 @@ Everything a user needs is importable from here::
     import splitz_fast as sz
     model = sz.split_sequential(net, 1, num_classes=10, input_shape=(1, 28, 28))
     result = sz.Smoother(model, sigma=0.5).certify(x, n0=100, n=100_000, alpha=0.001)
+
+Workflow pieces: ``sz.build_model`` (model zoo), ``sz.get_dataset`` (offline/user datasets), ``sz.train`` (SPLITZ
+loss, resumable), ``sz.run_over_dataset`` (resumable certification TSVs), ``sz.analysis`` (tables and plots).
 """
 from .bounds import BallBounds, ball_bounds
 from .lipschitz import (
@@ -18,11 +21,30 @@ from .lipschitz import (
 from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
 from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
+from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
+from .datasets import DATASETS, DatasetInfo, get_dataset
+from .training import TrainConfig, splitz_loss, train
+from .runs import run_over_dataset
+from . import analysis
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ABSTAIN",
+    "DATASETS",
+    "DatasetInfo",
+    "MODELS",
+    "TrainConfig",
+    "analysis",
+    "build_model",
+    "cifar_resnet",
+    "get_dataset",
+    "imagenet_resnet50",
+    "lenet",
+    "run_over_dataset",
+    "splitz_loss",
+    "tabular_mlp",
+    "train",
     "BallBounds",
     "CertifyResult",
     "ClippedReLU",

@@ -6,77 +6,86 @@
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from . import __version__
-from .data import DatasetUnavailableError, load_mnist
-from .lipschitz import global_lipschitz_bound
-from .modules import split_sequential
-from .results import HEADER, markdown_table, write_row
+from ._checks import check_count, check_positive, check_probability
+from .data import DatasetUnavailableError
 from .smoothing import Smoother
 from .stats import max_latent_radius
-from .zoo import pretrained_lenet5
 
 
-def _certify_run(name, smoother, images, labels, indices, args, out_path: Path):
-    rows = []
-    with out_path.open("w") as fh:
-        fh.write(HEADER + "\n")
-        for idx in tqdm(indices, desc=name, unit="img", file=sys.stderr):
-            result = smoother.certify(images[idx], args.n0, args.n, args.alpha, batch_size=args.batch,
-                                      seed=args.seed + idx)
-            write_row(fh, idx, int(labels[idx]), result)
-            rows.append((result.radius, int(result.prediction == int(labels[idx])), result))
-    return rows
+DEMO_RADII = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0]
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Certify advertorch's pretrained LeNet-5 on real MNIST, as plain RS (s = 0) and as SPLITZ (s = 1)."""
-    torch.manual_seed(args.seed)
-    images, labels = load_mnist("test")
-    net = pretrained_lenet5()
-    indices = list(range(0, len(images), args.skip))[: args.num_images]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rs = split_sequential(net, 0, num_classes=10, input_shape=(1, 28, 28))
-    splitz = split_sequential(net, 1, num_classes=10, input_shape=(1, 28, 28), threshold=args.threshold)
-    runs = {
-        f"RS (s=0, σ={args.sigma})": Smoother(rs, args.sigma),
-        f"SPLITZ (s=1, θ={args.threshold}, σ={args.sigma})": Smoother(splitz, args.sigma, gamma_search="bisection"),
-    }
-    print(f"splitz_fast {__version__} demo: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"data: MNIST test images {indices[0]}, {indices[0] + args.skip}, ... ({len(indices)} images); "
-          f"model: advertorch LeNet-5 (clean-trained, not noise-trained); n0={args.n0}, n={args.n}, "
-          f"alpha={args.alpha}")
-    global_l = global_lipschitz_bound(splitz.left, (1, 28, 28))
-    print(f"SPLITZ f_L = conv1 + clipped ReLU(θ={args.threshold}); global bound ‖W1‖ = {float(global_l.value[0]):.4f} "
-          f"({global_l.kind[0]})")
-    results = {}
+    """The README's main job: train an RS LeNet (s = 0) and a SPLITZ LeNet (s = 1) on offline MNIST with the same
+    budget, certify the same test images with each, and print the certified-accuracy tables side by side.
+
+    Everything lands in ``--out``; a second call resumes (finished parts are not redone)."""
+    from .analysis import analyze
+    from .datasets import get_dataset
+    from .models import build_model
+    from .runs import run_over_dataset, select_indices
+    from .training import TrainConfig, train
+
+    # Check the certification settings up front: a bad value must not cost a training run first.
+    check_positive("sigma", args.sigma)
+    check_probability("alpha", args.alpha)
+    check_count("n0", args.n0)
+    check_count("n", args.n)
+    check_count("batch", args.batch)
+    if args.n0 > args.n:
+        raise ValueError(f"n0 ({args.n0}) must not exceed n ({args.n})")
     start_all = time.perf_counter()
-    for (name, smoother), fname in zip(runs.items(), ("rs.tsv", "splitz.tsv")):
-        start = time.perf_counter()
-        rows = _certify_run(name, smoother, images, labels, indices, args, out / fname)
-        results[name] = rows
-        wall = time.perf_counter() - start
-        kinds = sorted({r[2].bound_kind for r in rows})
-        lips = [r[2].lipschitz for r in rows if not math.isnan(r[2].lipschitz)]
-        print(f"{name}: {wall:.1f} s ({wall / len(rows):.2f} s/image), bound kinds {kinds}"
-              + (f", mean L(x, γ*) {sum(lips) / len(lips):.3f}" if lips else "") + f" → {out / fname}")
-    radii = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    out = Path(args.out)
+    train_info = get_dataset("mnist", "train")
+    test_info = get_dataset("mnist", "test")
+    indices = select_indices(len(test_info.dataset), args.skip, args.num_images)
+    print(f"splitz_fast {__version__} demo: torch {torch.__version__}, {platform.machine()}, "
+          f"{torch.get_num_threads()} threads, device {args.device}")
+    print(f"train: offline MNIST ({len(train_info)} digits, 10% held out), LeNet, σ={args.sigma}, {args.epochs} "
+          f"epochs, batch {args.train_batch}; certify: test images {indices[0]}, {indices[0] + args.skip}, ... "
+          f"({len(indices)} images), n0={args.n0}, n={args.n}, α={args.alpha}")
+    tsvs = {}
+    for name, split_index in (("RS", 0), ("SPLITZ", 1)):
+        config = TrainConfig(sigma=args.sigma, epochs=args.epochs, batch_size=args.train_batch,
+                             lambda_start=args.lambda_start, lambda_end=args.lambda_end, seed=args.seed,
+                             max_batches=args.max_batches)
+        kwargs = {"split_index": split_index, "threshold": 1.0, "learnable_threshold": False}
+        torch.manual_seed(args.seed)
+        model = build_model("lenet", **kwargs)
+        run_dir = out / name.lower()
+        spec = {"name": "lenet", "kwargs": kwargs, "dataset": "mnist"}
+        started = time.perf_counter()
+        result = train(model, train_info.dataset, config, run_dir, model_spec=spec, device=args.device, resume=True)
+        epoch_times = [r["epoch_seconds"] for r in result.history]
+        print(f"{name}: trained in {time.perf_counter() - started:.0f} s this call; epoch times "
+              f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch + 1}, "
+              f"val noisy acc {result.best_val_noisy_acc:.3f}", flush=True)
+        best, _ = load_model(str(run_dir / "best.pt"), args.device)
+        smoother = Smoother(best, args.sigma, gamma_search="bisection")
+        tsv = out / f"{name.lower()}.tsv"
+        started = time.perf_counter()
+        run_over_dataset("certify", smoother, test_info.dataset, tsv,
+                         settings={"dataset": "mnist", "split": "test", "model_spec": spec, "bound": "local",
+                                   "bound_method": "auto", "gamma_search": "bisection"},
+                         indices=indices, n0=args.n0, n=args.n, alpha=args.alpha, batch_size=args.batch,
+                         seed=args.seed, resume=True, checkpoint=run_dir / "best.pt")
+        print(f"{name}: certified in {time.perf_counter() - started:.0f} s this call → {tsv}", flush=True)
+        tsvs[f"{name} (s={split_index}, σ={args.sigma})"] = tsv
     print()
-    print("Certified accuracy (%) on real MNIST (radius in raw [0,1] pixel units, l2):")
-    print(markdown_table({k: [(r, c) for r, c, _ in v] for k, v in results.items()}, radii))
-    print(f"\nlargest latent radius possible at n={args.n}, alpha={args.alpha}: "
+    print("Certified accuracy (%) on real MNIST test images (l2 radius in [0,1] pixel units):")
+    print(analyze(tsvs, DEMO_RADII, out_dir=out))
+    print(f"largest radius any RS certificate can reach here: "
           f"{max_latent_radius(args.sigma, args.n, args.alpha):.3f} (= {max_latent_radius(1.0, args.n, args.alpha):.2f}σ)")
-    print(f"total wall time {time.perf_counter() - start_all:.1f} s")
+    print(f"tables and plot: {out}/table.md, table.tex, certified_accuracy.png/.pdf; "
+          f"total wall time {time.perf_counter() - start_all:.0f} s")
     return 0
 
 
@@ -96,12 +105,7 @@ def train_command(args: argparse.Namespace) -> int:
     from .models import build_model
     from .training import TrainConfig, train
 
-    info = get_dataset(args.dataset, "train", root=args.root)
-    kwargs = _model_kwargs(args.model, info, args)
-    model = build_model(args.model, **kwargs)
-    if model.input_shape != tuple(info.input_shape):
-        raise ValueError(f"model {args.model} expects inputs {model.input_shape}, dataset {args.dataset} gives "
-                         f"{tuple(info.input_shape)}")
+    # Validate the settings before touching data or the output folder.
     config = TrainConfig(
         sigma=args.sigma, epochs=args.epochs, batch_size=args.batch, noise_samples=args.noise_samples,
         lambda_start=args.lambda_start, lambda_end=args.lambda_end, theta_lip=args.theta_lip,
@@ -109,7 +113,13 @@ def train_command(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, lr_step=args.lr_step, lr_decay=args.lr_decay,
         val_fraction=args.val_fraction, max_batches=args.max_batches, seed=args.seed, num_workers=args.workers,
     ).validate()
-    torch.manual_seed(args.seed)
+    info = get_dataset(args.dataset, "train", root=args.root)
+    kwargs = _model_kwargs(args.model, info, args)
+    torch.manual_seed(args.seed)  # the initial weights are part of the run: seed them
+    model = build_model(args.model, **kwargs)
+    if model.input_shape != tuple(info.input_shape):
+        raise ValueError(f"model {args.model} expects inputs {model.input_shape}, dataset {args.dataset} gives "
+                         f"{tuple(info.input_shape)}")
     spec = {"name": args.model, "kwargs": kwargs, "dataset": args.dataset}
     result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
                    resume=args.resume, on_epoch_end=lambda r: print(
@@ -181,18 +191,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
     parser.add_argument("--version", action="version", version=f"splitz_fast {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="certify a pretrained LeNet-5 on offline MNIST as RS and as SPLITZ")
-    d.add_argument("--out", default="runs/demo", help="folder for the result TSVs (default: runs/demo)")
+    d = sub.add_parser("demo", help="train RS and SPLITZ LeNets on offline MNIST, certify, compare")
+    d.add_argument("--out", default="runs/demo", help="folder for checkpoints, TSVs, tables, plot (default: runs/demo)")
+    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model (default: 2)")
+    d.add_argument("--train-batch", type=int, default=256, help="training batch size (default: 256)")
+    d.add_argument("--lambda-start", type=float, default=0.8, help="SPLITZ λ at the first epoch (default: 0.8)")
+    d.add_argument("--lambda-end", type=float, default=0.4, help="SPLITZ λ at the last epoch (default: 0.4)")
     d.add_argument("--num-images", type=int, default=30, help="number of test images (default: 30)")
-    d.add_argument("--skip", type=int, default=300, help="certify every SKIP-th test image (default: 300)")
-    d.add_argument("--sigma", type=float, default=0.25, help="noise level σ (default: 0.25)")
-    d.add_argument("--threshold", type=float, default=1.0, help="clipped-ReLU threshold θ of f_L (default: 1.0)")
+    d.add_argument("--skip", type=int, default=333, help="certify every SKIP-th test image (default: 333)")
+    d.add_argument("--sigma", type=float, default=0.75, help="noise level σ, train and test (default: 0.75)")
     d.add_argument("--n0", type=int, default=100, help="selection samples (default: 100)")
     d.add_argument("--n", type=int, default=10_000, help="estimation samples (default: 10,000)")
     d.add_argument("--alpha", type=float, default=0.001, help="failure probability (default: 0.001)")
     # Small batches keep LeNet's activations in cache: ~2x the samples/s of batch 1000 on a 2-core CPU.
     d.add_argument("--batch", type=int, default=100, help="noise samples per forward pass (default: 100)")
-    d.add_argument("--seed", type=int, default=0, help="base seed; image i uses seed+i (default: 0)")
+    d.add_argument("--max-batches", type=int, default=None, help="cap batches per epoch (quick runs)")
+    d.add_argument("--seed", type=int, default=0, help="seed of training and certification (default: 0)")
+    d.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
     d.set_defaults(func=demo)
 
     t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)")

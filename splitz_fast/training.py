@@ -50,7 +50,8 @@ class TrainConfig:
         lr_schedule: ``"step"`` (×``lr_decay`` every ``lr_step`` epochs), ``"half-cosine"`` (constant for the first half,
             then cosine to ``lr_min``: the paper's CIFAR schedule), ``"cosine"`` or ``"none"``.
         val_fraction: share of the training set held out (seeded) for validation and best-checkpoint selection.
-        max_batches: stop each epoch after this many batches (quick runs and tests); ``None`` = full epochs.
+        max_batches: stop each epoch (and each validation pass) after this many batches (quick runs and tests);
+            ``None`` = full epochs.
     """
 
     sigma: float = 0.25
@@ -164,16 +165,17 @@ def evaluate(model: SplitModel, loader: DataLoader, config: TrainConfig, device:
     gen = torch.Generator(device=device).manual_seed(config.seed + 10_000)
     correct_noisy = correct_clean = total = 0
     lip_sum = 0.0
-    for x, y in loader:
+    for batch_index, (x, y) in enumerate(loader):
+        if config.max_batches is not None and batch_index >= config.max_batches:
+            break
         x, y = x.to(device), y.to(device)
         latent = model.left(x)
         noisy = latent + config.sigma * torch.randn(latent.shape, device=device, generator=gen)
         correct_noisy += int((model.right(noisy).argmax(1) == y).sum())
         correct_clean += int((model.right(latent).argmax(1) == y).sum())
         if model.split_index > 0:
-            with torch.enable_grad():
-                lip_sum += float(lipschitz_estimate(model.left, x, config.gamma_train,
-                                                    n_iter=config.power_iters).detach().sum())
+            lip_sum += float(lipschitz_estimate(model.left, x, config.gamma_train, n_iter=config.power_iters,
+                                                generator=gen).sum())
         total += len(y)
     model.train(was_training)
     return {"val_noisy_acc": correct_noisy / total, "val_clean_acc": correct_clean / total,

@@ -67,29 +67,36 @@ def test_pretrained_lenet5_clean_accuracy():
 
 @pytest.mark.data
 @needs_mnist
-@needs_lenet
-def test_demo_command_end_to_end(tmp_path, capsys):
-    assert main(["demo", "--num-images", "2", "--skip", "500", "--n", "300", "--out", str(tmp_path)]) == 0
+def test_demo_command_end_to_end_and_resume(tmp_path, capsys):
+    args = ["demo", "--epochs", "1", "--max-batches", "2", "--train-batch", "64", "--num-images", "2",
+            "--skip", "500", "--n0", "10", "--n", "200", "--out", str(tmp_path)]
+    assert main(args) == 0
     printed = capsys.readouterr().out
     assert "Certified accuracy" in printed and "| RS (s=0" in printed and "| SPLITZ (s=1" in printed
-    for name in ("rs.tsv", "splitz.tsv"):
-        lines = (tmp_path / name).read_text().splitlines()
+    for name in ("rs", "splitz"):
+        lines = (tmp_path / f"{name}.tsv").read_text().splitlines()
         assert tuple(lines[0].split("\t")[:6]) == COHEN_COLUMNS
         assert [line.split("\t")[0] for line in lines[1:]] == ["0", "500"]
+        assert (tmp_path / name / "best.pt").exists()
     splitz_rows = [line.split("\t") for line in (tmp_path / "splitz.tsv").read_text().splitlines()[1:]]
     assert all(row[10] in ("local-exact", "none") for row in splitz_rows)
+    assert (tmp_path / "certified_accuracy.png").stat().st_size > 0 and (tmp_path / "table.tex").exists()
+    # A second call finds everything done and changes nothing.
+    before = (tmp_path / "splitz.tsv").read_text()
+    assert main(args) == 0
+    assert (tmp_path / "splitz.tsv").read_text() == before
 
 
 def test_demo_command_rejects_bad_arguments():
     with pytest.raises(SystemExit):
-        main(["demo", "--num-images", "0"])
+        main(["demo", "--num-images", "-1"])
 
 
 @pytest.mark.data
 @needs_mnist
-@needs_lenet
 @pytest.mark.parametrize("args, message", [(["--sigma", "-1"], "sigma"), (["--alpha", "1.5"], "alpha"),
                                            (["--n0", "50", "--n", "10"], "n0")])
 def test_demo_command_reports_bad_values(tmp_path, capsys, args, message):
-    assert main(["demo", "--num-images", "1", "--out", str(tmp_path)] + args) == 2
+    assert main(["demo", "--num-images", "1", "--epochs", "1", "--max-batches", "1", "--out", str(tmp_path)]
+                + args) == 2
     assert message in capsys.readouterr().err

