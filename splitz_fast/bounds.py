@@ -5,9 +5,9 @@ convolution, ``‖w_i‖₂`` taken over the filter taps that land inside the im
 standardized space, so padded taps never see the perturbation). Deeper layers: interval arithmetic in
 center/radius form, ``c' = W c + b``, ``r' = |W| r``.
 
-Everything is computed in float64 and every interval is widened by a margin that dominates the rounding error of
-the sums that formed it (``1e-10 · (|W||h| + |b| + r)``, far above ``K·u₆₄`` for any layer with fewer than 10⁵ terms
-per output), so a neuron is never declared constant because of rounding.
+For certificates everything is computed in float64 and every interval is widened by a margin that dominates the
+rounding error of the sums that formed it (``1e-10 · (|W||h| + |b| + r)``, far above ``K·u₆₄`` for any layer with
+fewer than 10⁵ terms per output), so a neuron is never declared constant because of rounding.
 """
 from __future__ import annotations
 
@@ -120,6 +120,9 @@ def ball_bounds(
     lower: list[torch.Tensor] = []
     upper: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
+    # Certificates (float64) get the rounding margin; the training estimate's float32 masks need not be rigorous.
+    rigorous = dtype == torch.float64
+    last = left.depth - 1
     center, radius = h, None
     for k, layer in enumerate(left.layers):
         abs_w = layer.weight.detach().to(dtype).abs()
@@ -127,23 +130,26 @@ def ball_bounds(
         if k == 0:
             # Exact ball bound: |w_i·(x' − x)| ≤ γ‖w_i D‖ for ‖x' − x‖ ≤ γ.
             r = _batch_view(g, z) * first_layer_row_norms(layer, scale, x64)
-            magnitude = linear_part(layer, center.abs(), weight=abs_w)
         else:
             r = linear_part(layer, radius, weight=abs_w)
-            magnitude = linear_part(layer, center.abs() + radius, weight=abs_w)
-        margin = ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r)
-        lo, up = z - r - margin, z + r + margin
+        if rigorous:
+            magnitude = linear_part(layer, center.abs() if k == 0 else center.abs() + radius, weight=abs_w)
+            r = r + ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r)
+        lo, up = z - r, z + r
         act = left.activation(k)
         if act is None:
             mask = torch.ones_like(lo, dtype=torch.bool)
-            out_lo, out_up = lo, up
         else:
             theta = act.broadcast_threshold(lo).detach()
             mask = (up > 0) & (lo < theta)
-            out_lo = torch.minimum(lo.clamp_min(0), theta)
-            out_up = torch.minimum(up.clamp_min(0), theta)
         lower.append(lo)
         upper.append(up)
         masks.append(mask)
-        center, radius = (out_lo + out_up) / 2, (out_up - out_lo) / 2
+        if k < last:  # the interval of this layer's output feeds the next layer
+            if act is None:
+                out_lo, out_up = lo, up
+            else:
+                out_lo = torch.minimum(lo.clamp_min(0), theta)
+                out_up = torch.minimum(up.clamp_min(0), theta)
+            center, radius = (out_lo + out_up) / 2, (out_up - out_lo) / 2
     return BallBounds(lower=lower, upper=upper, masks=masks, input_scale=scale, gamma=g)

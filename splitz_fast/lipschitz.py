@@ -112,7 +112,7 @@ def probabilistic_norm_bound(
     zero = torch.zeros(op.batch, dtype=torch.bool, device=device)
     with torch.no_grad():
         for _ in range(n_iter):
-            w = op.rmatvec(op.matvec(v))
+            w = op.gram_matvec(v)
             norms = w.flatten(1).norm(dim=1)
             zero |= norms == 0
             safe = torch.where(norms > 0, norms, torch.ones_like(norms))
@@ -302,7 +302,7 @@ def lipschitz_estimate(
             frozen.weight = op.weight.detach()
             frozen.in_factor = None if op.in_factor is None else op.in_factor.detach()
             for _ in range(n_iter):
-                v = frozen.rmatvec(frozen.matvec(v))
+                v = frozen.gram_matvec(v)
                 v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
         estimate = estimate * op.matvec(v).flatten(1).norm(dim=1) / v.flatten(1).norm(dim=1).clamp_min(1e-30)
         if state is not None:

@@ -18,6 +18,24 @@ import torch.nn.functional as F
 from .bounds import linear_part
 
 
+def conv2d_adjoint(u: torch.Tensor, weight: torch.Tensor, layer: nn.Conv2d, in_size: tuple[int, int]) -> torch.Tensor:
+    """``Wᵀ u`` for the zero-padded convolution ``layer`` (weights ``weight``) whose input is ``[*, C_in, *in_size]``.
+
+    A transposed convolution in general; for stride 1 and dilation 1 the equivalent plain convolution with the
+    flipped, channel-swapped kernel and padding ``k − 1 − p`` (about twice as fast on CPUs).
+    """
+    kh, kw = layer.kernel_size
+    ph, pw = layer.padding
+    if layer.stride == (1, 1) and layer.dilation == (1, 1) and kh - 1 - ph >= 0 and kw - 1 - pw >= 0:
+        flipped = weight.flip(2, 3).transpose(0, 1)
+        return F.conv2d(u, flipped, None, 1, (kh - 1 - ph, kw - 1 - pw))
+    out_padding = []
+    for size_in, size_out, k, s, p, d in zip(in_size, u.shape[-2:], layer.kernel_size, layer.stride, layer.padding,
+                                             layer.dilation):
+        out_padding.append(size_in - ((size_out - 1) * s - 2 * p + d * (k - 1) + 1))
+    return F.conv_transpose2d(u, weight, None, layer.stride, layer.padding, tuple(out_padding), 1, layer.dilation)
+
+
 class MaskedAffine:
     """``A_b = diag(m_out_b) W diag(s) diag(m_in_b)`` for a batch ``b = 0..B−1``.
 
@@ -68,21 +86,17 @@ class MaskedAffine:
         y = linear_part(self.layer, v, self.weight)
         return y if self.out_mask is None else y * self.out_mask
 
-    def rmatvec(self, u: torch.Tensor) -> torch.Tensor:
-        """``Aᵀ u`` for ``u: [B, *out_shape]`` → ``[B, *in_shape]``."""
-        if self.out_mask is not None:
+    def gram_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``AᵀA v`` (one power step); the output mask is applied once, not twice."""
+        return self.rmatvec(self.matvec(v), masked=True)
+
+    def rmatvec(self, u: torch.Tensor, masked: bool = False) -> torch.Tensor:
+        """``Aᵀ u`` for ``u: [B, *out_shape]`` → ``[B, *in_shape]`` (``masked``: ``u`` is already zero off the mask)."""
+        if self.out_mask is not None and not masked:
             u = u * self.out_mask
         layer = self.layer
         if isinstance(layer, nn.Conv2d):
-            h_in, w_in = self.in_shape[-2:]
-            out_padding = []
-            for size_in, size_out, k, s, p, d in zip(
-                (h_in, w_in), u.shape[-2:], layer.kernel_size, layer.stride, layer.padding, layer.dilation
-            ):
-                out_padding.append(size_in - ((size_out - 1) * s - 2 * p + d * (k - 1) + 1))
-            v = F.conv_transpose2d(
-                u, self.weight, None, layer.stride, layer.padding, tuple(out_padding), 1, layer.dilation
-            )
+            v = conv2d_adjoint(u, self.weight, layer, self.in_shape[-2:])
         else:
             v = (u @ self.weight).reshape(u.shape[0], *self.in_shape)
         return v if self.in_factor is None else v * self.in_factor

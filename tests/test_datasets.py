@@ -318,7 +318,7 @@ def test_adult_standardization_and_one_hot(adult):
 @needs_law
 def test_law_school_rows_and_seeded_split():
     train, test = get_dataset("law_school", "train"), get_dataset("law_school", "test")
-    (x_tr, y_tr), (_, y_te) = _xy(train), _xy(test)
+    (x_tr, y_tr), (x_te, y_te) = _xy(train), _xy(test)
     assert len(train) + len(test) == 20_798 and len(test) == round(0.2 * 20_798)
     assert train.input_shape == (12,) and train.num_classes == 2
     assert train.feature_names[-2:] == ("race=Non-White", "race=White")

@@ -236,8 +236,8 @@ def test_training_estimate_converges_to_dense_svd(name):
     for b in range(2):
         product_of_norms, _ = oracle(left, x[b].float(), 0.3)
         # Power iteration approaches from below; it is an estimate, never an upper bound.
-        assert float(estimate[b]) == pytest.approx(product_of_norms, rel=1e-4)
-        assert float(estimate[b]) <= product_of_norms * (1 + 1e-9)
+        assert float(estimate[b].detach()) == pytest.approx(product_of_norms, rel=1e-4)
+        assert float(estimate[b].detach()) <= product_of_norms * (1 + 1e-9)
 
 
 def test_training_estimate_gradient_matches_dense_svd_gradient():
