@@ -133,7 +133,7 @@ def test_checkpoints_load_with_weights_only_and_thresholds_stay_nonnegative(tmp_
     train(model, mnist_small, _config(epochs=1, lr=0.05), tmp_path, model_spec={"name": "lenet"})
     ckpt = torch.load(tmp_path / "best.pt", weights_only=True)
     assert ckpt["model_spec"] == {"name": "lenet"} and ckpt["config"]["sigma"] == 0.5
-    assert float(model.left.activation(0).threshold) >= 0.0
+    assert float(model.left.activation(0).threshold.detach()) >= 0.0
     bad = tmp_path / "bad.pt"
     torch.save({"weights": torch.zeros(3)}, bad)
     with pytest.raises(ValueError, match="not a splitz_fast checkpoint"):
