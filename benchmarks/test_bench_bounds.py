@@ -37,7 +37,7 @@ def dense_svd_bound(left: sz.LeftHalf, x: torch.Tensor, gamma: float) -> float:
     eye = torch.eye(n, dtype=torch.float64).view(n, *left.input_shape)
     if left.standardize is not None:
         eye = eye / left.standardize.std.double().view(1, -1, 1, 1)
-    cols = torch.nn.functional.conv2d(eye, conv.weight.double(), None, conv.stride, conv.padding)
+    cols = torch.nn.functional.conv2d(eye, conv.weight.detach().double(), None, conv.stride, conv.padding)
     return float(torch.linalg.matrix_norm(mask[:, None] * cols.flatten(1).T, ord=2))
 
 

@@ -19,16 +19,8 @@ from .bounds import linear_part
 
 
 def conv2d_adjoint(u: torch.Tensor, weight: torch.Tensor, layer: nn.Conv2d, in_size: tuple[int, int]) -> torch.Tensor:
-    """``Wᵀ u`` for the zero-padded convolution ``layer`` (weights ``weight``) whose input is ``[*, C_in, *in_size]``.
-
-    A transposed convolution in general; for stride 1 and dilation 1 the equivalent plain convolution with the
-    flipped, channel-swapped kernel and padding ``k − 1 − p`` (about twice as fast on CPUs).
-    """
-    kh, kw = layer.kernel_size
-    ph, pw = layer.padding
-    if layer.stride == (1, 1) and layer.dilation == (1, 1) and kh - 1 - ph >= 0 and kw - 1 - pw >= 0:
-        flipped = weight.flip(2, 3).transpose(0, 1)
-        return F.conv2d(u, flipped, None, 1, (kh - 1 - ph, kw - 1 - pw))
+    """``Wᵀ u`` for the zero-padded convolution ``layer`` (weights ``weight``) whose input is ``[*, C_in, *in_size]``:
+    a transposed convolution, with the output padding that restores ``in_size`` when the stride drops pixels."""
     out_padding = []
     for size_in, size_out, k, s, p, d in zip(in_size, u.shape[-2:], layer.kernel_size, layer.stride, layer.padding,
                                              layer.dilation):
