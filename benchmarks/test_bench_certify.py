@@ -1,0 +1,100 @@
+"""Monte Carlo throughput of our sampling engine against a faithful Cohen-style loop, and the cost of a SPLITZ
+training step against a Gaussian-augmentation step, each baseline run in the same process on the same model.
+
+Cohen-style loop (what the published SPLITZ/Cohen code does per batch): ``x.repeat(b)`` → the full model including
+``f_L`` → add noise after ``f_L`` → ``f_R`` → ``argmax`` → ``.cpu().numpy()`` → Python vote counting.
+Our engine: ``f_L(x)`` once, float32 noise added to it, ``f_R``, votes counted on the device, one sync per input.
+Run: ``pytest benchmarks/ --benchmark-only -s``; ``SPLITZ_BENCH_SAMPLES`` sets the samples per input (default 10,000).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import splitz_fast as sz
+from splitz_fast.lipschitz import PowerIterationState
+from splitz_fast.training import TrainConfig, splitz_loss
+
+SAMPLES = int(os.environ.get("SPLITZ_BENCH_SAMPLES", "10000"))
+BATCH = 100  # small batches are fastest for LeNet on a CPU (activations stay in cache)
+SIGMA = 0.5
+
+
+def cohen_style_counts(model: sz.SplitModel, x: torch.Tensor, num: int, batch: int, sigma: float) -> np.ndarray:
+    """The baseline: repeat the input, run the whole model per batch, copy predictions to the host, count in Python."""
+    counts = np.zeros(model.num_classes, dtype=int)
+    remaining = num
+    with torch.no_grad():
+        while remaining > 0:
+            b = min(batch, remaining)
+            inputs = x.unsqueeze(0).repeat((b,) + (1,) * x.ndim)
+            latent = model.left(inputs)
+            predictions = model.right(latent + sigma * torch.randn_like(latent)).argmax(1).cpu().numpy()
+            for p in predictions:
+                counts[p] += 1
+            remaining -= b
+    return counts
+
+
+def _time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.parametrize("split_index", [0, 1])
+def test_sampling_throughput_vs_cohen_loop(benchmark, record_env, split_index):
+    torch.manual_seed(0)
+    model = sz.lenet(split_index=split_index).eval()
+    x = torch.rand(1, 28, 28)
+    smoother = sz.Smoother(model, SIGMA)
+    gen = torch.Generator().manual_seed(0)
+    baseline_s = _time(lambda: cohen_style_counts(model, x, SAMPLES, BATCH, SIGMA))
+
+    def ours():
+        with smoother._evaluating():
+            return smoother.sample_counts(smoother.latent(x), SAMPLES, BATCH, gen).cpu()
+
+    counts = benchmark.pedantic(ours, rounds=3, iterations=1)
+    ours_s = benchmark.stats.stats.median
+    assert int(counts.sum()) == SAMPLES
+    ratio = baseline_s / ours_s
+    record_env.update(samples=SAMPLES, batch=BATCH, baseline_samples_per_s=SAMPLES / baseline_s,
+                      ours_samples_per_s=SAMPLES / ours_s, ratio_vs_cohen_loop=ratio)
+    print(f"\nLeNet s={split_index}: ours {SAMPLES / ours_s:,.0f} samples/s, Cohen-style loop "
+          f"{SAMPLES / baseline_s:,.0f} samples/s, ratio {ratio:.2f}x ({SAMPLES} samples, batch {BATCH})")
+
+
+def test_splitz_training_step_vs_gaussian_augmentation_step(benchmark, record_env):
+    torch.manual_seed(0)
+    x = torch.rand(256, 1, 28, 28)
+    y = torch.randint(0, 10, (256,))
+    config = TrainConfig(sigma=0.75, batch_size=256, power_iters=5)
+
+    def make_step(split_index):
+        model = sz.lenet(split_index=split_index)
+        optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+        state = PowerIterationState()
+
+        def step():
+            loss, _ = splitz_loss(model, x, y, config, 0.8, state)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        step()  # warm-up
+        return step
+
+    rs_step = make_step(0)
+    rs_s = _time(rs_step, repeats=5)
+    benchmark.pedantic(make_step(1), rounds=5, iterations=1)
+    splitz_s = benchmark.stats.stats.median
+    record_env.update(rs_step_s=rs_s, splitz_step_s=splitz_s, ratio_vs_rs=splitz_s / rs_s)
+    print(f"\nLeNet batch 256, Q=1, 5 power steps: SPLITZ step {splitz_s * 1e3:.0f} ms, Gaussian-augmentation step "
+          f"{rs_s * 1e3:.0f} ms, ratio {splitz_s / rs_s:.2f}x (target <= 1.3x)")
