@@ -23,9 +23,6 @@ Statistics are taken over **all** rows, abstentions counting as wrong:
 - ACR (average certified radius): ``mean_i(correct_i · radius_i)``, in input units;
 - abstention rate: ``mean_i(predict_i = -1)``; mean time: ``mean_i(time_i)`` in seconds.
 
-These match :func:`splitz_fast.results.certified_accuracy` and
-:func:`splitz_fast.results.average_certified_radius`, vectorised with numpy.
-
 :func:`analyze` is the entry point behind ``splitz analyze``: it reads several files and returns (and
 optionally writes) a markdown table, a LaTeX (booktabs) table and certified-accuracy plots.
 """
@@ -99,10 +96,6 @@ class CertificationTable:
     def is_splitz(self) -> bool:
         """True when SPLITZ's extra columns are all present."""
         return all(c in self.extra for c in SPLITZ_COLUMNS)
-
-    def pairs(self) -> list[tuple[float, int]]:
-        """``(radius, correct)`` per row: the input of :mod:`splitz_fast.results`' statistics."""
-        return [(float(r), int(c)) for r, c in zip(self.radius, self.correct)]
 
 
 def _parse_seconds(text: str) -> float:

@@ -1,11 +1,11 @@
-"""Result files in Cohen et al.'s format, and the two headline statistics of a certification run.
+"""Rows of certification files in Cohen et al.'s format (reading and statistics: :mod:`splitz_fast.analysis`).
 
 A certification TSV starts with exactly Cohen's six columns ``idx label predict radius correct time``; SPLITZ's
 columns follow: ``L gamma R_latent pA_lower bound failure_prob``.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence, TextIO
+from typing import TextIO
 
 from .smoothing import CertifyResult
 
@@ -29,31 +29,4 @@ def write_row(fh: TextIO, idx: int, label: int, result: CertifyResult) -> None:
     fh.flush()
 
 
-def certified_accuracy(rows: Sequence[tuple[float, int]], radius: float) -> float:
-    """``mean(correct ∧ radius_i ≥ r)`` over **all** rows ``(radius_i, correct_i)``; abstentions count as wrong."""
-    if not rows:
-        raise ValueError("no certification rows to analyze")
-    return sum(1 for r, c in rows if c and r >= radius) / len(rows)
-
-
-def average_certified_radius(rows: Sequence[tuple[float, int]]) -> float:
-    """ACR = ``mean(correct · radius)`` over all rows."""
-    if not rows:
-        raise ValueError("no certification rows to analyze")
-    return sum(r * c for r, c in rows) / len(rows)
-
-
-def markdown_table(named_rows: dict[str, Sequence[tuple[float, int]]], radii: Iterable[float]) -> str:
-    """Certified accuracy (%) at each radius and ACR, one line per run."""
-    radii = list(radii)
-    head = "| run | " + " | ".join(f"r={r:g}" for r in radii) + " | ACR |"
-    sep = "|---" * (len(radii) + 2) + "|"
-    lines = [head, sep]
-    for name, rows in named_rows.items():
-        cells = [f"{100 * certified_accuracy(rows, r):.1f}" for r in radii]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {average_certified_radius(rows):.3f} |")
-    return "\n".join(lines)
-
-
-__all__ = ["COHEN_COLUMNS", "SPLITZ_COLUMNS", "HEADER", "format_row", "write_row", "certified_accuracy",
-           "average_certified_radius", "markdown_table"]
+__all__ = ["COHEN_COLUMNS", "SPLITZ_COLUMNS", "HEADER", "format_row", "write_row"]
