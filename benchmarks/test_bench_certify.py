@@ -21,6 +21,7 @@ from splitz_fast.training import TrainConfig, splitz_loss
 
 SAMPLES = int(os.environ.get("SPLITZ_BENCH_SAMPLES", "10000"))
 BATCH = 100  # small batches are fastest for LeNet on a CPU (activations stay in cache)
+COHEN_DEFAULT_BATCH = 1000  # locuslab/smoothing's certify.py default; the baseline runs at both and keeps its best
 SIGMA = 0.5
 
 
@@ -56,7 +57,10 @@ def test_sampling_throughput_vs_cohen_loop(benchmark, record_env, split_index):
     x = torch.rand(1, 28, 28)
     smoother = sz.Smoother(model, SIGMA)
     gen = torch.Generator().manual_seed(0)
-    baseline_s = _time(lambda: cohen_style_counts(model, x, SAMPLES, BATCH, SIGMA))
+    baseline_by_batch = {b: _time(lambda b=b: cohen_style_counts(model, x, SAMPLES, b, SIGMA))
+                         for b in (BATCH, COHEN_DEFAULT_BATCH)}
+    baseline_batch = min(baseline_by_batch, key=baseline_by_batch.get)
+    baseline_s = baseline_by_batch[baseline_batch]
 
     def ours():
         with smoother._evaluating():
@@ -66,10 +70,12 @@ def test_sampling_throughput_vs_cohen_loop(benchmark, record_env, split_index):
     ours_s = benchmark.stats.stats.median
     assert int(counts.sum()) == SAMPLES
     ratio = baseline_s / ours_s
-    record_env.update(samples=SAMPLES, batch=BATCH, baseline_samples_per_s=SAMPLES / baseline_s,
-                      ours_samples_per_s=SAMPLES / ours_s, ratio_vs_cohen_loop=ratio)
-    print(f"\nLeNet s={split_index}: ours {SAMPLES / ours_s:,.0f} samples/s, Cohen-style loop "
-          f"{SAMPLES / baseline_s:,.0f} samples/s, ratio {ratio:.2f}x ({SAMPLES} samples, batch {BATCH})")
+    record_env.update(samples=SAMPLES, batch=BATCH, ours_samples_per_s=SAMPLES / ours_s,
+                      baseline_samples_per_s={b: SAMPLES / t for b, t in baseline_by_batch.items()},
+                      ratio_vs_best_cohen_loop=ratio)
+    per_batch = ", ".join(f"batch {b}: {SAMPLES / t:,.0f}" for b, t in baseline_by_batch.items())
+    print(f"\nLeNet s={split_index}: ours {SAMPLES / ours_s:,.0f} samples/s (batch {BATCH}); Cohen-style loop "
+          f"{per_batch} samples/s; ratio vs its best {ratio:.2f}x ({SAMPLES} samples per input)")
 
 
 def test_splitz_training_step_vs_gaussian_augmentation_step(benchmark, record_env):

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from ._checks import check_count, check_nonnegative, check_positive
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .modules import SplitModel
+from .smoothing import standard_normal
 
 CHECKPOINT_FORMAT = 1
 
@@ -136,9 +137,8 @@ def splitz_loss(
     """
     q = config.noise_samples
     latent = model.left(x)  # f_L once per input; the Q noise draws are added after it
-    noise = torch.randn((latent.shape[0], q, *latent.shape[1:]), device=latent.device, dtype=torch.float32,
-                        generator=generator)
-    noisy = (latent.unsqueeze(1).float() + config.sigma * noise).flatten(0, 1)
+    noise = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device)
+    noisy = latent.float().repeat_interleave(q, dim=0) + config.sigma * noise
     cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q))
     parts = {"ce": float(cross_entropy.detach())}
     if model.split_index == 0 or lam == 0.0:
