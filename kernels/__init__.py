@@ -1,9 +1,21 @@
 """Fused kernels of splitz_fast, shipped as ``splitz_fast.kernels``, and the backend dispatch.
 
-Every op will have one file here (Triton kernels, launcher, ``autograd.Function``) next to its pure-PyTorch reference
-in ``splitz_fast`` — the reference is both the CPU path and the test oracle. The Triton ops are not written yet
-(issue #4); today every op runs its reference implementation, and forcing ``SPLITZ_BACKEND=triton`` is an error
-rather than a silent fallback.
+One op per file (Triton kernels, launcher, ``autograd.Function`` where gradients are needed) with its pure-PyTorch
+reference beside it — the reference is both the CPU path and the test oracle:
+
+* ``noise_votes``: ``noisy_latents`` (Philox noise added to a broadcast latent in float32, optional bf16/channels_last
+  store) and ``count_votes`` (row argmax + histogram on the device) — used by the sampling engine;
+* ``interval_clip``: the fused elementwise step of the bound propagation (interval, varying mask, clipped interval
+  for the next layer; float64 without FMA for certificates) — used by ``bounds.ball_bounds``;
+* ``masked_linear``: ``m_out ⊙ W (s ⊙ m_in ⊙ v)`` and its transpose with the masks inside a tiled matmul, an
+  ``autograd.Function`` (gradient w.r.t. ``W``) — the ``Linear`` factors of the power iterations.
+
+Convolution factors use cuDNN/oneDNN convolutions with the masks applied around them (no Triton conv yet).
+
+Dispatch is explicit: Triton for CUDA tensors where an op has a kernel, the reference elsewhere; ``SPLITZ_BACKEND``
+(``auto`` | ``reference`` | ``triton``) forces one, and forcing Triton for an op without a kernel is an error, never a
+silent fallback. On a machine without a GPU, ``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in
+Triton's interpreter on CPU tensors (slow; for tests).
 """
 from __future__ import annotations
 
@@ -13,7 +25,8 @@ import torch
 
 BACKEND_ENV = "SPLITZ_BACKEND"
 BACKENDS = ("auto", "reference", "triton")
-TRITON_OPS: frozenset[str] = frozenset()  # names of ops with a Triton implementation
+# Ops with a Triton implementation.
+TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "interval_clip", "masked_linear"})
 
 
 def select_backend(op: str, device: torch.device) -> str:

@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._checks import check_tensor
+from .kernels import select_backend
+from .kernels.interval_clip import interval_clip
 from .modules import LeftHalf
 
 # Relative widening of every interval (see module docstring).
@@ -123,33 +125,29 @@ def ball_bounds(
     # Certificates (float64) get the rounding margin; the training estimate's float32 masks need not be rigorous.
     rigorous = dtype == torch.float64
     last = left.depth - 1
+    backend = select_backend("interval_clip", x.device)
     center, radius = h, None
     for k, layer in enumerate(left.layers):
         abs_w = layer.weight.detach().to(dtype).abs()
         z = affine(layer, center)
         if k == 0:
             # Exact ball bound: |w_i·(x' − x)| ≤ γ‖w_i D‖ for ‖x' − x‖ ≤ γ.
-            r = _batch_view(g, z) * first_layer_row_norms(layer, scale, x64)
+            r, gamma_k = first_layer_row_norms(layer, scale, x64), g
+            r_eff = _batch_view(g, z) * r
         else:
-            r = linear_part(layer, radius, weight=abs_w)
+            r, gamma_k = linear_part(layer, radius, weight=abs_w), None
+            r_eff = r
+        margin = None
         if rigorous:
             magnitude = linear_part(layer, center.abs() if k == 0 else center.abs() + radius, weight=abs_w)
-            r = r + ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r)
-        lo, up = z - r, z + r
+            margin = ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r_eff)
         act = left.activation(k)
-        if act is None:
-            mask = torch.ones_like(lo, dtype=torch.bool)
-        else:
-            theta = act.broadcast_threshold(lo).detach()
-            mask = (up > 0) & (lo < theta)
-        lower.append(lo)
-        upper.append(up)
-        masks.append(mask)
-        if k < last:  # the interval of this layer's output feeds the next layer
-            if act is None:
-                out_lo, out_up = lo, up
-            else:
-                out_lo = torch.minimum(lo.clamp_min(0), theta)
-                out_up = torch.minimum(up.clamp_min(0), theta)
-            center, radius = (out_lo + out_up) / 2, (out_up - out_lo) / 2
+        theta = None if act is None else act.threshold.detach()
+        # One fused pass: [lo, up] = z ∓ (γ r + margin), the varying mask (up > 0, lo < θ), and the clipped
+        # interval's center/radius for the next layer (Triton on CUDA, kernels/interval_clip.py's reference elsewhere).
+        step = interval_clip(z, r, theta, gamma=gamma_k, margin=margin, need_next=k < last, backend=backend)
+        lower.append(step.lower)
+        upper.append(step.upper)
+        masks.append(step.mask)
+        center, radius = step.center, step.radius
     return BallBounds(lower=lower, upper=upper, masks=masks, input_scale=scale, gamma=g)

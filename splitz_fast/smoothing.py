@@ -26,6 +26,8 @@ from .lipschitz import (
     lipschitz_bound,
 )
 from .modules import SplitModel
+from .kernels import select_backend
+from .kernels.noise_votes import count_votes, count_votes_reference, noisy_latents, noisy_latents_reference
 from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
 
 ABSTAIN = -1
@@ -40,7 +42,8 @@ class CertifyResult:
     ``radius`` is in raw input units (``ABSTAIN`` prediction → radius 0). ``failure_prob`` is the total probability
     that the certificate is wrong: α plus the failure probability of every probabilistic Lipschitz bound evaluated.
     ``bound_kind`` says what produced ``lipschitz``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``,
-    ``global-exact`` or ``global-probabilistic``.
+    ``global-exact`` or ``global-probabilistic``. ``noise_source`` says which generator drew the noise (``philox-triton``
+    or ``torch-<device>``): with the seed, it is what a rerun needs to reproduce the certificate.
     """
 
     prediction: int
@@ -56,6 +59,7 @@ class CertifyResult:
     gamma_evaluations: int
     seed: int
     seconds: float
+    noise_source: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -72,14 +76,14 @@ class PredictResult:
     seed: int
 
 
-def standard_normal(batch: int, shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``[batch, *shape]`` float32 N(0, 1) draws. For image-shaped latents ``(C, H, W)`` the numbers are drawn in NHWC
-    order and viewed as NCHW, i.e. the batch comes out channels_last, which lets the convolutions of ``f_R`` take their
-    faster NHWC path (measured on the CPU: 1.4x the samples/s for a SPLITZ LeNet, 1.9x for plain RS)."""
-    if len(shape) == 3:
-        c, h, w = shape
-        return torch.randn((batch, h, w, c), generator=generator, device=device, dtype=torch.float32).permute(0, 3, 1, 2)
-    return torch.randn((batch, *shape), generator=generator, device=device, dtype=torch.float32)
+@dataclass
+class NoiseStream:
+    """Where one certify/predict call draws its noise: the seed (the Philox key of the Triton kernel), the torch
+    generator seeded with it (the reference path), and the next unused Philox sample index."""
+
+    seed: int
+    generator: torch.Generator
+    offset: int = 0
 
 
 class Smoother:
@@ -178,28 +182,42 @@ class Smoother:
         gen.manual_seed(seed)
         return gen, seed
 
+    @staticmethod
+    def noise_source(device: torch.device) -> str:
+        """``philox-triton`` where the Triton noise kernel runs, else ``torch-<device type>``."""
+        return "philox-triton" if select_backend("noisy_latents", device) == "triton" else f"torch-{device.type}"
+
     @torch.inference_mode()
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``f_L(x)`` for one input ``x`` (computed once per input; noise is added after it)."""
         return self.model.left(x.unsqueeze(0))[0]
 
     @torch.inference_mode()
-    def sample_counts(self, latent: torch.Tensor, num: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    def sample_counts(self, latent: torch.Tensor, num: int, batch_size: int, noise: NoiseStream) -> torch.Tensor:
         """Class counts of ``f_R(latent + δ)`` over ``num`` float32 noise draws: ``[num_classes]`` int64, left on the
-        latent's device (votes are counted there; the caller synchronises once per input).
+        latent's device (votes are counted there; the caller synchronises once per input). Noise and votes use the
+        Triton kernels on CUDA (``splitz_fast.kernels.noise_votes``), their PyTorch references elsewhere.
         """
         num_classes = self.model.num_classes
-        counts = torch.zeros(num_classes, dtype=torch.int64, device=latent.device)
+        device = latent.device
+        counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
+        triton_noise = select_backend("noisy_latents", device) == "triton"
+        count = count_votes if select_backend("count_votes", device) == "triton" else count_votes_reference
+        channels_last = latent.ndim == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
+        latent32 = latent.float().contiguous()
         remaining = num
         while remaining > 0:
             b = min(batch_size, remaining)
-            noisy = standard_normal(b, latent.shape, generator, latent.device).mul_(self.sigma).add_(latent.float())
+            if triton_noise:
+                noisy = noisy_latents(latent32, b, self.sigma, noise.seed, noise.offset, channels_last=channels_last)
+                noise.offset += b  # Philox sample indices are never reused: independent draws
+            else:
+                noisy = noisy_latents_reference(latent32, b, self.sigma, noise.generator, channels_last=channels_last)
             logits = self.model.right(noisy)
             if logits.ndim != 2 or logits.shape[1] != num_classes:
                 raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
                                  f"{num_classes}]; fix num_classes of the SplitModel or the last layer of f_R")
-            predictions = logits.argmax(dim=1)
-            counts += torch.bincount(predictions, minlength=num_classes)
+            count(logits, counts)
             remaining -= b
         return counts
 
@@ -297,24 +315,25 @@ class Smoother:
         check_probability("alpha", alpha)
         check_count("batch_size", batch_size)
         generator, seed = self._generator(seed)
+        noise = NoiseStream(seed, generator)
         latent = self.latent(x)
         # Selection and estimation draws are independent, so both run before the single host synchronisation.
-        selection = self.sample_counts(latent, n0, batch_size, generator)
-        estimation = self.sample_counts(latent, n, batch_size, generator)
+        selection = self.sample_counts(latent, n0, batch_size, noise)
+        estimation = self.sample_counts(latent, n, batch_size, noise)
         candidate_on_device = selection.argmax()  # ties go to the lowest class index
         summary = torch.stack([candidate_on_device, estimation[candidate_on_device]]).cpu()  # the one host sync
         candidate, count_a = int(summary[0]), int(summary[1])
         p_lower = clopper_pearson_lower(count_a, n, alpha)
         if p_lower < 0.5:
             return CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha, count_a, n, 0, seed,
-                                 time.perf_counter() - start)
+                                 time.perf_counter() - start, self.noise_source(latent.device))
         radius_latent = latent_radius(self.sigma, p_lower)
         best = self._search_gamma(x, radius_latent, generator)
         return CertifyResult(
             prediction=candidate, radius=best["radius"], p_a_lower=p_lower, latent_radius=radius_latent,
             lipschitz=best["lipschitz"], gamma=best["gamma"], bound_kind=best["kind"],
             failure_prob=alpha + best["failure"], count_a=count_a, n=n, gamma_evaluations=best["evaluations"],
-            seed=seed, seconds=time.perf_counter() - start,
+            seed=seed, seconds=time.perf_counter() - start, noise_source=self.noise_source(latent.device),
         )
 
     def predict(self, x: torch.Tensor, n: int, alpha: float, batch_size: int = 1000,
@@ -330,7 +349,7 @@ class Smoother:
         check_probability("alpha", alpha)
         check_count("batch_size", batch_size)
         generator, seed = self._generator(seed)
-        counts = self.sample_counts(self.latent(x), n, batch_size, generator).cpu()
+        counts = self.sample_counts(self.latent(x), n, batch_size, NoiseStream(seed, generator)).cpu()
         top = int(counts.argmax())  # ties go to the lowest class index
         ordered = counts.sort(descending=True).values
         n1 = int(ordered[0])

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ._checks import check_count, check_nonnegative, check_positive
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .modules import SplitModel
-from .smoothing import standard_normal
+from .kernels.noise_votes import standard_normal
 
 CHECKPOINT_FORMAT = 1
 
@@ -137,7 +137,7 @@ def splitz_loss(
     """
     q = config.noise_samples
     latent = model.left(x)  # f_L once per input; the Q noise draws are added after it
-    noise = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device)
+    noise = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device, channels_last=True)
     noisy = latent.float().repeat_interleave(q, dim=0) + config.sigma * noise
     cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q))
     parts = {"ce": float(cross_entropy.detach())}

@@ -1,0 +1,339 @@
+"""Noise draws and vote counting of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents`` and
+``count_votes``, each a Triton kernel with its launcher, beside the pure-PyTorch references
+``noisy_latents_reference`` and ``count_votes_reference`` (the CPU path and the test oracle).
+
+``noisy_latents(latent, num, σ, seed, offset) -> [num, *latent.shape]``
+    ``latent + σ z`` with ``z ~ N(0, I)`` drawn **in float32** from a counter-based Philox4x32-10 stream
+    (``tl.randint4x``) and the sum formed in float32; only then is the result cast to ``out_dtype`` (float32,
+    bfloat16 or float16) on store. That cast is part of the base classifier ``f_R`` and keeps the smoothing guarantee
+    (Voráček & Hein 2023); noise drawn or added in low precision would not. The latent is broadcast over the sample
+    dimension inside the kernel (no ``latent.repeat``), and 4-D outputs can be written directly in channels_last.
+
+``count_votes(logits [b, C], counts [C])``
+    ``counts += bincount(argmax(logits, 1), minlength=C)`` in place, on the device, without a host sync: ties go to
+    the lowest index and a NaN counts as the maximum (the first NaN of a row wins), both as ``torch.argmax``.
+
+The Philox stream (the contract that makes selection and estimation draws independent)
+--------------------------------------------------------------------------------------
+Element ``j`` (row-major index into ``latent``, ``0 <= j < D = latent.numel()``) of sample ``k`` (``0 <= k < num``) of a
+call uses the 64-bit Philox counter ``(offset + k) * D + j`` under the 64-bit key ``seed``, and nothing else uses
+it. So samples drawn under one seed are independent as long as the **caller** never reuses a sample index
+``offset + k``: start a seed at ``offset = 0`` and advance ``offset += num`` after every call (selection draws
+``[0, n0)``, estimation draws ``[n0, n0 + n)``, and so on). Consequences:
+
+* the draws are a pure function of ``(latent, σ, seed, sample index)``: splitting ``num`` samples into batches of any
+  size gives bitwise the same samples (tested), and so do channels_last and contiguous outputs;
+* ``(offset + num) * D`` must stay below ``2**64`` (checked).
+
+Each element costs one Philox call; ``z = sqrt(-2 ln u1) cos(2π u2)`` (Box–Muller) with ``u1`` built from **64**
+random bits, so ``|z|`` reaches 9.4 instead of the 5.7 that ``tl.randn`` allows (it clamps ``u1 >= 1e-7``; a latent
+of 8·10⁵ coordinates would then miss ``|z| > 5.7`` in about 1 % of the samples). ``u2`` has 32 random bits.
+
+Where the kernels run: CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before the first launch (the
+kernels are jitted lazily at their first launch, so importing this module never imports Triton and never fails
+where Triton is missing). Only Triton features present in Triton 3.6 are used.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from splitz_fast._checks import check_count, check_positive
+
+OPS = ("noisy_latents", "count_votes")  # op names for splitz_fast.kernels.TRITON_OPS
+NOISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COUNT_DTYPES = (torch.int64, torch.int32)
+_U64 = 2**64
+_MAX_GRID_Y = 65535
+
+tl = None  # triton.language, bound by _kernels() at the first launch (the jitted functions resolve it as a global)
+
+
+# ---------------------------------------------------------------------------------------------------- Triton kernels
+# Plain functions here, wrapped by triton.jit in _kernels(): Triton decides between the compiler and the interpreter
+# (TRITON_INTERPRET) when a function is wrapped, so wrapping happens at the first launch, not at import.
+
+def _noisy_latents_kernel(
+    latent_ptr, out_ptr, num, numel, channels, spatial, sigma,
+    seed_lo, seed_hi, base_lo, base_hi,
+    CHANNELS_LAST: tl.constexpr, BF16: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """A ``[BLOCK_S samples, BLOCK_E storage positions]`` tile of the output ``[num, numel]`` (per-sample storage
+    order). For channels_last outputs ``channels = C`` and ``spatial = H * W`` of the latent ``[C, H, W]``. Seed and
+    counter base arrive as signed 32-bit halves so that one compiled variant serves every value."""
+    q = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # storage position within a sample (int32)
+    k = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # sample index within the launch
+    emask = q < numel
+    mask = (k < num)[:, None] & emask[None, :]
+    if CHANNELS_LAST:  # storage order (H, W, C) -> logical row-major index over (C, H, W)
+        j = (q % channels) * spatial + q // channels
+    else:
+        j = q
+    seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    base = (base_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | base_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    row = k.to(tl.int64)[:, None] * numel
+    counter = base + (row + j.to(tl.int64)[None, :]).to(tl.uint64)  # = (offset + k) * numel + j
+    w0, w1, w2, _ = tl.randint4x(seed, counter)
+    # u1 in (0, 1] from 64 bits: (w0 + (w1 + 1/2) 2^-32) 2^-32; u2 in [-1/2, 1/2) from 32 bits (cos is even in θ,
+    # and |θ| <= π keeps fast cosine approximations in their accurate range).
+    u1 = w0.to(tl.float32) * 2.3283064365386963e-10 + (w1.to(tl.float32) + 0.5) * 5.421010862427522e-20
+    u1 = tl.minimum(u1, 1.0)
+    u2 = w2.to(tl.float32) * 2.3283064365386963e-10 - 0.5
+    # max(., 0): an approximate log may return a tiny positive value just below u1 = 1 (sqrt would give NaN)
+    z = tl.sqrt(tl.maximum(-2.0 * tl.log(u1), 0.0)) * tl.cos(6.283185307179586 * u2)
+    lat = tl.load(latent_ptr + j, mask=emask, other=0.0).to(tl.float32)[None, :]
+    value = lat + sigma * z  # float32; the cast below is the only rounding to a narrower type
+    if BF16:
+        # float32 -> bfloat16, round to nearest even on the bit pattern (torch's rule; NaN -> canonical NaN). Spelt
+        # out because Triton's interpreter truncates this cast, while compiled Triton rounds to nearest even.
+        bits = value.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        rounded = tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
+        tl.store(out_ptr + (row + q[None, :]), rounded.to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(out_ptr + (row + q[None, :]), value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _count_votes_kernel(
+    logits_ptr, counts_ptr, rows, classes, stride_r, stride_c,
+    VALUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    LOCAL_HIST: tl.constexpr,
+):
+    """Row argmax of ``BLOCK_R`` rows (scan over column chunks of ``BLOCK_C``), then either one block-local
+    histogram of ``BLOCK_H >= classes`` bins added with one masked atomic per non-empty bin (``LOCAL_HIST``) or one
+    atomic per row. ``VALUE`` is the comparison dtype (float32, or float64 for float64 logits)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    row_ptr = logits_ptr + r.to(tl.int64)[:, None] * stride_r
+    best = tl.full([BLOCK_R], float("-inf"), VALUE)
+    best_idx = tl.zeros([BLOCK_R], dtype=tl.int32)
+    first_nan = tl.zeros([BLOCK_R], dtype=tl.int32) + classes
+    for start in range(0, classes, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        valid = rmask[:, None] & (cols < classes)[None, :]
+        x = tl.load(row_ptr + cols.to(tl.int64)[None, :] * stride_c, mask=valid, other=float("-inf")).to(VALUE)
+        is_nan = (x != x) & valid
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan, cols[None, :], classes), axis=1))
+        ordinary = valid & (x == x)
+        x = tl.where(ordinary, x, float("-inf"))
+        chunk_max = tl.max(x, axis=1)
+        chunk_idx = tl.min(tl.where(ordinary & (x == chunk_max[:, None]), cols[None, :], classes), axis=1)
+        better = chunk_max > best  # strict: an equal maximum in a later chunk keeps the lower index
+        best = tl.where(better, chunk_max, best)
+        best_idx = tl.where(better, chunk_idx, best_idx)
+    vote = tl.where(first_nan < classes, first_nan, best_idx)  # all -inf rows keep index 0, like torch.argmax
+    if LOCAL_HIST:
+        bins = tl.arange(0, BLOCK_H)
+        hist = tl.sum(((vote[:, None] == bins[None, :]) & rmask[:, None]).to(tl.int32), axis=0)
+        tl.atomic_add(counts_ptr + bins, hist.to(counts_ptr.dtype.element_ty), mask=(hist > 0) & (bins < classes),
+                      sem="relaxed")
+    else:
+        ones = tl.full([BLOCK_R], 1, dtype=counts_ptr.dtype.element_ty)
+        tl.atomic_add(counts_ptr + vote, ones, mask=rmask, sem="relaxed")
+
+
+@functools.cache
+def _kernels():
+    """The jitted kernels (built once, at the first launch)."""
+    global tl
+    try:
+        import triton
+        import triton.language as language
+    except ImportError as exc:  # pragma: no cover - exercised only without triton
+        raise RuntimeError("the Triton kernels of splitz_fast.kernels.noise_votes need the `triton` package; use "
+                           "noisy_latents_reference / count_votes_reference (SPLITZ_BACKEND=reference)") from exc
+    tl = language
+    noise = triton.jit(_noisy_latents_kernel, do_not_specialize=["sigma", "seed_lo", "seed_hi", "base_lo", "base_hi"])
+    votes = triton.jit(_count_votes_kernel)
+    return triton, noise, votes
+
+
+def _check_launch_device(name: str, t: torch.Tensor) -> None:
+    _, noise, _ = _kernels()
+    interpreted = type(noise).__name__ == "InterpretedFunction"
+    if t.device.type != "cuda" and not interpreted:
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels run on CUDA tensors (or on CPU tensors when "
+                         "TRITON_INTERPRET=1 is set before the first launch); use the *_reference function elsewhere")
+
+
+def _split32(value: int) -> tuple[int, int]:
+    """A value in [0, 2**64) as (low, high) 32-bit halves, each reinterpreted as a signed int32."""
+    lo, hi = value & 0xFFFFFFFF, value >> 32
+    return (lo - 2**32 if lo >= 2**31 else lo), (hi - 2**32 if hi >= 2**31 else hi)
+
+
+# ------------------------------------------------------------------------------------------------------ noise draws
+def _check_noise_args(latent, num, sigma, out_dtype, channels_last) -> float:
+    if not isinstance(latent, torch.Tensor):
+        raise TypeError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
+    if not latent.is_floating_point():
+        raise TypeError(f"latent must be a floating-point tensor, got dtype {latent.dtype}")
+    if latent.numel() == 0:
+        raise ValueError(f"latent must have at least one element, got shape {tuple(latent.shape)}")
+    check_count("num", num)
+    sigma = check_positive("sigma", sigma)
+    if out_dtype not in NOISE_DTYPES:
+        raise ValueError(f"out_dtype must be one of {NOISE_DTYPES}, got {out_dtype}")
+    if not isinstance(channels_last, bool):
+        raise TypeError(f"channels_last must be a bool, got {type(channels_last).__name__}")
+    if channels_last and latent.ndim != 3:
+        raise ValueError(f"channels_last needs a [C, H, W] latent (4-D output), got shape {tuple(latent.shape)}")
+    return sigma
+
+
+def _memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def noisy_latents(
+    latent: torch.Tensor,
+    num: int,
+    sigma: float,
+    seed: int,
+    offset: int,
+    out_dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``num`` noisy copies of one latent, ``latent + σ z`` with ``z ~ N(0, I)``, by the Triton kernel.
+
+    Args:
+        latent: ``f_L(x)`` of one input, any shape ``S`` (e.g. ``[C, H, W]``), any float dtype (read as float32).
+        num: number of samples ``>= 1``.
+        sigma: noise level σ, finite ``> 0``, in latent units.
+        seed: Philox key, an integer in ``[0, 2**64)``.
+        offset: index of the first sample in the seed's stream, ``>= 0``; sample ``k`` uses the Philox counters
+            ``(offset + k) * D + j`` (``D = latent.numel()``). Advance it by ``num`` after each call (see the module
+            docstring): reusing an index reuses its noise.
+        out_dtype: float32 (default), bfloat16 or float16. The noise and the sum are float32 whatever this is.
+        channels_last: write the ``[num, C, H, W]`` output in channels_last memory format (3-D latents only).
+        out: optional preallocated output (e.g. a static buffer reused across batches) of shape ``[num, *S]``,
+            dtype ``out_dtype``, on the latent's device, dense in the requested memory format.
+
+    Returns:
+        ``[num, *S]`` tensor of dtype ``out_dtype`` on the latent's device. Non-finite latents are not checked
+        (that would need a host sync); they propagate.
+    """
+    sigma = _check_noise_args(latent, num, sigma, out_dtype, channels_last)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an integer >= 0 (the index of the first sample in the stream), got {offset!r}")
+    numel = latent.numel()
+    if numel >= 2**31:
+        raise ValueError(f"latent has {numel} elements; the kernel indexes one sample with 32-bit integers (< 2**31)")
+    if (offset + num) * numel > _U64:
+        raise ValueError(f"offset + num = {offset + num} samples of {numel} elements exceed the 2**64 Philox counters "
+                         "of one seed; start a new seed")
+    fmt = _memory_format(channels_last)
+    shape = (num, *latent.shape)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=latent.device, memory_format=fmt)
+    elif (tuple(out.shape) != shape or out.dtype != out_dtype or out.device != latent.device
+          or not out.is_contiguous(memory_format=fmt)):
+        raise ValueError(f"out must be a dense {'channels_last' if channels_last else 'contiguous'} tensor of shape "
+                         f"{shape}, dtype {out_dtype} on {latent.device}; got {tuple(out.shape)}, {out.dtype} on "
+                         f"{out.device}")
+    _check_launch_device("latent", latent)
+    triton, kernel, _ = _kernels()
+    source = latent.detach().contiguous()
+    channels, spatial = (latent.shape[0], latent.shape[1] * latent.shape[2]) if channels_last else (1, numel)
+    seed_lo, seed_hi = _split32(seed)
+    block_e = min(triton.next_power_of_2(numel), 1024)
+    block_s = max(1, 1024 // block_e)
+    chunk = block_s * _MAX_GRID_Y  # samples per launch (the grid's second axis is limited to 65535 blocks)
+    flat = out.as_strided((num, numel), (numel, 1))  # the dense storage, one row per sample, whatever the layout
+    for start in range(0, num, chunk):
+        rows = min(chunk, num - start)
+        base_lo, base_hi = _split32(((offset + start) * numel) % _U64)
+        kernel[(triton.cdiv(numel, block_e), triton.cdiv(rows, block_s))](
+            source, flat[start:], rows, numel, channels, spatial, sigma, seed_lo, seed_hi, base_lo, base_hi,
+            CHANNELS_LAST=channels_last, BF16=out_dtype == torch.bfloat16, BLOCK_S=block_s, BLOCK_E=block_e,
+        )
+    return out
+
+
+def noisy_latents_reference(
+    latent: torch.Tensor,
+    num: int,
+    sigma: float,
+    generator: torch.Generator | None,
+    out_dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+) -> torch.Tensor:
+    """The PyTorch path of :func:`noisy_latents`: ``torch.randn`` in float32 from ``generator`` (on the latent's
+    device), ``latent.float() + σ z`` in float32, then the cast to ``out_dtype`` / channels_last. Same output contract;
+    the draws come from torch's generator, so they differ from the Philox stream of the kernel (same distribution).
+    """
+    sigma = _check_noise_args(latent, num, sigma, out_dtype, channels_last)
+    noise = standard_normal(num, latent.shape, generator, latent.device, channels_last)
+    noisy = noise.mul_(sigma).add_(latent.detach().float())
+    return noisy.to(dtype=out_dtype, memory_format=_memory_format(channels_last))
+
+
+def standard_normal(
+    batch: int, shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device,
+    channels_last: bool = False,
+) -> torch.Tensor:
+    """``[batch, *shape]`` float32 N(0, 1) draws from ``torch.randn``. With ``channels_last`` (``shape = (C, H, W)``)
+    the numbers are drawn in NHWC order and viewed as NCHW, so the batch comes out channels_last without a copy —
+    convolutions in ``f_R`` then take their faster NHWC path (CPU, LeNet: 1.4x the samples/s for SPLITZ, 1.9x for
+    plain RS)."""
+    if channels_last and len(shape) == 3:
+        c, h, w = shape
+        return torch.randn((batch, h, w, c), generator=generator, device=device, dtype=torch.float32).permute(0, 3, 1, 2)
+    return torch.randn((batch, *shape), generator=generator, device=device, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ vote counts
+def _check_votes_args(logits, counts) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(counts, torch.Tensor):
+        raise TypeError("logits and counts must be torch.Tensors")
+    if logits.ndim != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point [batch, num_classes] tensor, got shape "
+                         f"{tuple(logits.shape)} and dtype {logits.dtype}")
+    if counts.ndim != 1 or counts.dtype not in COUNT_DTYPES:
+        raise ValueError(f"counts must be a 1-D int64 or int32 tensor, got shape {tuple(counts.shape)} and dtype "
+                         f"{counts.dtype}")
+    if counts.numel() != logits.shape[1] or counts.numel() == 0:
+        raise ValueError(f"counts has {counts.numel()} bins but logits have {logits.shape[1]} classes (need >= 1)")
+    if counts.device != logits.device:
+        raise ValueError(f"counts ({counts.device}) and logits ({logits.device}) must be on the same device")
+    if not counts.is_contiguous():
+        raise ValueError("counts must be contiguous (it is updated in place)")
+
+
+def count_votes(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``counts += bincount(argmax(logits, dim=1), minlength=C)`` in place by the Triton kernel; returns ``counts``.
+
+    Args:
+        logits: ``[b, C]`` scores, any float dtype and strides. Ties go to the lowest class index; a NaN counts as the
+            maximum (the row's first NaN wins), as ``torch.argmax``.
+        counts: ``[C]`` int64 or int32 histogram, contiguous, on the logits' device; accumulated atomically.
+    """
+    _check_votes_args(logits, counts)
+    rows, classes = logits.shape
+    if rows == 0:
+        return counts
+    _check_launch_device("logits", logits)
+    triton, _, kernel = _kernels()
+    block_c = min(triton.next_power_of_2(classes), 512)
+    block_r = max(1, min(64, 4096 // block_c))
+    block_h = triton.next_power_of_2(classes)
+    value = tl.float64 if logits.dtype == torch.float64 else tl.float32
+    kernel[(triton.cdiv(rows, block_r),)](
+        logits, counts, rows, classes, logits.stride(0), logits.stride(1),
+        VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h, LOCAL_HIST=block_r * block_h <= 8192,
+    )
+    return counts
+
+
+def count_votes_reference(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The PyTorch path of :func:`count_votes` (``argmax`` + ``bincount``), same signature and in-place contract."""
+    _check_votes_args(logits, counts)
+    if logits.shape[0]:
+        votes = torch.bincount(logits.argmax(dim=1), minlength=counts.numel())
+        counts += votes.to(counts.dtype)
+    return counts

@@ -1,0 +1,326 @@
+"""Noise draws (``noisy_latents``) and vote counts (``count_votes``): Triton kernels against their PyTorch references.
+
+Without CUDA the kernels run on CPU tensors under Triton's interpreter, which must be switched on before anything
+wraps a Triton kernel: this file sets ``TRITON_INTERPRET=1`` first (a ``tests/conftest.py`` should do it for the
+whole suite). Shapes are tiny because the interpreter is slow. The same checks run on CUDA tensors where a GPU exists
+(``gpu`` marker).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import pytest  # noqa: E402
+from scipy import stats  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from splitz_fast.kernels import noise_votes  # noqa: E402
+from splitz_fast.kernels.noise_votes import (  # noqa: E402
+    count_votes,
+    count_votes_reference,
+    noisy_latents,
+    noisy_latents_reference,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu" if not CUDA else pytest.param("cpu", marks=pytest.mark.skip(reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def _latent(shape, device, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(device, dtype)
+
+
+def _noise(latent, num, sigma, seed, offset, **kw):
+    """Standardized noise z = (out − latent) / σ of one kernel call, in float64 on the CPU."""
+    out = noisy_latents(latent, num, sigma, seed, offset, **kw)
+    return ((out.double() - latent.double()) / sigma).cpu()
+
+
+# ------------------------------------------------------------------------------------------------------ noise draws
+@pytest.mark.parametrize("shape,num,channels_last", [
+    ((3, 5, 7), 3, False), ((3, 5, 7), 3, True), ((13,), 7, False), ((1,), 5, False), ((2, 1, 3), 1, True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_poisoned_output_is_fully_written(device, shape, num, channels_last, dtype):
+    latent = _latent(shape, device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.full((num, *shape), math.nan, dtype=dtype, device=device).contiguous(memory_format=fmt)
+    result = noisy_latents(latent, num, 0.5, 11, 3, out_dtype=dtype, channels_last=channels_last, out=out)
+    assert result is out and result.dtype == dtype and tuple(result.shape) == (num, *shape)
+    assert torch.isfinite(result.float()).all()
+    fresh = noisy_latents(latent, num, 0.5, 11, 3, out_dtype=dtype, channels_last=channels_last)
+    assert torch.equal(result, fresh)
+
+
+def test_mean_and_std_match_latent_and_sigma(device):
+    num, sigma = 3000, 0.7
+    latent = _latent((13,), device) * 3
+    out = noisy_latents(latent, num, sigma, 5, 0).double().cpu()
+    lat = latent.double().cpu()
+    # per coordinate: |mean − latent| within 5 standard errors, std within 5 standard errors of σ
+    assert ((out.mean(0) - lat).abs() < 5 * sigma / math.sqrt(num)).all()
+    assert ((out.std(0) / sigma - 1).abs() < 5 / math.sqrt(2 * num)).all()
+    z = ((out - lat) / sigma).flatten()
+    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * z.numel())
+
+
+def _anderson_darling_standard_normal(z):
+    """A² of the sample against N(0, 1) itself (no estimated parameters; stable across SciPy versions)."""
+    x = np.sort(z)
+    n = x.size
+    i = np.arange(1, n + 1)
+    return float(-n - np.mean((2 * i - 1) * (stats.norm.logcdf(x) + stats.norm.logsf(x[::-1]))))
+
+
+def test_noise_is_standard_normal(device):
+    z = _noise(_latent((3, 5, 7), device), 300, 0.25, 2024, 0).flatten().numpy()  # 31,500 draws
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert _anderson_darling_standard_normal(z) < 3.857  # the 1 % level for a fully specified null
+    # tails: P(|z| > 2.5) = 1.24 %, P(|z| > 3.5) = 0.047 %
+    for t in (2.5, 3.5):
+        p = 2 * stats.norm.sf(t)
+        frac = float((abs(z) > t).mean())
+        assert abs(frac - p) < 5 * math.sqrt(p * (1 - p) / z.size), (t, frac, p)
+
+
+def test_samples_and_coordinates_are_uncorrelated(device):
+    d = num = 200
+    z = _noise(_latent((d,), device), num, 1.0, 99, 0)
+    for matrix in (z, z.T):  # between samples, and between coordinates
+        corr = torch.corrcoef(matrix)
+        off = corr[~torch.eye(corr.shape[0], dtype=torch.bool)]
+        assert abs(float(off.mean())) < 5 / math.sqrt(d * (d - 1) / 2) / math.sqrt(d)
+        assert abs(float(off.pow(2).mean() * (d - 1)) - 1) < 0.1  # E r² ≈ 1/(d−1) under independence
+    flat = z.flatten()  # neighbouring Philox counters
+    lag1 = float(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1])
+    assert abs(lag1) < 5 / math.sqrt(flat.numel())
+
+
+def test_consecutive_calls_of_one_seed_are_independent(device):
+    """Selection draws (offset 0) and estimation draws (offset advanced by num) of one seed share nothing."""
+    latent = _latent((64,), device)
+    first = _noise(latent, 100, 1.0, 7, 0).flatten()
+    second = _noise(latent, 100, 1.0, 7, 100).flatten()
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / math.sqrt(first.numel())
+
+
+def test_seeds_and_offsets_select_distinct_streams(device):
+    latent = _latent((16,), device)
+    ref = noisy_latents(latent, 4, 0.5, 123, 0)
+    assert torch.equal(ref, noisy_latents(latent, 4, 0.5, 123, 0))  # same (seed, offset): bitwise the same
+    others = {
+        "seed + 1": noisy_latents(latent, 4, 0.5, 124, 0),
+        "seed + 2**32 (high key word)": noisy_latents(latent, 4, 0.5, 123 + 2**32, 0),
+        "offset 4 (next samples)": noisy_latents(latent, 4, 0.5, 123, 4),
+        "counter + 2**32 (high counter word)": noisy_latents(latent, 4, 0.5, 123, 2**32 // 16),
+    }
+    for name, other in others.items():
+        assert not (ref == other).any(), name
+    top = noisy_latents(latent, 2, 0.5, 2**64 - 1, 2**64 // 16 - 2)  # largest key, last counters of the stream
+    assert torch.isfinite(top).all()
+
+
+def test_draws_do_not_depend_on_batching_or_layout(device, monkeypatch):
+    """Sample k of a seed is a function of (seed, k) only: any batching, launch chunking or layout gives it back."""
+    latent = _latent((3, 5, 7), device)
+    whole = noisy_latents(latent, 7, 0.5, 31, 2)
+    parts = [noisy_latents(latent, 1, 0.5, 31, 2), noisy_latents(latent, 4, 0.5, 31, 3),
+             noisy_latents(latent, 2, 0.5, 31, 7)]
+    assert torch.equal(whole, torch.cat(parts))
+    channels_last = noisy_latents(latent, 7, 0.5, 31, 2, channels_last=True)
+    assert channels_last.is_contiguous(memory_format=torch.channels_last)
+    assert not channels_last.is_contiguous()
+    assert torch.equal(whole, channels_last)
+    monkeypatch.setattr(noise_votes, "_MAX_GRID_Y", 2)  # several launches of 2 samples
+    assert torch.equal(whole, noisy_latents(latent, 7, 0.5, 31, 2))
+    assert torch.equal(whole, noisy_latents(latent, 7, 0.5, 31, 2, channels_last=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_low_precision_output_is_the_float32_sum_cast_afterwards(device, dtype, channels_last):
+    """The noise and the sum are float32; the cast to bf16/fp16 is the only rounding (round to nearest even)."""
+    latent = _latent((4, 6, 5), device) * 50  # large values so that the cast rounds most elements
+    for latent_dtype in (torch.float32, dtype):
+        lat = latent.to(latent_dtype)
+        full = noisy_latents(lat, 9, 0.3, 77, 10, channels_last=channels_last)
+        low = noisy_latents(lat, 9, 0.3, 77, 10, out_dtype=dtype, channels_last=channels_last)
+        assert low.dtype == dtype
+        assert torch.equal(low, full.to(dtype))
+        # the float32 output itself is latent + σ z formed in float32, not in the low-precision type
+        assert not torch.equal(full, full.to(dtype).float())
+
+
+def test_noise_input_validation(device):
+    latent = _latent((3, 4), device)
+    with pytest.raises(ValueError, match="sigma"):
+        noisy_latents(latent, 2, 0.0, 1, 0)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="sigma"):
+            noisy_latents(latent, 2, bad, 1, 0)
+    with pytest.raises(ValueError, match="num"):
+        noisy_latents(latent, 0, 1.0, 1, 0)
+    with pytest.raises(TypeError, match="num"):
+        noisy_latents(latent, 2.0, 1.0, 1, 0)
+    for seed in (-1, 2**64, True, 1.0):
+        with pytest.raises(ValueError, match="seed"):
+            noisy_latents(latent, 2, 1.0, seed, 0)
+    for offset in (-1, 0.5):
+        with pytest.raises(ValueError, match="offset"):
+            noisy_latents(latent, 2, 1.0, 1, offset)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        noisy_latents(latent, 2, 1.0, 1, 2**64 // 12 - 1)
+    with pytest.raises(TypeError, match="floating-point"):
+        noisy_latents(torch.ones(3, dtype=torch.int64, device=device), 2, 1.0, 1, 0)
+    with pytest.raises(ValueError, match="out_dtype"):
+        noisy_latents(latent, 2, 1.0, 1, 0, out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="channels_last"):
+        noisy_latents(latent, 2, 1.0, 1, 0, channels_last=True)
+    with pytest.raises(ValueError, match="out must be"):
+        noisy_latents(latent, 2, 1.0, 1, 0, out=torch.empty(3, 3, 4, device=device))
+    with pytest.raises(ValueError, match="out must be"):
+        noisy_latents(latent, 2, 1.0, 1, 0, out=torch.empty(2, 3, 4, device=device, dtype=torch.float16))
+
+
+def test_reference_noise_path(device):
+    latent = _latent((2, 3, 5), device, dtype=torch.float16)
+    gen = torch.Generator(device=device).manual_seed(3)
+    out = noisy_latents_reference(latent, 6, 0.5, gen, torch.bfloat16, channels_last=True)
+    assert out.shape == (6, 2, 3, 5) and out.dtype == torch.bfloat16
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    # channels_last draws in NHWC order (no copy to reach the layout); the default layout draws in NCHW order.
+    gen.manual_seed(3)
+    z = torch.randn((6, 3, 5, 2), generator=gen, device=device, dtype=torch.float32).permute(0, 3, 1, 2)
+    assert torch.equal(out, (z * 0.5 + latent.float()).to(torch.bfloat16))
+    gen.manual_seed(3)
+    z = torch.randn((6, 2, 3, 5), generator=gen, device=device, dtype=torch.float32)
+    gen.manual_seed(3)
+    assert torch.equal(noisy_latents_reference(latent, 6, 0.5, gen), z * 0.5 + latent.float())
+    with pytest.raises(ValueError, match="sigma"):
+        noisy_latents_reference(latent, 6, -0.5, gen)
+
+
+def test_reference_and_kernel_draw_the_same_distribution(device):
+    latent = _latent((10,), device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ref = ((noisy_latents_reference(latent, 1500, 0.5, gen).double() - latent.double()) / 0.5).cpu().flatten()
+    ker = _noise(latent, 1500, 0.5, 0, 0).flatten()
+    assert stats.ks_2samp(ref.numpy(), ker.numpy()).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------ vote counts
+def _logits_with_ties(rows, classes, device, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 4, (rows, classes), generator=gen).float()  # few levels: many tied maxima
+    logits[: rows // 3] = torch.randn(rows // 3, classes, generator=gen)  # and some rows without ties
+    if rows > 2:
+        logits[1] = 0.0  # a whole row tied: class 0
+        logits[2, -1] = logits[2].max() + 1  # maximum at the last class
+    return logits.to(device, dtype)
+
+
+@pytest.mark.parametrize("classes,rows", [(3, 37), (10, 130), (10, 1), (1000, 21), (5000, 9), (1, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("count_dtype", [torch.int64, torch.int32])
+def test_count_votes_matches_argmax_bincount(device, classes, rows, dtype, count_dtype):
+    logits = _logits_with_ties(rows, classes, device, dtype, seed=classes + rows)
+    counts = torch.zeros(classes, dtype=count_dtype, device=device)
+    assert count_votes(logits, counts) is counts
+    expected = torch.bincount(logits.argmax(dim=1), minlength=classes).to(count_dtype)
+    assert torch.equal(counts, expected)
+    assert torch.equal(count_votes_reference(logits, torch.zeros_like(counts)), expected)
+    assert int(counts.sum()) == rows
+
+
+@pytest.mark.parametrize("classes", [1000, 5000])
+def test_ties_across_column_chunks_go_to_the_lowest_index(device, classes):
+    logits = torch.zeros(6, classes, device=device)
+    pairs = [(100, 700), (511, 512), (0, classes - 1), (513, classes - 3), (2, 3), (classes - 2, classes - 1)]
+    for row, (a, b) in enumerate(pairs):
+        logits[row, a] = logits[row, b] = 5.0
+    counts = count_votes(logits, torch.zeros(classes, dtype=torch.int64, device=device))
+    expected = torch.zeros(classes, dtype=torch.int64)
+    for a, _ in pairs:
+        expected[a] += 1
+    assert torch.equal(counts.cpu(), expected)
+
+
+@pytest.mark.parametrize("classes", [7, 1000])
+def test_nan_and_infinite_scores_follow_torch_argmax(device, classes):
+    inf, nan = math.inf, math.nan
+    logits = torch.randn(6, classes)
+    logits[0] = -inf  # all -inf -> class 0
+    logits[1, 3] = nan  # a NaN beats everything
+    logits[2, 5], logits[2, 1] = nan, nan  # the first NaN wins
+    logits[3, 2], logits[3, 4] = inf, inf  # tied +inf -> the lower index
+    logits[4] = -inf
+    logits[4, classes - 1] = nan
+    logits[5, 6] = inf
+    logits[5, 0] = nan
+    counts = count_votes(logits.to(device), torch.zeros(classes, dtype=torch.int64, device=device))
+    expected = torch.bincount(logits.argmax(dim=1), minlength=classes)  # CPU torch.argmax is the oracle
+    assert torch.equal(counts.cpu(), expected)
+    assert int(counts.sum()) == 6
+
+
+def test_count_votes_accumulates_across_calls(device):
+    counts = torch.tensor([5, 0, 2, 0, 1, 0, 0, 0, 0, 3], dtype=torch.int64, device=device)
+    expected = counts.clone()
+    for seed in range(3):
+        logits = _logits_with_ties(40, 10, device, torch.float32, seed)
+        count_votes(logits, counts)
+        count_votes_reference(logits, expected)
+    assert torch.equal(counts, expected)
+    assert int(counts.sum()) == 11 + 120
+    unanimous = torch.zeros(300, 10, device=device)
+    unanimous[:, 3] = 1.0  # every row votes for class 3: contended atomics on one bin
+    before = int(counts[3])
+    count_votes(unanimous, counts)
+    assert int(counts[3]) == before + 300 and int(counts.sum()) == 131 + 300
+
+
+def test_count_votes_on_strided_logits(device):
+    base = torch.randn(24, 30, device=device)
+    for logits in (base.T, base[::3, 1:20:2], base[:, :7]):
+        counts = count_votes(logits, torch.zeros(logits.shape[1], dtype=torch.int64, device=device))
+        assert torch.equal(counts, torch.bincount(logits.argmax(1), minlength=logits.shape[1]))
+
+
+def test_count_votes_validation(device):
+    logits = torch.randn(4, 10, device=device)
+    empty = torch.zeros(0, 10, device=device)
+    counts = torch.zeros(10, dtype=torch.int64, device=device)
+    assert torch.equal(count_votes(empty, counts), torch.zeros_like(counts))
+    assert torch.equal(count_votes_reference(empty, counts), torch.zeros_like(counts))
+    for fn in (count_votes, count_votes_reference):
+        with pytest.raises(ValueError, match="bins"):
+            fn(logits, torch.zeros(9, dtype=torch.int64, device=device))
+        with pytest.raises(ValueError, match="int64 or int32"):
+            fn(logits, torch.zeros(10, device=device))
+        with pytest.raises(ValueError, match="logits"):
+            fn(logits[0], counts)
+        with pytest.raises(ValueError, match="logits"):
+            fn(torch.ones(4, 10, dtype=torch.int64, device=device), counts)
+        with pytest.raises(ValueError, match="contiguous"):
+            fn(logits, torch.zeros(20, dtype=torch.int64, device=device)[::2])
+        with pytest.raises(TypeError):
+            fn(logits.tolist(), counts)
