@@ -361,7 +361,7 @@ def summary_markdown_table(named_tables: Mapping[str, CertificationTable]) -> st
     for name, table in _check_named(named_tables):
         s = summarize(table)
         lines.append(f"| {_markdown_escape(name)} | {s.n} | {100 * s.clean_accuracy:.1f} | "
-                     f"{100 * s.abstention_rate:.1f} | {s.acr:.3f} | {s.mean_time:.3g} |")
+                     f"{100 * s.abstention_rate:.1f} | {s.acr:.3f} | {s.mean_time:.2f} |")
     return "\n".join(lines) + "\n"
 
 

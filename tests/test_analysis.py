@@ -251,8 +251,8 @@ def test_ties_are_all_bold_and_a_single_run_has_none(table_a):
 
 def test_summary_markdown_table(table_a, table_b):
     lines = an.summary_markdown_table({"A": table_a, "B": table_b}).splitlines()
-    assert lines[2] == "| A | 5 | 60.0 | 20.0 | 0.350 | 3 |"
-    assert lines[3] == "| B | 4 | 75.0 | 25.0 | 0.275 | 16 |"
+    assert lines[2] == "| A | 5 | 60.0 | 20.0 | 0.350 | 3.00 |"
+    assert lines[3] == "| B | 4 | 75.0 | 25.0 | 0.275 | 16.00 |"
 
 
 # ---------------------------------------------------------------------------------------------------- plot, analyze
@@ -294,7 +294,7 @@ def test_analyze_writes_its_files(tmp_path):
     text = an.analyze([a, b], RADII, out_dir=out)
     assert "| A | 60.0 | 40.0 | **40.0** | **0.350** |" in text
     assert "| B | **75.0** | **50.0** | 25.0 | 0.275 |" in text
-    assert "| B | 4 | 75.0 | 25.0 | 0.275 | 16 |" in text
+    assert "| B | 4 | 75.0 | 25.0 | 0.275 | 16.00 |" in text
     assert (out / "table.md").read_text() == text
     assert r"A & 60.0 & 40.0 & \textbf{40.0} & \textbf{0.350} \\" in (out / "table.tex").read_text()
     check_png_pdf(out / "certified_accuracy.png", out / "certified_accuracy.pdf")
