@@ -18,6 +18,7 @@ Three ways to bound each factor ``‖A‖₂`` (:class:`~splitz_fast.operators.M
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -297,10 +298,8 @@ def lipschitz_estimate(
             v0 = torch.randn(op.in_shape, dtype=dtype, device=x.device, generator=generator)
         v = v0.to(dtype).expand(batch, *op.in_shape).clone()
         with torch.no_grad():
-            frozen = MaskedAffine(op.layer, op.in_shape, out_mask=op.out_mask, in_mask=op.in_mask,
-                                  in_scale=None, batch=batch, dtype=dtype)
+            frozen = copy.copy(op)  # the same operator on detached weights: the power steps carry no gradient
             frozen.weight = op.weight.detach()
-            frozen.in_factor = None if op.in_factor is None else op.in_factor.detach()
             for _ in range(n_iter):
                 v = frozen.gram_matvec(v)
                 v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
