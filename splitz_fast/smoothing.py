@@ -143,6 +143,7 @@ class Smoother:
         self.reference_lipschitz = reference_lipschitz
         self.gamma_max = check_positive("gamma_max", gamma_max)
         self._global: LipschitzBound | None = None
+        self._global_key: tuple | None = None
         model.left.check_thresholds()
 
     # ------------------------------------------------------------------ sampling engine
@@ -223,8 +224,11 @@ class Smoother:
 
     # ------------------------------------------------------------------ Lipschitz bounds and γ search
     def global_bound(self) -> LipschitzBound:
-        """The global bound of ``f_L`` (computed once, then reused)."""
-        if self._global is None:
+        """The global bound of ``f_L``, reused until a weight or buffer of ``f_L`` changes (an optimizer step or
+        ``load_state_dict`` bumps the tensors' versions), so a stale bound can never certify a changed model."""
+        key = tuple((id(t), t._version) for t in (*self.model.left.parameters(), *self.model.left.buffers()))
+        if self._global is None or key != self._global_key:
+            self._global_key = key
             if self.model.input_shape is None:
                 raise ValueError("the global bound needs the model's input_shape (LeftHalf(input_shape=...))")
             gen = torch.Generator(device=self.device)

@@ -766,3 +766,13 @@ def test_probabilistic_bounds_add_their_failure_probability_to_alpha(search):
     assert r.lipschitz >= float(dense)
     # The bound does not touch the sampling: same seed, same votes, same R.
     assert r.latent_radius == exact.latent_radius and r.count_a == exact.count_a
+
+
+def test_global_bound_is_recomputed_when_f_l_changes():
+    model, x = _splitz_model()
+    smoother = Smoother(model, 0.25, bound="global")
+    before = float(smoother.global_bound().value[0])
+    with torch.no_grad():
+        model.left.layers[0].weight.mul_(2.0)  # an in-place update, as an optimizer step would do
+    after = float(smoother.global_bound().value[0])
+    assert after == pytest.approx(2 * before, rel=1e-9)
