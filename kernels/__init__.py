@@ -43,3 +43,8 @@ def select_backend(op: str, device: torch.device) -> str:
             raise NotImplementedError(f"{BACKEND_ENV}=triton, but op {op!r} has no Triton kernel yet")
         return "triton"
     return "triton" if has_kernel and device.type == "cuda" else "reference"
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``), i.e. kernels may take CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
+
+from . import interpreting
 
 __all__ = [
     "IntervalClip",
@@ -200,10 +201,6 @@ def triton_available() -> bool:
     return True
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def _kernels():
     import triton
@@ -291,7 +288,7 @@ def interval_clip_triton(
     ``radius`` may be ``None`` when ``need_next=False``), written in place and returned.
     """
     _check_z(z)
-    if z.device.type != "cuda" and not _interpreting():
+    if z.device.type != "cuda" and not interpreting():
         raise RuntimeError("interval_clip_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     z = z.detach().contiguous()
     batch = z.shape[0]

@@ -26,9 +26,10 @@ in the Triton releases we support).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from . import interpreting
 
 __all__ = [
     "MaskedLinearFunction",
@@ -127,10 +128,6 @@ def masked_linear_reference(
 # --------------------------------------------------------------------------------------------------------------------
 # Triton kernels (built lazily: importing this module never imports triton)
 # --------------------------------------------------------------------------------------------------------------------
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
@@ -258,7 +255,7 @@ def _strides_2d(t: torch.Tensor | None, batch: int) -> tuple[int, int]:
 
 
 def _require_triton_device(t: torch.Tensor, what: str) -> None:
-    if t.device.type != "cuda" and not _interpreting():
+    if t.device.type != "cuda" and not interpreting():
         raise RuntimeError(f"{what} needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
 
 
