@@ -20,8 +20,14 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/splitz demo
 
+# The unit tests, then the benchmark suite in quick mode (tiny sizes, ~20 s) so it cannot rot; its timings are not results.
 test: install
 	$(BIN)/python -m pytest -q tests
+	SPLITZ_BENCH_QUICK=1 $(BIN)/python -m pytest -q -p no:cacheprovider benchmarks --benchmark-only
+
+# The real benchmark run (numbers for benchmarks/RESULTS.md).
+bench: install
+	$(BIN)/python -m pytest benchmarks --benchmark-only -s
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

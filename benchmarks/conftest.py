@@ -33,3 +33,14 @@ def environment() -> dict:
 def record_env(benchmark):
     benchmark.extra_info.update(environment())
     return benchmark.extra_info
+
+
+# Quick mode (SPLITZ_BENCH_QUICK=1, used by `make test` so the suite cannot rot): tiny sample counts, one round, the
+# small shapes only. Its numbers are smoke-test timings, never results.
+QUICK = os.environ.get("SPLITZ_BENCH_QUICK", "0") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()

@@ -155,11 +155,13 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
                          f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
     smoother = Smoother(model, args.sigma, bound=getattr(args, "bound", "local"),
                         bound_method=getattr(args, "bound_method", "auto"),
-                        gamma_search=getattr(args, "gamma_search", "bisection"))
+                        gamma_search=getattr(args, "gamma_search", "bisection"), precision=args.precision)
     indices = select_indices(len(info.dataset), args.skip, args.max)
     settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
                 "model_spec": ckpt.get("model_spec"), "bound": smoother.bound,
                 "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
+    if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
+        settings["precision"] = smoother.precision
     n0 = args.N0 if kind == "certify" else 0
     run_over_dataset(kind, smoother, info.dataset, args.outfile, settings=settings, indices=indices, n0=n0,
                      n=args.N, alpha=args.alpha, batch_size=args.batch, seed=args.seed, resume=args.resume,
@@ -263,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="local L(x, γ) or the global product of norms (default: local)")
             c.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
                            help="exact (deterministic) or probabilistic (δ added to α); auto picks by size")
+        c.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
+                       help="dtype of f_R while sampling (noise stays float32; default: float32)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i (default: 0)")
         c.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")

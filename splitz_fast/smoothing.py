@@ -33,6 +33,10 @@ from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pval
 ABSTAIN = -1
 GAMMA_SEARCHES = ("bisection", "one-step")
 BOUNDS = ("local", "global")
+# Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
+# autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
+# it as long as the same precision is used for PREDICT and CERTIFY (a Smoother applies it to both).
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -103,6 +107,9 @@ class Smoother:
             is reported.
         reference_lipschitz: ``L_ref`` of the one-step search (e.g. the mean ``L`` over data); ``L(x, 0)`` if None.
         gamma_max: search ceiling when ``L(x, 0) = 0`` (``f_L`` locally constant), in raw input units.
+        precision: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype ``f_R`` runs in while sampling
+            (noise and the noisy latent are float32 until the cast). Lower precision changes the base classifier, not
+            the validity of its certificates; compare runs only at the same precision.
     """
 
     def __init__(
@@ -119,6 +126,7 @@ class Smoother:
         gamma_steps: int = 8,
         reference_lipschitz: float | None = None,
         gamma_max: float = 10.0,
+        precision: str = "float32",
     ):
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
@@ -142,6 +150,9 @@ class Smoother:
             check_positive("reference_lipschitz", reference_lipschitz)
         self.reference_lipschitz = reference_lipschitz
         self.gamma_max = check_positive("gamma_max", gamma_max)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
         self._global: LipschitzBound | None = None
         self._global_key: tuple | None = None
         model.left.check_thresholds()
@@ -206,15 +217,21 @@ class Smoother:
         count = count_votes if select_backend("count_votes", device) == "triton" else count_votes_reference
         channels_last = latent.ndim == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
         latent32 = latent.float().contiguous()
+        dtype = PRECISIONS[self.precision]
+        # Lower precision: the cast happens in the noise kernel; autocast runs f_R's weights in the same dtype.
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
         remaining = num
         while remaining > 0:
             b = min(batch_size, remaining)
             if triton_noise:
-                noisy = noisy_latents(latent32, b, self.sigma, noise.seed, noise.offset, channels_last=channels_last)
+                noisy = noisy_latents(latent32, b, self.sigma, noise.seed, noise.offset, out_dtype=dtype,
+                                      channels_last=channels_last)
                 noise.offset += b  # Philox sample indices are never reused: independent draws
             else:
-                noisy = noisy_latents_reference(latent32, b, self.sigma, noise.generator, channels_last=channels_last)
-            logits = self.model.right(noisy)
+                noisy = noisy_latents_reference(latent32, b, self.sigma, noise.generator, out_dtype=dtype,
+                                                channels_last=channels_last)
+            with autocast:
+                logits = self.model.right(noisy)
             if logits.ndim != 2 or logits.shape[1] != num_classes:
                 raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
                                  f"{num_classes}]; fix num_classes of the SplitModel or the last layer of f_R")

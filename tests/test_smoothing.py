@@ -776,3 +776,38 @@ def test_global_bound_is_recomputed_when_f_l_changes():
         model.left.layers[0].weight.mul_(2.0)  # an in-place update, as an optimizer step would do
     after = float(smoother.global_bound().value[0])
     assert after == pytest.approx(2 * before, rel=1e-9)
+
+
+# ====================================================================== reduced precision of f_R
+@pytest.mark.parametrize("precision,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_reduced_precision_runs_f_r_in_that_dtype_with_float32_noise(precision, dtype):
+    """f_R sees the noisy latent cast to the dtype, and that latent is (float32 latent + float32 noise) rounded once:
+    the same draws as the float32 run from the same seed, cast."""
+    right32 = Recorder(LinearBinary(torch.tensor([1.0, -2.0, 0.5]), 0.1))
+    right_low = Recorder(LinearBinary(torch.tensor([1.0, -2.0, 0.5]), 0.1))
+    x = torch.tensor([0.3, -0.2, 0.9])
+    Smoother(plain_rs(right32, (3,), 2), 0.5).certify(x, n0=20, n=200, alpha=0.01, batch_size=50, seed=3)
+    Smoother(plain_rs(right_low, (3,), 2), 0.5, precision=precision).certify(x, n0=20, n=200, alpha=0.01,
+                                                                             batch_size=50, seed=3)
+    assert all(b.dtype == dtype for b in right_low.batches)
+    assert len(right_low.batches) == len(right32.batches)
+    for low, full in zip(right_low.batches, right32.batches):
+        assert torch.equal(low, full.to(dtype))
+
+
+def test_reduced_precision_certifies_like_float32_on_an_easy_input():
+    """A LeNet-sized f_R in bfloat16 under autocast votes like float32 except near its decision boundary: on a
+    linear f_R with margin ≫ bfloat16's rounding the counts agree exactly."""
+    right = LinearBinary(torch.ones(16), 0.0)
+    model = plain_rs(right, (16,), 2)
+    x = torch.full((16,), 0.5)  # w·x = 8, noise std of w·δ = 0.25·4 = 1: P[class 0] ≈ Φ(−8), never drawn
+    full = Smoother(model, 0.25).certify(x, n0=50, n=2000, alpha=0.001, seed=0)
+    low = Smoother(model, 0.25, precision="bfloat16").certify(x, n0=50, n=2000, alpha=0.001, seed=0)
+    assert full.prediction == low.prediction == 1
+    assert low.radius == pytest.approx(full.radius)
+
+
+def test_bad_precision_is_refused():
+    model, _ = _splitz_model()
+    with pytest.raises(ValueError, match="precision"):
+        Smoother(model, 0.25, precision="fp8")
