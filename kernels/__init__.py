@@ -5,6 +5,9 @@ reference beside it — the reference is both the CPU path and the test oracle:
 
 * ``noise_votes``: ``noisy_latents`` (Philox noise added to a broadcast latent in float32, optional bf16/channels_last
   store) and ``count_votes`` (row argmax + histogram on the device) — used by the sampling engine;
+* ``first_layer_bounds``: standardization, the first affine layer (conv as an implicit GEMM, or linear), its exact
+  l2-ball bound with the rounding margin, the varying mask, ``f_L(x)`` and the clipped interval, in one pass over the
+  input — layer 1 of ``bounds.ball_bounds``;
 * ``interval_clip``: the fused elementwise step of the bound propagation (interval, varying mask, clipped interval
   for the next layer; float64 without FMA for certificates) — used by ``bounds.ball_bounds``;
 * ``masked_linear``: ``m_out ⊙ W (s ⊙ m_in ⊙ v)`` and its transpose with the masks inside a tiled matmul, an
@@ -26,7 +29,8 @@ import torch
 BACKEND_ENV = "SPLITZ_BACKEND"
 BACKENDS = ("auto", "reference", "triton")
 # Ops with a Triton implementation.
-TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "interval_clip", "masked_linear"})
+TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "first_layer_bounds", "interval_clip",
+                                        "masked_linear"})
 
 
 def select_backend(op: str, device: torch.device) -> str:

@@ -88,7 +88,9 @@ def _per_sample_or_shared(name: str, t: torch.Tensor, z: torch.Tensor) -> tuple[
 def _gamma_vector(gamma: float | torch.Tensor | None, z: torch.Tensor) -> torch.Tensor | None:
     if gamma is None:
         return None
-    g = torch.as_tensor(gamma).detach().to(device=z.device, dtype=z.dtype).flatten()
+    # A Python float goes through float64, never torch's float32 default: a γ rounded down would bound a smaller ball.
+    g = gamma if isinstance(gamma, torch.Tensor) else torch.as_tensor(gamma, dtype=torch.float64)
+    g = g.detach().to(device=z.device, dtype=z.dtype).flatten()
     if g.numel() == 1:
         g = g.expand(z.shape[0])
     if g.numel() != z.shape[0]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ._checks import check_tensor
 from .kernels import select_backend
+from .kernels.first_layer_bounds import first_layer_bounds
 from .kernels.interval_clip import interval_clip
 from .modules import LeftHalf
 
@@ -103,6 +104,20 @@ def _batch_view(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return v.view(-1, *([1] * (like.ndim - 1)))
 
 
+def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch.Tensor, theta, rigorous: bool,
+                 need_next: bool):
+    """Layer 1 of :func:`ball_bounds` through the fused op; a Linear first layer sees the flattened input."""
+    mean = std = None
+    if left.standardize is not None:  # per element, so that a Linear on a flattened image gets its own entries
+        mean = left.standardize._view(left.standardize.mean, x).expand_as(x[:1])[0]
+        std = left.standardize._view(left.standardize.std, x).expand_as(x[:1])[0]
+    if isinstance(layer, nn.Linear) and x.ndim > 2:
+        x, mean, std = x.flatten(1), None if mean is None else mean.flatten(), None if std is None else std.flatten()
+    return first_layer_bounds(x, layer, gamma, theta, mean=mean, std=std,
+                              rel_rounding=ROUNDING_MARGIN if rigorous else 0.0, need_next=need_next,
+                              backend=select_backend("first_layer_bounds", x.device))
+
+
 @torch.no_grad()
 def ball_bounds(
     left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor, dtype: torch.dtype = torch.float64
@@ -118,7 +133,6 @@ def ball_bounds(
     x64 = x.detach().to(dtype)
     g = _as_gamma(gamma, x.shape[0], x.device).to(dtype)
     scale = input_scale(left, x64)
-    h = left.standardize(x64) if left.standardize is not None else x64
     lower: list[torch.Tensor] = []
     upper: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
@@ -126,26 +140,26 @@ def ball_bounds(
     rigorous = dtype == torch.float64
     last = left.depth - 1
     backend = select_backend("interval_clip", x.device)
-    center, radius = h, None
+    center = radius = None  # the interval leaving layer k (set by the first layer's pass)
     for k, layer in enumerate(left.layers):
-        abs_w = layer.weight.detach().to(dtype).abs()
-        z = affine(layer, center)
-        if k == 0:
-            # Exact ball bound: |w_i·(x' − x)| ≤ γ‖w_i D‖ for ‖x' − x‖ ≤ γ.
-            r, gamma_k = first_layer_row_norms(layer, scale, x64), g
-            r_eff = _batch_view(g, z) * r
-        else:
-            r, gamma_k = linear_part(layer, radius, weight=abs_w), None
-            r_eff = r
-        margin = None
-        if rigorous:
-            magnitude = linear_part(layer, center.abs() if k == 0 else center.abs() + radius, weight=abs_w)
-            margin = ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r_eff)
         act = left.activation(k)
         theta = None if act is None else act.threshold.detach()
-        # One fused pass: [lo, up] = z ∓ (γ r + margin), the varying mask (up > 0, lo < θ), and the clipped
-        # interval's center/radius for the next layer (Triton on CUDA, kernels/interval_clip.py's reference elsewhere).
-        step = interval_clip(z, r, theta, gamma=gamma_k, margin=margin, need_next=k < last, backend=backend)
+        if k == 0:
+            # Exact ball bound |w_i·(x' − x)| ≤ γ‖w_i D‖ for ‖x' − x‖ ≤ γ, standardization, the rounding margin, the
+            # mask and the clipped interval in one pass (kernels/first_layer_bounds.py: Triton on CUDA).
+            step = _first_layer(left, layer, x64, g, theta, rigorous, need_next=k < last)
+        else:
+            abs_w = layer.weight.detach().to(dtype).abs()
+            z = affine(layer, center)
+            r = linear_part(layer, radius, weight=abs_w)
+            margin = None
+            if rigorous:
+                magnitude = linear_part(layer, center.abs() + radius, weight=abs_w)
+                margin = ROUNDING_MARGIN * (magnitude + bias_magnitude(layer, z) + r)
+            # One fused pass: [lo, up] = z ∓ (r + margin), the varying mask (up > 0, lo < θ), and the clipped
+            # interval's center/radius for the next layer (Triton on CUDA, kernels/interval_clip.py's reference
+            # elsewhere).
+            step = interval_clip(z, r, theta, margin=margin, need_next=k < last, backend=backend)
         lower.append(step.lower)
         upper.append(step.upper)
         masks.append(step.mask)

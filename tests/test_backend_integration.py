@@ -47,10 +47,13 @@ def test_ball_bounds_and_certificates_agree_across_backends(backend, make_left):
                                   generator=torch.Generator().manual_seed(0)).value
         results[name] = (bounds, exact, prob)
     (b_ref, e_ref, p_ref), (b_tri, e_tri, p_tri) = results["reference"], results["triton"]
-    for k in range(left.depth):  # float64 without FMA: bit for bit
-        assert torch.equal(b_ref.lower[k], b_tri.lower[k]) and torch.equal(b_ref.upper[k], b_tri.upper[k])
+    # The fused first layer sums its taps in another order than the reference convolution/matmul: equal within
+    # float64 rounding (which the 1e-10 rounding margin dominates), and the masks — all the certificate uses — equal.
+    for k in range(left.depth):
+        torch.testing.assert_close(b_tri.lower[k], b_ref.lower[k], rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(b_tri.upper[k], b_ref.upper[k], rtol=1e-13, atol=1e-13)
         assert torch.equal(b_ref.masks[k], b_tri.masks[k])
-    assert torch.equal(e_ref, e_tri)
+    assert torch.equal(e_ref, e_tri)  # the exact bound depends on the weights and the masks only
     assert torch.allclose(p_ref, p_tri, rtol=1e-9)
 
 
