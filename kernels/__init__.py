@@ -13,7 +13,8 @@ reference beside it — the reference is both the CPU path and the test oracle:
 * ``masked_linear``: ``m_out ⊙ W (s ⊙ m_in ⊙ v)`` and its transpose with the masks inside a tiled matmul, an
   ``autograd.Function`` (gradient w.r.t. ``W``) — the ``Linear`` factors of the power iterations.
 
-Convolution factors use cuDNN/oneDNN convolutions with the masks applied around them (no Triton conv yet).
+* ``masked_conv2d``: ``m ⊙ W(f ⊙ v)`` and ``f ⊙ Wᵀ(m ⊙ u)`` for a convolution, an implicit GEMM with the masks
+  inside, an ``autograd.Function`` — the ``Conv2d`` factors of the power iterations.
 
 Dispatch is explicit: Triton for CUDA tensors where an op has a kernel, the reference elsewhere; ``SPLITZ_BACKEND``
 (``auto`` | ``reference`` | ``triton``) forces one, and forcing Triton for an op without a kernel is an error, never a
@@ -30,7 +31,7 @@ BACKEND_ENV = "SPLITZ_BACKEND"
 BACKENDS = ("auto", "reference", "triton")
 # Ops with a Triton implementation.
 TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "first_layer_bounds", "interval_clip",
-                                        "masked_linear"})
+                                        "masked_linear", "masked_conv2d"})
 
 
 def select_backend(op: str, device: torch.device) -> str:

@@ -17,21 +17,12 @@ import torch.nn.functional as F
 
 from .bounds import linear_part
 from .kernels import select_backend
+from .kernels.masked_conv2d import conv2d_adjoint, masked_conv2d
 from .kernels.masked_linear import masked_linear
 
 
 def _channels_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.ndim != 4 else t.contiguous(memory_format=torch.channels_last)
-
-
-def conv2d_adjoint(u: torch.Tensor, weight: torch.Tensor, layer: nn.Conv2d, in_size: tuple[int, int]) -> torch.Tensor:
-    """``Wᵀ u`` for the zero-padded convolution ``layer`` (weights ``weight``) whose input is ``[*, C_in, *in_size]``:
-    a transposed convolution, with the output padding that restores ``in_size`` when the stride drops pixels."""
-    out_padding = []
-    for size_in, size_out, k, s, p, d in zip(in_size, u.shape[-2:], layer.kernel_size, layer.stride, layer.padding,
-                                             layer.dilation):
-        out_padding.append(size_in - ((size_out - 1) * s - 2 * p + d * (k - 1) + 1))
-    return F.conv_transpose2d(u, weight, None, layer.stride, layer.padding, tuple(out_padding), 1, layer.dilation)
 
 
 class MaskedAffine:
@@ -73,7 +64,10 @@ class MaskedAffine:
         # Linear factors run the masked Triton matmul where the dispatch picks it (CUDA, or SPLITZ_BACKEND=triton).
         self._triton_linear = (isinstance(layer, nn.Linear)
                                and select_backend("masked_linear", self.weight.device) == "triton")
-        if isinstance(layer, nn.Conv2d):
+        # Conv2d factors run the masked implicit-GEMM Triton kernels where the dispatch picks them.
+        self._triton_conv = (isinstance(layer, nn.Conv2d)
+                             and select_backend("masked_conv2d", self.weight.device) == "triton")
+        if isinstance(layer, nn.Conv2d) and not self._triton_conv:
             # NHWC operands take the faster convolution path (CPU: ~1.6x per power step for LeNet's conv1).
             self.out_mask = _channels_last(self.out_mask)
             self.in_factor = _channels_last(self.in_factor)
@@ -92,6 +86,9 @@ class MaskedAffine:
         if self._triton_linear:
             return masked_linear(v.reshape(v.shape[0], -1), self.weight, out_mask=self.out_mask,
                                  in_mask=self._flat_in_factor(), backend="triton")
+        if self._triton_conv:
+            return masked_conv2d(v, self.weight, self.layer, out_mask=self.out_mask, in_factor=self.in_factor,
+                                 backend="triton")
         if self.in_factor is not None:
             v = v * self.in_factor
         y = linear_part(self.layer, v, self.weight)
@@ -107,6 +104,10 @@ class MaskedAffine:
             v = masked_linear(u, self.weight, out_mask=None if masked else self.out_mask,
                               in_mask=self._flat_in_factor(), transpose=True, backend="triton")
             return v.reshape(u.shape[0], *self.in_shape)
+        if self._triton_conv:
+            return masked_conv2d(u, self.weight, self.layer, out_mask=None if masked else self.out_mask,
+                                 in_factor=self.in_factor, transpose=True, in_size=self.in_shape[-2:],
+                                 backend="triton")
         if self.out_mask is not None and not masked:
             u = u * self.out_mask
         layer = self.layer

@@ -57,9 +57,16 @@ def test_ball_bounds_and_certificates_agree_across_backends(backend, make_left):
     assert torch.allclose(p_ref, p_tri, rtol=1e-9)
 
 
-def test_training_estimate_and_gradient_agree_across_backends(backend):
-    left = _mlp()
-    x = torch.rand(4, 5, generator=torch.Generator().manual_seed(3))
+def _two_convs() -> sz.LeftHalf:
+    torch.manual_seed(2)
+    return sz.LeftHalf([nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 3, 3, stride=2)],
+                       [sz.ClippedReLU(1.0), sz.ClippedReLU(0.7)], input_shape=(1, 7, 6))
+
+
+@pytest.mark.parametrize("make_left", [_mlp, _two_convs])
+def test_training_estimate_and_gradient_agree_across_backends(backend, make_left):
+    left = make_left()
+    x = torch.rand(4, *left.input_shape, generator=torch.Generator().manual_seed(3))
     out = {}
     for name in ("reference", "triton"):
         backend(name)

@@ -8,27 +8,18 @@ floats, 0xFF for the uint8 mask) so an output the kernel forgot to write fails t
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn as nn
 
+from _helpers import kernel_devices
 import splitz_fast as sz
 from splitz_fast.bounds import ROUNDING_MARGIN, ball_bounds
 from splitz_fast.kernels.first_layer_bounds import (
     first_layer_bounds, first_layer_bounds_reference, first_layer_bounds_triton,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICES = [
-    pytest.param("cpu", id="interp", marks=pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
-                                                             reason="needs triton with TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")]),
-]
+DEVICES = kernel_devices()
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
 # name → (layer factory, one input's shape)
 LAYERS = {
@@ -39,17 +30,6 @@ LAYERS = {
     "linear": (lambda: nn.Linear(13, 19), (13,)),
     "linear-nobias": (lambda: nn.Linear(6, 3, bias=False), (6,)),
 }
-
-
-@pytest.fixture
-def poisoned():
-    """torch.empty returns NaN-filled floats / 0xFF integers while the test runs."""
-    old = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(old[0])
-    torch.utils.deterministic.fill_uninitialized_memory = old[1]
 
 
 def _theta(mode: str, out_channels: int, out_shape, gen):
