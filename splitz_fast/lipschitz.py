@@ -79,9 +79,13 @@ def certified_lambda_max(gram: torch.Tensor, terms: int) -> float:
         return n * u / (1 - n * u)
 
     gram_error = gamma_n(terms + 2) * trace * (1 + 4 * u)
-    if d <= 1024:
+    # The estimate μ only chooses the shift; the Cholesky below is the proof. Convolution Grams are banded (LeNet's
+    # conv1: 3 % non-zeros), where Lanczos on a sparse copy is ~3x faster than a dense eigensolver; small dense Grams
+    # (linear layers) go to eigvalsh.
+    density = float(torch.count_nonzero(gram)) / gram.numel()
+    if d <= 1024 and density > 0.25:
         mu = float(torch.linalg.eigvalsh(gram)[-1])
-    else:  # Lanczos on the (sparse, for convolutions) Gram: an estimate only, the Cholesky below certifies it
+    else:
         matrix = scipy.sparse.csr_matrix(gram.cpu().numpy())
         mu = float(scipy.sparse.linalg.eigsh(matrix, k=1, which="LA", tol=0, return_eigenvectors=False)[0])
     mu = max(mu, 0.0)
