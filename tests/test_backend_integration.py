@@ -1,5 +1,6 @@
 """The library run end to end on the Triton backend (Triton's interpreter on CPU tensors here, the compiled kernels on
-a GPU) against the reference backend: same bounds, same estimates and gradients, a sound and reproducible sampler."""
+CUDA tensors where a GPU exists) against the reference backend: same bounds, same estimates and gradients, a sound and
+reproducible sampler."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,17 @@ import splitz_fast as sz
 from splitz_fast.kernels import BACKEND_ENV
 
 pytest.importorskip("triton")
+
+# Triton runs compiled on CUDA tensors, or interpreted on CPU tensors (conftest.py sets TRITON_INTERPRET=1 without CUDA).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def _rand(*shape, seed: int) -> torch.Tensor:
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 @pytest.fixture
@@ -35,16 +47,16 @@ def _conv() -> sz.LeftHalf:
 
 @pytest.mark.parametrize("make_left", [_mlp, _conv])
 def test_ball_bounds_and_certificates_agree_across_backends(backend, make_left):
-    left = make_left()
-    x = torch.rand(3, *left.input_shape, generator=torch.Generator().manual_seed(2))
-    gamma = torch.tensor([0.0, 0.1, 0.7])
+    left = make_left().to(DEVICE)
+    x = _rand(3, *left.input_shape, seed=2)
+    gamma = torch.tensor([0.0, 0.1, 0.7], device=DEVICE)
     results = {}
     for name in ("reference", "triton"):
         backend(name)
         bounds = sz.ball_bounds(left, x, gamma)
         exact = sz.lipschitz_bound(left, x, gamma, method="exact").value
         prob = sz.lipschitz_bound(left, x, gamma, method="probabilistic", n_iter=16,
-                                  generator=torch.Generator().manual_seed(0)).value
+                                  generator=_gen(0)).value
         results[name] = (bounds, exact, prob)
     (b_ref, e_ref, p_ref), (b_tri, e_tri, p_tri) = results["reference"], results["triton"]
     # The fused first layer sums its taps in another order than the reference convolution/matmul: equal within
@@ -65,13 +77,13 @@ def _two_convs() -> sz.LeftHalf:
 
 @pytest.mark.parametrize("make_left", [_mlp, _two_convs])
 def test_training_estimate_and_gradient_agree_across_backends(backend, make_left):
-    left = make_left()
-    x = torch.rand(4, *left.input_shape, generator=torch.Generator().manual_seed(3))
+    left = make_left().to(DEVICE)
+    x = _rand(4, *left.input_shape, seed=3)
     out = {}
     for name in ("reference", "triton"):
         backend(name)
         left.zero_grad()
-        est = sz.lipschitz_estimate(left, x, 0.2, n_iter=20, generator=torch.Generator().manual_seed(0))
+        est = sz.lipschitz_estimate(left, x, 0.2, n_iter=20, generator=_gen(0))
         est.sum().backward()
         out[name] = (est.detach(), [layer.weight.grad.clone() for layer in left.layers])
     assert torch.allclose(out["reference"][0], out["triton"][0], rtol=1e-4)
@@ -91,11 +103,11 @@ class _Linear2(nn.Module):
 
 def test_smoother_on_the_triton_noise_path_is_reproducible_batch_invariant_and_calibrated(backend):
     backend("triton")
-    left = sz.LeftHalf([nn.Conv2d(1, 2, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 4, 4))
-    x = torch.rand(1, 4, 4, generator=torch.Generator().manual_seed(4))
+    left = sz.LeftHalf([nn.Conv2d(1, 2, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 4, 4)).to(DEVICE)
+    x = _rand(1, 4, 4, seed=4)
     with torch.no_grad():
         u = left(x.unsqueeze(0))[0]
-    w = torch.randn(u.numel(), generator=torch.Generator().manual_seed(5))
+    w = torch.randn(u.numel(), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     sigma = 0.5
     b = 0.8 * sigma * float(w.norm()) - float(u.flatten() @ w)  # p_A = Φ(0.8) ≈ 0.788 for class 1
     model = sz.SplitModel(left, _Linear2(w, b), num_classes=2)
