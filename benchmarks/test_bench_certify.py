@@ -65,14 +65,17 @@ def _time(fn, repeats: int = 1 if QUICK else 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("split_index", [0, 1])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_sampling_throughput_vs_cohen_loop(benchmark, record_env, name, split_index):
+def test_sampling_throughput_vs_cohen_loop(benchmark, record_env, name, split_index, precision):
+    """Our engine with f_R in ``precision`` (bf16: a different base classifier, labelled as such) against the
+    fp32 Cohen-style loop."""
     build, shape, samples, batch = MODELS[name]
     torch.manual_seed(0)
     model = build(split_index=split_index).eval().to(DEVICE)
     x = torch.rand(*shape, device=DEVICE)
-    smoother = sz.Smoother(model, SIGMA)
+    smoother = sz.Smoother(model, SIGMA, precision=precision)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     baseline_by_batch = {b: _time(lambda b=b: cohen_style_counts(model, x, samples, b, SIGMA))
                          for b in sorted({batch, COHEN_DEFAULT_BATCH})}
@@ -88,11 +91,13 @@ def test_sampling_throughput_vs_cohen_loop(benchmark, record_env, name, split_in
     ours_s = benchmark.stats.stats.median
     assert int(counts.sum()) == samples
     ratio = baseline_s / ours_s
-    record_env.update(model=name, samples=samples, batch=batch, ours_samples_per_s=samples / ours_s,
+    record_env.update(model=name, precision=precision, samples=samples, batch=batch,
+                      ours_samples_per_s=samples / ours_s,
                       baseline_samples_per_s={b: samples / t for b, t in baseline_by_batch.items()},
                       ratio_vs_best_cohen_loop=ratio)
     per_batch = ", ".join(f"batch {b}: {samples / t:,.0f}" for b, t in baseline_by_batch.items())
-    print(f"\n{name} s={split_index} on {DEVICE.type}: ours {samples / ours_s:,.0f} samples/s (batch {batch}); "
+    print(f"\n{name} s={split_index} on {DEVICE.type}: ours ({precision} f_R) {samples / ours_s:,.0f} samples/s "
+          f"(batch {batch}); "
           f"Cohen-style loop {per_batch} samples/s; ratio vs its best {ratio:.2f}x ({samples} samples per input)")
 
 
