@@ -5,7 +5,8 @@ the γ search of ``Smoother`` once with ``bisection`` and once with ``one-step``
 machine load) and report the mean radius, the mean number of bound evaluations and the mean search time per image.
 Sampling is not repeated: it is identical for both searches and would only dilute the comparison.
 
-    python scripts/gamma_search_cost.py CHECKPOINT TSV OUT.md [--dataset mnist] [--sigma 0.75] [--device cpu]
+    python scripts/gamma_search_cost.py CHECKPOINT TSV OUT.md [--dataset mnist] [--sigma 0.75] [--max 40]
+                                        [--device cpu]
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("out", help="markdown table to write")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--sigma", type=float, default=0.75)
+    parser.add_argument("--max", type=int, default=40, help="first MAX certified rows (default: 40)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -41,6 +43,8 @@ def main() -> None:
     for idx, r_latent in zip(table.idx, table.extra["R_latent"]):
         if not r_latent > 0:
             continue  # abstained: no search
+        if len(stats["bisection"]["radius"]) >= args.max:
+            break
         x = dataset[int(idx)][0].to(args.device)
         for name, smoother in searches.items():
             generator = torch.Generator(device=args.device).manual_seed(int(idx))

@@ -48,6 +48,9 @@ ablate_search() {
     certify "$BASE/best.pt" "$OUT/search/one-step.tsv" "$SKIP" --gamma-search one-step
     "$SPLITZ" analyze "$MAIN/splitz.tsv" "$OUT/search/one-step.tsv" --names "bisection" "one-step" \
         --radii $RADII --out "$OUT/search"
+    # Search time on the same images in one process (the TSVs' times include sampling and machine load).
+    "$(dirname "$SPLITZ")/python" scripts/gamma_search_cost.py "$BASE/best.pt" "$MAIN/splitz.tsv" \
+        "$OUT/search/cost.md" --device "$DEVICE"
 }
 
 # One retrained SPLITZ model per (model, split, θ_lip, γ_train): trained under runs/, certified once into
