@@ -14,12 +14,30 @@ SPLITZ_COLUMNS = ("L", "gamma", "R_latent", "pA_lower", "bound", "failure_prob")
 HEADER = "\t".join(COHEN_COLUMNS + SPLITZ_COLUMNS)
 
 
+# Six significant digits are at most 5e-6 relative off; nudging by 1e-5 first puts the rounding on the safe side.
+_NUDGE = 1e-5
+
+
+def _never_above(value: float) -> str:
+    """Six significant digits, never printing more than ``value`` (nudged down when plain rounding would)."""
+    text = f"{value:.6g}"
+    return text if not float(text) > value else f"{value * (1 - _NUDGE):.6g}"
+
+
+def _never_below(value: float) -> str:
+    text = f"{value:.6g}"
+    return text if not float(text) < value else f"{value * (1 + _NUDGE):.6g}"
+
+
 def format_row(idx: int, label: int, result: CertifyResult) -> str:
+    """One TSV row. The promise in it is never rounded in the user's disfavour: the radius and ``pA_lower`` are never
+    printed above their values, ``L`` and ``failure_prob`` never below."""
     correct = int(result.prediction == label)
     return "\t".join([
-        str(idx), str(label), str(result.prediction), f"{result.radius:.6g}", str(correct), f"{result.seconds:.4f}",
-        f"{result.lipschitz:.6g}", f"{result.gamma:.6g}", f"{result.latent_radius:.6g}", f"{result.p_a_lower:.6g}",
-        result.bound_kind, f"{result.failure_prob:.3g}",
+        str(idx), str(label), str(result.prediction), _never_above(result.radius), str(correct),
+        f"{result.seconds:.4f}", _never_below(result.lipschitz), f"{result.gamma:.6g}",
+        _never_above(result.latent_radius), _never_above(result.p_a_lower), result.bound_kind,
+        _never_below(result.failure_prob),
     ])
 
 

@@ -313,3 +313,17 @@ def test_analyze_names_runs(tmp_path, table_b):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["A.tsv", "B.tsv", "other"]
     with pytest.raises(ValueError, match="no result files"):
         an.analyze([], [0.25])
+
+
+@pytest.mark.parametrize("radius,failure", [(0.1234567891, 0.0010005), (1.9999999, 0.001 + 4.9e-7), (0.5, 0.001)])
+def test_rows_never_round_a_certificate_in_the_users_disfavour(radius, failure):
+    """A printed radius is never above the certified one, a printed failure probability never below the true one."""
+    from splitz_fast.results import format_row
+    from splitz_fast.smoothing import CertifyResult
+
+    result = CertifyResult(prediction=3, radius=radius, p_a_lower=0.9, latent_radius=radius, lipschitz=1.0,
+                           gamma=radius, bound_kind="local-probabilistic", failure_prob=failure, count_a=90, n=100,
+                           gamma_evaluations=3, seed=0, seconds=0.1, noise_source="torch-cpu")
+    fields = format_row(0, 3, result).split("\t")
+    assert float(fields[3]) <= radius and float(fields[8]) <= radius
+    assert float(fields[11]) >= failure
