@@ -107,10 +107,8 @@ def _batch_view(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch.Tensor, theta, rigorous: bool,
                  need_next: bool):
     """Layer 1 of :func:`ball_bounds` through the fused op; a Linear first layer sees the flattened input."""
-    mean = std = None
-    if left.standardize is not None:  # per element, so that a Linear on a flattened image gets its own entries
-        mean = left.standardize._view(left.standardize.mean, x).expand_as(x[:1])[0]
-        std = left.standardize._view(left.standardize.std, x).expand_as(x[:1])[0]
+    # Per element, so that a Linear on a flattened image gets its own entries.
+    mean, std = (None, None) if left.standardize is None else left.standardize.per_element(x)
     if isinstance(layer, nn.Linear) and x.ndim > 2:
         x, mean, std = x.flatten(1), None if mean is None else mean.flatten(), None if std is None else std.flatten()
     return first_layer_bounds(x, layer, gamma, theta, mean=mean, std=std,

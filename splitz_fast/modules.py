@@ -91,6 +91,10 @@ class Standardize(nn.Module):
         """``1/sd`` shaped to broadcast against ``x``."""
         return 1.0 / self._view(self.std, x)
 
+    def per_element(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, sd)`` with one value per element of one input of the batch ``x`` (shape ``x.shape[1:]``)."""
+        return (self._view(self.mean, x).expand_as(x[:1])[0], self._view(self.std, x).expand_as(x[:1])[0])
+
 
 class LeftHalf(nn.Module):
     """``f_L``: optional standardization, then affine layers each followed by a clipped ReLU (or nothing).
