@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# The device checks as one short run (for a session that is lent a GPU; about 5–8 minutes on an H100):
+# The device checks as one short run (for a session that is lent a GPU; about 5–8 minutes on an H100/H200):
 #   1. the CUDA variants of the kernel and backend tests (marked `gpu`; compiled Triton vs the float64 references),
-#   2. SPEC §5's GPU targets (benchmarks/test_bench_targets.py) and the CPU-vs-loop suites on the GPU.
-# Logs and pytest-benchmark JSON go to $OUT (the device tool's output folder; ./gpu-out elsewhere).
+#   2. each Triton op against its PyTorch/cuDNN reference (benchmarks/test_bench_kernels.py),
+#   3. the sampling/bound/training-step suites on the GPU, the training step again with SPLITZ_BACKEND=reference,
+#   4. SPEC §5's GPU targets end to end (benchmarks/test_bench_targets.py).
+# Logs and pytest-benchmark JSON go to $OUT (the device tool's output folder; ./gpu-out elsewhere); every stage has
+# its own time limit so that a slow stage cannot take the later ones' results with it.
 # The device stack has no network: the package is installed from this tree without build isolation or deps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-PY=${PYTHON:-python}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
-$PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || cat "$OUT/install.log"
-timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_noise_votes.py tests/test_kernels_bounds.py \
-    tests/test_kernels_first_layer.py tests/test_kernels_masked_conv2d.py 2>&1 | tail -40 > "$OUT/gpu-tests.log"
-timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_backend_integration.py 2>&1 | tail -20 >> "$OUT/gpu-tests.log"
-timeout 300 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_targets.py benchmarks/test_bench_bounds.py \
-    benchmarks/test_bench_certify.py --benchmark-only --benchmark-json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-grep -E "met|samples/s|ms per bound|ratio|passed|failed|error" "$OUT/bench.log" | tail -40
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+export PYTHONUNBUFFERED=1
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5; } > "$OUT/gpu.txt" 2>&1
+echo "== kernel tests"; date
+timeout 150 $PY -m pytest -q $XDIST -p no:cacheprovider tests/test_kernels_noise_votes.py \
+    tests/test_kernels_bounds.py tests/test_kernels_first_layer.py tests/test_kernels_masked_conv2d.py \
+    tests/test_backend_integration.py > "$OUT/gpu-tests.log" 2>&1
 tail -3 "$OUT/gpu-tests.log"
+echo "== triton vs reference per op"; date
+timeout 60 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_kernels.py --benchmark-only \
+    --benchmark-json "$OUT/bench-kernels.json" > "$OUT/bench-kernels.log" 2>&1
+grep -E "speedup|passed|failed|rror" "$OUT/bench-kernels.log"
+echo "== sampling, bounds, training step"; date
+timeout 130 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py benchmarks/test_bench_bounds.py \
+    --benchmark-only --benchmark-json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+SPLITZ_BACKEND=reference timeout 40 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py \
+    -k training --benchmark-only >> "$OUT/bench.log" 2>&1
+grep -E "samples/s|ms per bound|ratio|passed|failed|rror" "$OUT/bench.log"
+echo "== SPEC targets"; date
+timeout 200 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_targets.py --benchmark-only \
+    --benchmark-json "$OUT/bench-targets.json" > "$OUT/bench-targets.log" 2>&1
+grep -E "met|passed|failed|rror" "$OUT/bench-targets.log"
+date
