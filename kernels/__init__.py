@@ -16,7 +16,8 @@ reference beside it — the reference is both the CPU path and the test oracle:
 * ``masked_conv2d``: ``m ⊙ W(f ⊙ v)`` and ``f ⊙ Wᵀ(m ⊙ u)`` for a convolution, an implicit GEMM with the masks
   inside, an ``autograd.Function`` — the ``Conv2d`` factors of the power iterations.
 
-Dispatch is explicit: Triton for CUDA tensors where an op has a kernel, the reference elsewhere; ``SPLITZ_BACKEND``
+Dispatch is explicit: Triton for CUDA tensors where an op has a kernel that beats its reference there
+(``AUTO_TRITON_OPS``), the reference elsewhere; ``SPLITZ_BACKEND``
 (``auto`` | ``reference`` | ``triton``) forces one, and forcing Triton for an op without a kernel is an error, never a
 silent fallback. On a machine without a GPU, ``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in
 Triton's interpreter on CPU tensors (slow; for tests).
@@ -32,11 +33,15 @@ BACKENDS = ("auto", "reference", "triton")
 # Ops with a Triton implementation.
 TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "first_layer_bounds", "interval_clip",
                                         "masked_linear", "masked_conv2d"})
+# Ops that ``auto`` sends to Triton on CUDA: the ones measured faster than their reference there
+# (benchmarks/test_bench_kernels.py, H200, batch 256). masked_conv2d is not: its implicit GEMM ran at 0.04–0.39x
+# cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
+AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
 
 
 def select_backend(op: str, device: torch.device) -> str:
     """``"triton"`` or ``"reference"`` for ``op`` on ``device``; ``SPLITZ_BACKEND`` forces one (default ``auto``:
-    Triton on CUDA where the op has a kernel, the reference elsewhere)."""
+    Triton on CUDA for the ops in ``AUTO_TRITON_OPS``, the reference elsewhere)."""
     choice = os.environ.get(BACKEND_ENV, "auto").lower()
     if choice not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {choice!r}")
@@ -47,7 +52,7 @@ def select_backend(op: str, device: torch.device) -> str:
         if not has_kernel:
             raise NotImplementedError(f"{BACKEND_ENV}=triton, but op {op!r} has no Triton kernel yet")
         return "triton"
-    return "triton" if has_kernel and device.type == "cuda" else "reference"
+    return "triton" if op in AUTO_TRITON_OPS and device.type == "cuda" else "reference"
 
 
 def interpreting() -> bool:

@@ -253,15 +253,16 @@ def first_layer_bounds_triton(
 ) -> FirstLayerBounds:
     """The fused Triton pass (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
     _check_args(x, layer)
-    if x.device.type != "cuda" and not interpreting():
-        raise RuntimeError("first_layer_bounds_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-    import triton
-
     x = x.detach().contiguous()
     batch = x.shape[0]
     mean_t, std_t = _per_element(mean, x, "mean"), _per_element(std, x, "std")
     if (mean_t is None) != (std_t is None):
         raise ValueError("give both mean and std, or neither")
+    # After the argument checks, so that a bad argument gets its own message on every machine.
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError("first_layer_bounds_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    import triton
+
     x4, (c_out, c_in, kh, kw), (h_out, w_out, sh, sw, ph, pw, dh, dw) = _conv_geometry(layer, x)
     out_shape = (batch, c_out, h_out, w_out) if isinstance(layer, nn.Conv2d) else (batch, c_out)
     weight = layer.weight.detach().to(x.dtype).contiguous()

@@ -211,14 +211,15 @@ def _launch(x, weight, layer, out_mask, in_factor, transpose, in_size) -> torch.
     import triton
 
     in_size = _check(x, weight, layer, transpose, in_size)
-    if x.device.type != "cuda" and not interpreting():
-        raise RuntimeError("masked_conv2d_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(layer)
     c_out, c_in = weight.shape[:2]
     h_out, w_out = _out_size(in_size, layer)
     batch = x.shape[0]
     out_mask = _per_sample("out_mask", out_mask, batch, (c_out, h_out, w_out))
     in_factor = _per_sample("in_factor", in_factor, batch, (c_in, *in_size))
+    # After the argument checks, so that a bad argument gets its own message on every machine.
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError("masked_conv2d_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     if out_mask is not None and out_mask.dtype == torch.bool:
         out_mask = out_mask.view(torch.uint8)
     if in_factor is not None and in_factor.dtype == torch.bool:

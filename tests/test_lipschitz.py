@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.lipschitz import probabilistic_norm_bound
+from splitz_fast.lipschitz import lanczos_top_eigenvalue, masked_operators, probabilistic_norm_bound
 from splitz_fast.operators import MaskedAffine
 
 
@@ -260,17 +260,56 @@ def test_training_estimate_gradient_matches_dense_svd_gradient():
     assert len(state.vectors) == 1 and state.vectors[0].shape == left.input_shape
 
 
-def test_certified_lambda_max_on_hard_spectra():
+ESTIMATORS = ["eigen", "lanczos"]  # the host solver (CPU default) and device Lanczos (CUDA default), both on CPU here
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_certified_lambda_max_on_hard_spectra(estimator):
     gen = torch.Generator().manual_seed(8)
     for d in (1, 5, 64, 300):
         a = torch.randn(d + 3, d, generator=gen, dtype=torch.float64)
         gram = a.T @ a
         exact = float(torch.linalg.eigvalsh(gram)[-1])
-        value = sz.certified_lambda_max(gram, terms=d + 3)
+        value = sz.certified_lambda_max(gram, terms=d + 3, estimator=estimator)
         assert exact <= value <= exact * (1 + 1e-6)
-    # Clustered top eigenvalues (a multiple of the identity) and a zero matrix.
-    assert 4.0 <= sz.certified_lambda_max(4.0 * torch.eye(50, dtype=torch.float64), 1) <= 4.0 * (1 + 1e-6)
-    assert sz.certified_lambda_max(torch.zeros(7, 7, dtype=torch.float64), 1) == 0.0
+    # Clustered top eigenvalues (a multiple of the identity), rank one (Lanczos stops at an invariant subspace after
+    # one step) and a zero matrix.
+    assert 4.0 <= sz.certified_lambda_max(4.0 * torch.eye(50, dtype=torch.float64), 1, estimator) <= 4.0 * (1 + 1e-6)
+    v = torch.randn(40, generator=gen, dtype=torch.float64)
+    rank_one = torch.outer(v, v)
+    top = float(v @ v)
+    assert top <= sz.certified_lambda_max(rank_one, 1, estimator) <= top * (1 + 1e-6)
+    assert sz.certified_lambda_max(torch.zeros(7, 7, dtype=torch.float64), 1, estimator) == 0.0
+    assert sz.certified_lambda_max(torch.zeros(0, 0, dtype=torch.float64), 1, estimator) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lanczos_estimate_matches_a_dense_solver_on_lenet_grams(seed):
+    """The real case: LeNet conv1's masked Gram (d = 784, a dense band of near-top eigenvalues). The estimate
+    converges to the dense solver's top eigenvalue, from below up to rounding (a Ritz value is a compression's)."""
+    torch.manual_seed(seed)
+    left = sz.lenet(split_index=1).left
+    x = torch.rand(1, 1, 28, 28)
+    bounds = sz.ball_bounds(left, x, 0.3 * seed)
+    gram, _ = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0)
+    exact = float(torch.linalg.eigvalsh(gram)[-1])
+    estimate = lanczos_top_eigenvalue(gram)
+    assert exact * (1 - 1e-10) <= estimate <= exact * (1 + 1e-12)
+
+
+def test_a_poor_lanczos_estimate_falls_back_to_the_host_solver(monkeypatch):
+    """A Lanczos estimate far below λ_max fails every tight shift; the host solver's estimate must then keep the
+    bound tight (and it is a proven bound either way)."""
+    import splitz_fast.lipschitz as lipschitz
+
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(80, 60, generator=gen, dtype=torch.float64)
+    gram = a.T @ a
+    exact = float(torch.linalg.eigvalsh(gram)[-1])
+    monkeypatch.setattr(lipschitz, "lanczos_top_eigenvalue", lambda g: 0.5 * exact)
+    assert exact <= sz.certified_lambda_max(gram, 80, "lanczos") <= exact * (1 + 1e-6)
+    with pytest.raises(ValueError, match="estimator"):
+        sz.certified_lambda_max(gram, 80, "svd")
 
 
 def test_split_zero_is_identity_and_negative_thresholds_are_refused():
@@ -288,17 +327,37 @@ def test_split_zero_is_identity_and_negative_thresholds_are_refused():
     sz.lipschitz_bound(bad, torch.rand(1, 3), 0.1)
 
 
+@pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("d", [60, 400, 1500])
-def test_certified_lambda_max_on_sparse_banded_grams(d):
+def test_certified_lambda_max_on_sparse_banded_grams(d, estimator):
     """Banded Grams (the shape of a convolution's) take the sparse Lanczos estimate: still a proven bound, tight."""
     gen = torch.Generator().manual_seed(d)
     band = torch.randn(d, d, generator=gen, dtype=torch.float64).triu().tril(4)  # 5 diagonals
     gram = band.T @ band
     assert float(torch.count_nonzero(gram)) / gram.numel() < 0.25
     exact = float(torch.linalg.eigvalsh(gram)[-1])
-    assert exact <= sz.certified_lambda_max(gram, terms=5) <= exact * (1 + 1e-6)
+    assert exact <= sz.certified_lambda_max(gram, terms=5, estimator=estimator) <= exact * (1 + 1e-6)
     # Repeated top eigenvalue: the same block three times on the diagonal.
     block = gram[:10, :10]
     repeated = torch.block_diag(block, block, block, 0.1 * block)
     top = float(torch.linalg.eigvalsh(repeated)[-1])
-    assert top <= sz.certified_lambda_max(repeated, terms=5) <= top * (1 + 1e-6)
+    assert top <= sz.certified_lambda_max(repeated, terms=5, estimator=estimator) <= top * (1 + 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_bound_on_cuda_matches_the_cpu_certificate(seed):
+    """On CUDA the exact bound places its shift with device Lanczos (CPU: the host solver); both are proven bounds
+    of the same Gram, so they must agree to the shift's slack and sit above the dense solver's λ_max."""
+    torch.manual_seed(seed)
+    left = sz.lenet(split_index=1).left
+    x = torch.rand(2, 1, 28, 28)
+    cpu = sz.lipschitz_bound(left, x, 0.3 * seed, method="exact").value
+    cuda = sz.lipschitz_bound(copy.deepcopy(left).cuda(), x.cuda(), 0.3 * seed, method="exact").value
+    bounds = sz.ball_bounds(left, x, 0.3 * seed)
+    ops = masked_operators(left, bounds, (1, 28, 28), 2, bounds.input_scale)
+    for b in range(2):
+        exact = math.sqrt(float(torch.linalg.eigvalsh(ops[0].gram(b)[0])[-1]))
+        assert exact <= float(cuda[b]) <= exact * (1 + 1e-6)
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-6, atol=0)
