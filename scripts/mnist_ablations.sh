@@ -4,7 +4,8 @@
 #   bash scripts/mnist_ablations.sh search   bisection vs one-step γ     (same model; radius gained, time spent)
 #   bash scripts/mnist_ablations.sh theta    θ_lip ∈ {0.3, 0.5, 0.7}     (retrained, EPOCHS_ABL epochs each)
 #   bash scripts/mnist_ablations.sh gamma    γ_train ∈ {0.1, 1, 2}       (retrained, EPOCHS_ABL epochs each)
-#   bash scripts/mnist_ablations.sh split    split after affine layer 1, 2 of the max-pool-free LeNet (lenet-splitz)
+#   bash scripts/mnist_ablations.sh split    split after affine layer 1, 2, 3 of the authors' LeNet (lenet-splitz;
+#                                            layer 3 follows its max-pool, which then sits inside f_L)
 #   bash scripts/mnist_ablations.sh all      all of the above, in this order
 # Budget knobs (environment): EPOCHS (base model, default 15), EPOCHS_ABL (default 6), SKIP (base-model tables,
 # default 50), SKIP_ABL (retrained tables, default 100), N (default 10000), MAX_BATCHES (cap per epoch for the split
@@ -79,8 +80,9 @@ ablate_gamma() {
 
 ablate_split() {
     local tsvs=()
-    for split in 1 2; do tsvs+=("$(model_tsv lenet-splitz $split 0.5 0.1)"); done
-    "$SPLITZ" analyze "${tsvs[@]}" --names "after layer 1" "after layer 2" --radii $RADII --out "$OUT/split"
+    for split in 1 2 3; do tsvs+=("$(model_tsv lenet-splitz $split 0.5 0.1)"); done
+    "$SPLITZ" analyze "${tsvs[@]}" --names "after layer 1" "after layer 2" "after layer 3" --radii $RADII \
+        --out "$OUT/split"
 }
 
 case "${1:-all}" in

@@ -3,7 +3,8 @@
 First affine layer: the exact ball bound ``w_i·x + b_i ± γ‖w_i‖₂`` with ``1/sd`` folded into ``w_i`` and, for a
 convolution, ``‖w_i‖₂`` taken over the filter taps that land inside the image (zero padding stays zero in
 standardized space, so padded taps never see the perturbation). Deeper layers: interval arithmetic in
-center/radius form, ``c' = W c + b``, ``r' = |W| r``.
+center/radius form, ``c' = W c + b``, ``r' = |W| r``; a max-pool between layers pools the interval's ends
+(:func:`pool_interval`).
 
 For certificates everything is computed in float64 and every interval is widened by a margin that dominates the
 rounding error of the sums that formed it (``1e-10 · (|W||h| + |b| + r)``, far above ``K·u₆₄`` for any layer with
@@ -11,7 +12,7 @@ fewer than 10⁵ terms per output), so a neuron is never declared constant becau
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from ._checks import check_tensor
 from .kernels import select_backend
 from .kernels.first_layer_bounds import first_layer_bounds
-from .kernels.interval_clip import interval_clip
+from .kernels.interval_clip import _theta_broadcast, _theta_mode, interval_clip
 from .modules import LeftHalf
 
 # Relative widening of every interval (see module docstring).
@@ -80,6 +81,8 @@ class BallBounds:
             (``UB > 0`` and ``LB < θ``; all True for a layer without activation).
         input_scale: ``1/sd`` as ``[1, *input_shape]`` (``None`` without standardization), folded into layer 1.
         gamma: ``[B]`` float64 ball radii, in raw input units.
+        in_masks: per layer, the varying mask of its input where a max-pool precedes it (else ``None``); read it
+            through :meth:`in_mask`.
     """
 
     lower: list[torch.Tensor]
@@ -87,6 +90,14 @@ class BallBounds:
     masks: list[torch.Tensor]
     input_scale: torch.Tensor | None
     gamma: torch.Tensor
+    in_masks: list[torch.Tensor | None] = field(default_factory=list)
+
+    def in_mask(self, k: int) -> torch.Tensor | None:
+        """The varying mask of layer ``k``'s *input* (``None`` for the first layer): the previous layer's mask, or,
+        after a max-pool, :func:`pool_interval`'s mask of the pooled activations."""
+        if k == 0:
+            return None
+        return self.in_masks[k] if k < len(self.in_masks) and self.in_masks[k] is not None else self.masks[k - 1]
 
 
 def _as_gamma(gamma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
@@ -116,6 +127,36 @@ def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch
                               backend=select_backend("first_layer_bounds", x.device))
 
 
+def pool_interval(
+    pool: nn.MaxPool2d, center: torch.Tensor, radius: torch.Tensor, theta: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The interval of max-pooled activations, from the center/radius interval of the activations before the pool.
+
+    Max-pooling is monotone, so ``[pool(lo), pool(hi)]`` bounds the pooled values. ``lo``/``hi`` are rebuilt from
+    ``center ∓ radius`` and widened by ``8u(|c| + r)`` where ``r > 0`` — more than the rounding of ``c``, ``r`` and the
+    rebuild (≈ 3.1u) — while a constant activation (``r = 0`` exactly: ``c`` is then its exact value) stays exact.
+    Clipped-ReLU outputs lie in ``[0, θ]``, so the interval is clamped to it (a window whose maximum is saturated at θ
+    then stays constant). Returns the pooled center, radius and varying mask (``hi > lo``: a pooled output whose
+    interval is a point is constant over the ball, so its row of the Jacobian is zero); ``c ∓ r`` evaluated in
+    floating point encloses every pooled value.
+    """
+    unit = torch.finfo(center.dtype).eps / 2
+    widen = torch.where(radius > 0, 8 * unit * (center.abs() + radius), torch.zeros_like(radius))
+    lo = center - radius - widen
+    hi = center + radius + widen
+    mode, values = _theta_mode(theta, center)
+    if mode != 0:
+        lo = lo.clamp_min(0)
+        hi = torch.minimum(hi, _theta_broadcast(mode, values, center))
+    lo, hi = pool(lo), pool(hi)
+    varying = hi > lo
+    center, radius = (lo + hi) / 2, (hi - lo) / 2
+    # Widen the varying outputs once more (4u(|c| + r) > the rounding of c, r and of evaluating c ∓ r), so that the
+    # float expressions c ∓ r themselves enclose [lo, hi]; constant outputs keep r = 0 and their exact value c.
+    radius = radius + torch.where(varying, 4 * unit * (center.abs() + radius), torch.zeros_like(radius))
+    return center, radius, varying
+
+
 @torch.no_grad()
 def ball_bounds(
     left: LeftHalf, x: torch.Tensor, gamma: float | torch.Tensor, dtype: torch.dtype = torch.float64
@@ -134,6 +175,7 @@ def ball_bounds(
     lower: list[torch.Tensor] = []
     upper: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
+    in_masks: list[torch.Tensor | None] = [None]
     # Certificates (float64) get the rounding margin; the training estimate's float32 masks need not be rigorous.
     rigorous = dtype == torch.float64
     last = left.depth - 1
@@ -162,4 +204,10 @@ def ball_bounds(
         upper.append(step.upper)
         masks.append(step.mask)
         center, radius = step.center, step.radius
-    return BallBounds(lower=lower, upper=upper, masks=masks, input_scale=scale, gamma=g)
+        pool = left.pool(k)
+        if k < last:
+            pooled_mask = None
+            if pool is not None:
+                center, radius, pooled_mask = pool_interval(pool, center, radius, theta)
+            in_masks.append(pooled_mask)
+    return BallBounds(lower=lower, upper=upper, masks=masks, input_scale=scale, gamma=g, in_masks=in_masks)

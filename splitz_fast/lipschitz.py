@@ -4,6 +4,10 @@
 :func:`~splitz_fast.bounds.ball_bounds`). Why it holds: on the convex ball ``f_L`` is piecewise linear with Jacobian
 ``J = D_s W_s D_{s−1} ⋯ D_1 W_1 D`` whose activity diagonals satisfy ``D_k = D_k I_k`` and ``‖D_k‖ ≤ 1``, so
 ``‖J‖ ≤ Π_k ‖I_k W_k I_{k−1}‖``; integrating ``J`` along the segment ``x → x'`` gives the Lipschitz bound.
+A non-overlapping max-pool after layer ``k`` adds a selection ``P`` (one entry per disjoint window, ``‖P D_k‖ ≤ 1``)
+whose rows vanish for pooled outputs that are constant on the ball, so ``J = ⋯ (I_{k+1} W_{k+1} V)(P D_k)(I_k W_k ⋯)``
+with ``V`` the pooled varying mask (:func:`~splitz_fast.bounds.pool_interval`): the factor of layer ``k+1`` takes
+``V`` as its input mask and the pool itself contributes a factor 1.
 
 Three ways to bound each factor ``‖A‖₂`` (:class:`~splitz_fast.operators.MaskedAffine`):
 
@@ -221,9 +225,9 @@ def _layer_shapes(left: LeftHalf, input_shape: tuple[int, ...]) -> list[tuple[in
     weight = left.layers[0].weight
     h = torch.zeros(1, *input_shape, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
-        for layer, act in zip(left.layers, left.activations):
+        for layer, act, pool in zip(left.layers, left.activations, left.pools):
             shapes.append(tuple(h.shape[1:]))
-            h = act(layer(left.layer_input(layer, h)))
+            h = pool(act(layer(left.layer_input(layer, h))))
     return shapes
 
 
@@ -236,7 +240,7 @@ def masked_operators(
     shapes = _layer_shapes(left, input_shape)
     for k, layer in enumerate(left.layers):
         out_mask = None if bounds is None else bounds.masks[k]
-        in_mask = None if (bounds is None or k == 0) else bounds.masks[k - 1]
+        in_mask = None if bounds is None else bounds.in_mask(k)
         ops.append(
             MaskedAffine(
                 layer, shapes[k], out_mask=out_mask, in_mask=in_mask, in_scale=scale if k == 0 else None,

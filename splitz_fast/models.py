@@ -82,8 +82,8 @@ def lenet(
     """MNIST LeNet (:func:`lenet_network`) split after ``split_index`` affine layers. Input ``[B, 1, 28, 28]`` in
     [0, 1] (no standardization), output ``[B, 10]`` logits.
 
-    Valid splits: 0 or 1 for ``"advertorch"`` (a max-pool follows the first convolution), 0, 1 or 2 for ``"splitz"``;
-    a split that would put a pooling layer into ``f_L`` raises ``ValueError``.
+    Valid splits: 0 to 4 (the number of affine layers). The 2×2 max-pools between affine layers go into ``f_L`` with
+    them (non-overlapping, so 1-Lipschitz; see :func:`~splitz_fast.modules.check_pool`).
 
     Args:
         threshold: θ of the clipped ReLUs in ``f_L`` (``float('inf')`` keeps the network's function).

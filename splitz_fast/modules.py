@@ -2,7 +2,8 @@
 
 A SPLITZ classifier is ``f = f_R ∘ f_L``. ``f_L`` (:class:`LeftHalf`) is an optional standardization followed by
 ``s`` affine layers (``nn.Conv2d`` / ``nn.Linear``), each followed by a :class:`ClippedReLU` (or by nothing, which
-the bound code treats as an identity). ``f_R`` is any module. Noise is never added by a model: the smoother
+the bound code treats as an identity) and, between two affine layers, optionally by a non-overlapping
+``nn.MaxPool2d`` (l2 1-Lipschitz and monotone, so the bounds pass through it). ``f_R`` is any module. Noise is never added by a model: the smoother
 (:mod:`splitz_fast.smoothing`) owns σ and adds it between the halves.
 """
 from __future__ import annotations
@@ -96,8 +97,24 @@ class Standardize(nn.Module):
         return (self._view(self.mean, x).expand_as(x[:1])[0], self._view(self.std, x).expand_as(x[:1])[0])
 
 
+def check_pool(pool: nn.Module) -> None:
+    """Refuse pooling the bounds cannot pass through: only ``nn.MaxPool2d`` with disjoint windows (stride = kernel
+    size, no padding or dilation). Disjoint windows make it 1-Lipschitz in l2 (each output moves by at most the
+    largest move in its own window); overlapping windows would multiply the bound by up to √(windows per input)."""
+    if not isinstance(pool, nn.MaxPool2d):
+        raise TypeError(f"f_L may pool only with nn.MaxPool2d, got {type(pool).__name__}; move it into f_R")
+    pair = nn.modules.utils._pair
+    if pair(pool.kernel_size) != pair(pool.stride) or pair(pool.padding) != (0, 0) or pair(pool.dilation) != (1, 1) \
+            or pool.return_indices:
+        raise ValueError(
+            f"f_L supports non-overlapping max-pooling only (stride = kernel_size, padding 0, dilation 1), got "
+            f"{pool}; split before it or use such a pool"
+        )
+
+
 class LeftHalf(nn.Module):
-    """``f_L``: optional standardization, then affine layers each followed by a clipped ReLU (or nothing).
+    """``f_L``: optional standardization, then affine layers each followed by a clipped ReLU (or nothing) and, before
+    the next affine layer, optionally a non-overlapping max-pool.
 
     Args:
         layers: affine layers, ``nn.Conv2d`` (``groups=1``) or ``nn.Linear``. A ``Linear`` after a convolution sees the
@@ -106,6 +123,8 @@ class LeftHalf(nn.Module):
             paper's toy example).
         standardize: optional :class:`Standardize` applied first.
         input_shape: shape of one input without the batch dimension, e.g. ``(1, 28, 28)``.
+        pools: one per layer, an ``nn.MaxPool2d`` with disjoint windows (see :func:`check_pool`) applied after that
+            layer's activation, or ``None``. The last layer takes none: a pool after it belongs to ``f_R``.
     """
 
     def __init__(
@@ -114,12 +133,21 @@ class LeftHalf(nn.Module):
         activations: Iterable[ClippedReLU | None] | None = None,
         standardize: Standardize | None = None,
         input_shape: Sequence[int] | None = None,
+        pools: Iterable[nn.Module | None] | None = None,
     ):
         super().__init__()
         layers = list(layers)
         activations = [ClippedReLU(1.0) for _ in layers] if activations is None else list(activations)
         if len(activations) != len(layers):
             raise ValueError(f"got {len(layers)} affine layers but {len(activations)} activations")
+        pools = [None] * len(layers) if pools is None else list(pools)
+        if len(pools) != len(layers):
+            raise ValueError(f"got {len(layers)} affine layers but {len(pools)} pools (use None for no pool)")
+        for pool in pools:
+            if pool is not None:
+                check_pool(pool)
+        if pools and pools[-1] is not None:
+            raise ValueError("a pool after the last affine layer of f_L belongs to f_R (the latent is taken before it)")
         for layer in layers:
             if not isinstance(layer, AFFINE_TYPES):
                 raise TypeError(
@@ -133,6 +161,7 @@ class LeftHalf(nn.Module):
                 raise TypeError(f"f_L activations must be ClippedReLU or None, got {type(act).__name__}")
         self.layers = nn.ModuleList(layers)
         self.activations = nn.ModuleList([act if act is not None else nn.Identity() for act in activations])
+        self.pools = nn.ModuleList([pool if pool is not None else nn.Identity() for pool in pools])  # no state
         self.standardize = standardize
         self.input_shape = tuple(input_shape) if input_shape is not None else None
 
@@ -145,6 +174,11 @@ class LeftHalf(nn.Module):
         act = self.activations[k]
         return act if isinstance(act, ClippedReLU) else None
 
+    def pool(self, k: int) -> nn.MaxPool2d | None:
+        """The max-pool after layer ``k``'s activation, or ``None``."""
+        pool = self.pools[k] if k < len(self.pools) else None
+        return pool if isinstance(pool, nn.MaxPool2d) else None
+
     @staticmethod
     def layer_input(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Reshape ``h`` for ``layer`` (flatten before a Linear)."""
@@ -152,8 +186,8 @@ class LeftHalf(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.standardize(x) if self.standardize is not None else x
-        for layer, act in zip(self.layers, self.activations):
-            h = act(layer(self.layer_input(layer, h)))
+        for layer, act, pool in zip(self.layers, self.activations, self.pools):
+            h = pool(act(layer(self.layer_input(layer, h))))
         return h
 
     def check_thresholds(self) -> None:
@@ -209,8 +243,9 @@ def split_sequential(
 
     Each affine layer that lands in ``f_L`` takes the activation that follows it: an ``nn.ReLU`` becomes a
     :class:`ClippedReLU` with ``threshold`` (``float('inf')`` keeps the network's function unchanged), a
-    :class:`ClippedReLU` is kept, ``nn.Flatten`` is absorbed; any other module inside ``f_L`` (pooling, BatchNorm,
-    dropout) is an error. ``standardize`` (if given) goes to ``f_L`` for ``split_index ≥ 1`` and to the front of
+    :class:`ClippedReLU` is kept, ``nn.Flatten`` is absorbed, a max-pool between two affine layers of ``f_L`` is kept
+    if its windows are disjoint (:func:`check_pool`); any other module inside ``f_L`` (average pooling, BatchNorm,
+    dropout, an overlapping max-pool) is an error. ``standardize`` (if given) goes to ``f_L`` for ``split_index ≥ 1`` and to the front of
     ``f_R`` for ``split_index == 0``.
     """
     modules = list(network.children())
@@ -219,12 +254,17 @@ def split_sequential(
         raise ValueError(f"split_index must be an integer in [0, {n_affine}] for this network, got {split_index}")
     layers: list[nn.Module] = []
     activations: list[ClippedReLU | None] = []
+    pools: list[nn.Module | None] = []
     i = 0
     while len(layers) < split_index:
         m = modules[i]
         if isinstance(m, AFFINE_TYPES):
             layers.append(m)
             activations.append(None)
+            pools.append(None)
+        elif isinstance(m, nn.MaxPool2d) and layers and pools[-1] is None:
+            # Max-pooling commutes with the (clipped) ReLU, so pool-then-ReLU networks split the same way.
+            pools[-1] = m
         elif isinstance(m, nn.ReLU) and layers and activations[-1] is None:
             activations[-1] = ClippedReLU(threshold, learnable=learnable_threshold)
         elif isinstance(m, ClippedReLU) and layers and activations[-1] is None:
@@ -233,8 +273,8 @@ def split_sequential(
             pass
         else:
             raise ValueError(
-                f"module {i} ({type(m).__name__}) would fall inside f_L, which holds only affine layers and "
-                f"(clipped) ReLUs; choose a smaller split_index or restructure the network"
+                f"module {i} ({type(m).__name__}) would fall inside f_L, which holds only affine layers, "
+                f"(clipped) ReLUs and non-overlapping max-pools; choose a smaller split_index or restructure the network"
             )
         i += 1
     # The activation right after the last affine layer of f_L belongs to f_L too.
@@ -249,5 +289,5 @@ def split_sequential(
     if split_index == 0 and standardize is not None:
         rest = [standardize] + rest
         standardize = None
-    left = LeftHalf(layers, activations, standardize=standardize, input_shape=input_shape)
+    left = LeftHalf(layers, activations, standardize=standardize, input_shape=input_shape, pools=pools)
     return SplitModel(left, nn.Sequential(*rest), num_classes=num_classes)
