@@ -19,7 +19,7 @@ from .lipschitz import (
     lipschitz_estimate,
 )
 from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
-from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
+from .smoothing import ABSTAIN, CertifyResult, MarginCertifier, PredictResult, Smoother
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
 from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
 from .datasets import DATASETS, DatasetInfo, get_dataset
@@ -53,6 +53,7 @@ __all__ = [
     "PowerIterationState",
     "PredictResult",
     "Smoother",
+    "MarginCertifier",
     "SplitModel",
     "Standardize",
     "ball_bounds",

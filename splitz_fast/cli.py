@@ -16,7 +16,7 @@ import torch
 from . import __version__
 from ._checks import check_count, check_positive, check_probability
 from .data import DatasetUnavailableError
-from .smoothing import Smoother
+from .smoothing import MarginCertifier, Smoother
 from .stats import max_latent_radius
 
 
@@ -174,6 +174,29 @@ def certify_command(args: argparse.Namespace) -> int:
     return _smoothing_run(args, "certify")
 
 
+def certify_margin_command(args: argparse.Namespace) -> int:
+    """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
+    from .datasets import get_dataset
+    from .runs import run_over_dataset, select_indices
+
+    model, ckpt = load_model(args.checkpoint, args.device)
+    info = get_dataset(args.dataset, args.split, root=args.root)
+    if model.input_shape != tuple(info.input_shape) or model.num_classes != info.num_classes:
+        raise ValueError(f"checkpoint model takes {model.input_shape} with {model.num_classes} classes, but "
+                         f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
+    certifier = MarginCertifier(model, bound=args.bound, bound_method=args.bound_method,
+                                gamma_search=args.gamma_search)
+    indices = select_indices(len(info.dataset), args.skip, args.max)
+    settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
+                "model_spec": ckpt.get("model_spec"), "certifier": "margin", "bound": certifier.bound,
+                "bound_method": certifier.bound_method, "gamma_search": certifier.gamma_search}
+    # No sampling: n0 = n = batch = 1 are placeholders for the run machinery (the TSV's count columns stay 0).
+    run_over_dataset("certify", certifier, info.dataset, args.outfile, settings=settings, indices=indices, n0=1, n=1,
+                     alpha=0.5, batch_size=1, seed=args.seed, resume=args.resume, checkpoint=args.checkpoint)
+    print(f"certify-margin: {len(indices)} inputs → {args.outfile}")
+    return 0
+
+
 def predict_command(args: argparse.Namespace) -> int:
     return _smoothing_run(args, "predict")
 
@@ -271,6 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
         c.set_defaults(func=func)
+
+    m = sub.add_parser("certify-margin", help="deterministic logit-margin certificates (no smoothing) for a model "
+                                              "whose whole classifier is in f_L (the Lipschitz-only baseline)")
+    m.add_argument("dataset")
+    m.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train` with --split-index = all layers")
+    m.add_argument("outfile", help="TSV output (Cohen's columns; pA_lower is nan, R_latent is margin/√2)")
+    m.add_argument("--root", default=None, help="dataset folder")
+    m.add_argument("--skip", type=int, default=1, help="every SKIP-th input (default: 1)")
+    m.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all (default: -1)")
+    m.add_argument("--split", default="test", help="dataset split (default: test)")
+    m.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection")
+    m.add_argument("--bound", choices=("local", "global"), default="local")
+    m.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto")
+    m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only (default: 0)")
+    m.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
+    m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+    m.set_defaults(func=certify_margin_command)
 
     a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs")
     a.add_argument("files", nargs="+", help="certification TSVs (Cohen's six columns first)")

@@ -317,15 +317,17 @@ def tabular_mlp(
     std: Sequence[float] | torch.Tensor | None = None,
     learnable_threshold: bool = False,
 ) -> SplitModel:
-    """MLP for tabular data (:func:`mlp_network`) split after ``split_index`` ∈ {0, …, len(hidden)} hidden layers.
-    Input ``[B, in_features]``, output ``[B, num_classes]`` logits.
+    """MLP for tabular data (:func:`mlp_network`) split after ``split_index`` ∈ {0, …, len(hidden)} hidden layers,
+    or ``len(hidden) + 1``: the whole classifier in ``f_L`` (the Lipschitz-only model, certified without noise by
+    :class:`~splitz_fast.smoothing.MarginCertifier`). Input ``[B, in_features]``, output ``[B, num_classes]`` logits.
 
     Args:
         mean, std: optional per-feature standardization ``(x − mean)/std`` (both ``[in_features]``, or both
             ``None``); it belongs to ``f_L`` (to the front of ``f_R`` for ``split_index=0``).
     """
     hidden = tuple(hidden)
-    _check_split_index(split_index, len(hidden), "mlp", "f_L can hold the hidden layers, not the output layer")
+    _check_split_index(split_index, len(hidden) + 1, "mlp",
+                       "f_L holds the hidden layers, or with len(hidden) + 1 the whole classifier")
     standardize = None
     if (mean is None) != (std is None):
         raise ValueError("give both mean and std for standardization, or neither")

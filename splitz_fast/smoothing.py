@@ -10,12 +10,14 @@ certificate bound from :mod:`splitz_fast.lipschitz`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import secrets
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn as nn
 
 from ._checks import check_count, check_positive, check_probability, check_tensor
 from .lipschitz import (
@@ -379,3 +381,60 @@ class Smoother:
         prediction = top if p_value <= alpha else ABSTAIN
         return PredictResult(prediction, n1, n2, p_value, seed)
 
+
+
+class MarginCertifier(Smoother):
+    """Deterministic certificates for a classifier that lies *entirely* in ``f_L`` (its last affine layer gives the
+    logits; ``f_R`` empty) — the "Lipschitz-only" baseline of the paper's tabular figures (local-Lipschitz-constrained
+    training, Huang et al. 2021), certified without noise.
+
+    For ``x'`` in ``B(x, γ)`` each logit difference moves by at most ``‖e_y − e_j‖·‖f(x') − f(x)‖ ≤ √2·L(x, γ)·‖x' − x‖``,
+    so the prediction ``y`` cannot change within ``min(m/(√2·L(x, γ)), γ)`` where ``m = z_y − max_{j≠y} z_j`` is the
+    logit margin at ``x``. That is the SPLITZ radius with ``m/√2`` in place of the latent radius ``R``, so the bound
+    options and the γ search are :class:`Smoother`'s. Logits are computed in float64 (the caveat of the README
+    applies: the guarantee is for the real-valued network).
+
+    ``certify(x, ...)`` keeps :class:`Smoother`'s signature so dataset runs and TSVs work unchanged; ``n0``, ``n``,
+    ``alpha`` and ``batch_size`` are ignored (no sampling), ``seed`` seeds probabilistic bounds only. Results carry
+    ``p_a_lower = nan``, ``latent_radius = m/√2``, ``count_a = n = 0`` and ``failure_prob`` = the bounds' δ (0 when
+    exact); a tie at the top logit abstains.
+    """
+
+    def __init__(self, model: SplitModel, **options):
+        if "sigma" in options:
+            raise TypeError("MarginCertifier adds no noise: it takes no sigma")
+        right_params = [p for p in model.right.parameters()]
+        if model.split_index == 0 or any(not isinstance(m, (nn.Sequential, nn.Identity, nn.Flatten))
+                                         for m in model.right.modules()) or right_params:
+            raise ValueError(
+                "the margin certificate needs the whole classifier in f_L (split after the last affine layer, f_R "
+                "empty): its Lipschitz bound must cover every layer up to the logits"
+            )
+        super().__init__(model, 1.0, **options)  # σ is unused: nothing is sampled
+
+    def _certify(self, x, n0, n, alpha, batch_size, seed) -> CertifyResult:
+        start = time.perf_counter()
+        x = self._prepare_input(x)
+        generator, seed = self._generator(seed)
+        left64 = copy.deepcopy(self.model.left).double()
+        with torch.no_grad():
+            logits = self.model.right(left64(x.double().unsqueeze(0)))[0]
+        if logits.numel() < 2:
+            raise ValueError("the margin certificate needs at least two logits")
+        top2 = logits.topk(2)
+        candidate = int(top2.indices[0])
+        margin = float(top2.values[0] - top2.values[1])
+        if margin <= 0:
+            return CertifyResult(ABSTAIN, 0.0, math.nan, 0.0, math.nan, math.nan, "none", 0.0, 0, 0, 0, seed,
+                                 time.perf_counter() - start, "none")
+        radius_latent = margin / math.sqrt(2.0)
+        best = self._search_gamma(x, radius_latent, generator)
+        return CertifyResult(
+            prediction=candidate, radius=best["radius"], p_a_lower=math.nan, latent_radius=radius_latent,
+            lipschitz=best["lipschitz"], gamma=best["gamma"], bound_kind=best["kind"], failure_prob=best["failure"],
+            count_a=0, n=0, gamma_evaluations=best["evaluations"], seed=seed, seconds=time.perf_counter() - start,
+            noise_source="none",
+        )
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("MarginCertifier certifies the network itself; predict with model(x).argmax(-1)")

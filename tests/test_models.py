@@ -311,8 +311,10 @@ def test_mlp_with_infinite_threshold_equals_the_unsplit_network(split):
 
 
 def test_mlp_rejects_bad_splits_and_standardization():
-    with pytest.raises(ValueError, match=r"mlp: split_index must be one of \{0, 1, 2\}"):
-        M.tabular_mlp(5, hidden=(8, 8), split_index=3)
+    with pytest.raises(ValueError, match=r"mlp: split_index must be one of \{0, 1, 2, 3\}"):
+        M.tabular_mlp(5, hidden=(8, 8), split_index=4)
+    whole = M.tabular_mlp(5, hidden=(8, 8), split_index=3)  # the whole classifier in f_L (Lipschitz-only model)
+    assert whole.left.depth == 3 and whole.left.activation(2) is None and len(whole.right) == 0
     with pytest.raises(ValueError, match="both mean and std"):
         M.tabular_mlp(5, mean=[0.0] * 5)
     with pytest.raises(ValueError, match="in_features is 5"):

