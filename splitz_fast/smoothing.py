@@ -245,7 +245,7 @@ class Smoother:
     def global_bound(self) -> LipschitzBound:
         """The global bound of ``f_L``, reused until a weight or buffer of ``f_L`` changes (an optimizer step or
         ``load_state_dict`` bumps the tensors' versions), so a stale bound can never certify a changed model."""
-        key = tuple((id(t), t._version) for t in (*self.model.left.parameters(), *self.model.left.buffers()))
+        key = self._left_version_key()
         if self._global is None or key != self._global_key:
             self._global_key = key
             if self.model.input_shape is None:
@@ -258,6 +258,10 @@ class Smoother:
                 exact_max_dim=self.exact_max_dim, generator=gen,
             )
         return self._global
+
+    def _left_version_key(self) -> tuple:
+        """Identity and version of every tensor of ``f_L``: changes whenever a weight or buffer of ``f_L`` does."""
+        return tuple((id(t), t._version) for t in (*self.model.left.parameters(), *self.model.left.buffers()))
 
     def _max_evaluations(self) -> int:
         return 2 + self.gamma_steps if self.gamma_search == "bisection" else 3
@@ -382,7 +386,6 @@ class Smoother:
         return PredictResult(prediction, n1, n2, p_value, seed)
 
 
-
 class MarginCertifier(Smoother):
     """Deterministic certificates for a classifier that lies *entirely* in ``f_L`` (its last affine layer gives the
     logits; ``f_R`` empty) — the "Lipschitz-only" baseline of the paper's tabular figures (local-Lipschitz-constrained
@@ -411,14 +414,21 @@ class MarginCertifier(Smoother):
                 "empty): its Lipschitz bound must cover every layer up to the logits"
             )
         super().__init__(model, 1.0, **options)  # σ is unused: nothing is sampled
+        self._left64: tuple[tuple, nn.Module] | None = None
+
+    def _float64_left(self) -> nn.Module:
+        """A float64 copy of ``f_L`` for the logits, rebuilt only when a weight or buffer of ``f_L`` changes."""
+        key = self._left_version_key()
+        if self._left64 is None or self._left64[0] != key:
+            self._left64 = (key, copy.deepcopy(self.model.left).double().eval())
+        return self._left64[1]
 
     def _certify(self, x, n0, n, alpha, batch_size, seed) -> CertifyResult:
         start = time.perf_counter()
         x = self._prepare_input(x)
         generator, seed = self._generator(seed)
-        left64 = copy.deepcopy(self.model.left).double()
         with torch.no_grad():
-            logits = self.model.right(left64(x.double().unsqueeze(0)))[0]
+            logits = self.model.right(self._float64_left()(x.double().unsqueeze(0)))[0]
         if logits.numel() < 2:
             raise ValueError("the margin certificate needs at least two logits")
         top2 = logits.topk(2)

@@ -79,3 +79,20 @@ def test_margin_certifier_refuses_models_it_cannot_certify():
     tied = sz.SplitModel(sz.LeftHalf([layer], [None], input_shape=(3,)), nn.Sequential(), 2)
     result = sz.MarginCertifier(tied).certify(torch.randn(3), 1, 1, 0.5, seed=0)
     assert result.prediction == sz.ABSTAIN and result.radius == 0.0 and math.isnan(result.p_a_lower)
+
+
+def test_the_float64_copy_follows_weight_changes():
+    """The certifier caches a float64 copy of f_L; a changed weight must change the certificate, never reuse it."""
+    layer = nn.Linear(2, 2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))
+        layer.bias.zero_()
+    model = sz.SplitModel(sz.LeftHalf([layer], [None], input_shape=(2,)), nn.Sequential(), 2)
+    certifier = sz.MarginCertifier(model, bound_method="exact")
+    x = torch.tensor([1.0, 0.0])
+    first = certifier.certify(x, 1, 1, 0.5, seed=0)
+    assert first.prediction == 0 and first.radius == pytest.approx(1.0, rel=1e-6)  # (1 − (−1)) / ‖w_0 − w_1‖ = 1
+    with torch.no_grad():
+        layer.weight.mul_(-1)  # the prediction flips
+    second = certifier.certify(x, 1, 1, 0.5, seed=0)
+    assert second.prediction == 1 and second.radius == pytest.approx(1.0, rel=1e-6)
