@@ -12,7 +12,7 @@ fewer than 10⁵ terms per output), so a neuron is never declared constant becau
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -81,8 +81,7 @@ class BallBounds:
             (``UB > 0`` and ``LB < θ``; all True for a layer without activation).
         input_scale: ``1/sd`` as ``[1, *input_shape]`` (``None`` without standardization), folded into layer 1.
         gamma: ``[B]`` float64 ball radii, in raw input units.
-        in_masks: per layer, the varying mask of its input where a max-pool precedes it (else ``None``); read it
-            through :meth:`in_mask`.
+        in_masks: per layer, the varying mask of its input (see :meth:`in_mask`).
     """
 
     lower: list[torch.Tensor]
@@ -90,14 +89,12 @@ class BallBounds:
     masks: list[torch.Tensor]
     input_scale: torch.Tensor | None
     gamma: torch.Tensor
-    in_masks: list[torch.Tensor | None] = field(default_factory=list)
+    in_masks: list[torch.Tensor | None]
 
     def in_mask(self, k: int) -> torch.Tensor | None:
         """The varying mask of layer ``k``'s *input* (``None`` for the first layer): the previous layer's mask, or,
         after a max-pool, :func:`pool_interval`'s mask of the pooled activations."""
-        if k == 0:
-            return None
-        return self.in_masks[k] if k < len(self.in_masks) and self.in_masks[k] is not None else self.masks[k - 1]
+        return self.in_masks[k]
 
 
 def _as_gamma(gamma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
@@ -206,8 +203,8 @@ def ball_bounds(
         center, radius = step.center, step.radius
         pool = left.pool(k)
         if k < last:
-            pooled_mask = None
+            next_in_mask = step.mask
             if pool is not None:
-                center, radius, pooled_mask = pool_interval(pool, center, radius, theta)
-            in_masks.append(pooled_mask)
+                center, radius, next_in_mask = pool_interval(pool, center, radius, theta)
+            in_masks.append(next_in_mask)
     return BallBounds(lower=lower, upper=upper, masks=masks, input_scale=scale, gamma=g, in_masks=in_masks)
