@@ -9,15 +9,16 @@
 #   bash scripts/mnist_ablations.sh all      all of the above, in this order
 # Budget knobs (environment): EPOCHS (base model, default 15), EPOCHS_ABL (default 6), SKIP (base-model tables,
 # default 50), SKIP_ABL (retrained tables, default 100), N (default 10000), MAX_BATCHES (cap per epoch for the split
-# table, default: all), DEVICE (default cpu). Re-running resumes: finished epochs and certified rows are not redone.
+# table, default: all), DEVICE (default cpu), RESULTS (output folder, default docs/results/mnist-ablations). Re-running
+# resumes: finished epochs and certified rows are not redone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPLITZ=${SPLITZ:-.venv/bin/splitz}
 EPOCHS=${EPOCHS:-15}; EPOCHS_ABL=${EPOCHS_ABL:-6}; SKIP=${SKIP:-50}; SKIP_ABL=${SKIP_ABL:-100}; N=${N:-10000}
 MAX_BATCHES=${MAX_BATCHES:-}; DEVICE=${DEVICE:-cpu}; SIGMA=0.75
 RADII="0 0.5 0.75 1.0 1.25 1.5 1.75 2.0 2.25 2.5"
-BASE=runs/mnist-s${SIGMA}-e${EPOCHS}/splitz; MAIN=docs/results/mnist; OUT=docs/results/mnist-ablations
-ABL=runs/mnist-ablations-s${SIGMA}-e${EPOCHS_ABL}
+BASE=runs/mnist-s${SIGMA}-e${EPOCHS}/splitz; MAIN=docs/results/mnist; OUT=${RESULTS:-docs/results/mnist-ablations}
+ABL=runs/mnist-ablations-s${SIGMA}-e${EPOCHS_ABL}${MAX_BATCHES:+-b$MAX_BATCHES}
 
 certify() {  # checkpoint outfile skip [extra certify flags]
     local ckpt=$1 out=$2 skip=$3; shift 3
