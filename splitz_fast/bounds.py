@@ -201,9 +201,9 @@ def ball_bounds(
         upper.append(step.upper)
         masks.append(step.mask)
         center, radius = step.center, step.radius
-        pool = left.pool(k)
         if k < last:
             next_in_mask = step.mask
+            pool = left.pool(k)
             if pool is not None:
                 center, radius, next_in_mask = pool_interval(pool, center, radius, theta)
             in_masks.append(next_in_mask)

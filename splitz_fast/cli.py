@@ -144,15 +144,22 @@ def load_model(checkpoint: str, device: str):
     return model.to(device).eval(), ckpt
 
 
-def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
+def _model_and_dataset(args: argparse.Namespace):
+    """The checkpoint's model and the dataset split, refused with a clear message when they do not fit together."""
     from .datasets import get_dataset
-    from .runs import run_over_dataset, select_indices
 
     model, ckpt = load_model(args.checkpoint, args.device)
     info = get_dataset(args.dataset, args.split, root=args.root)
     if model.input_shape != tuple(info.input_shape) or model.num_classes != info.num_classes:
         raise ValueError(f"checkpoint model takes {model.input_shape} with {model.num_classes} classes, but "
                          f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
+    return model, ckpt, info
+
+
+def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
+    from .runs import run_over_dataset, select_indices
+
+    model, ckpt, info = _model_and_dataset(args)
     smoother = Smoother(model, args.sigma, bound=getattr(args, "bound", "local"),
                         bound_method=getattr(args, "bound_method", "auto"),
                         gamma_search=getattr(args, "gamma_search", "bisection"), precision=args.precision)
@@ -176,14 +183,9 @@ def certify_command(args: argparse.Namespace) -> int:
 
 def certify_margin_command(args: argparse.Namespace) -> int:
     """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
-    from .datasets import get_dataset
     from .runs import run_over_dataset, select_indices
 
-    model, ckpt = load_model(args.checkpoint, args.device)
-    info = get_dataset(args.dataset, args.split, root=args.root)
-    if model.input_shape != tuple(info.input_shape) or model.num_classes != info.num_classes:
-        raise ValueError(f"checkpoint model takes {model.input_shape} with {model.num_classes} classes, but "
-                         f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
+    model, ckpt, info = _model_and_dataset(args)
     certifier = MarginCertifier(model, bound=args.bound, bound_method=args.bound_method,
                                 gamma_search=args.gamma_search)
     indices = select_indices(len(info.dataset), args.skip, args.max)

@@ -174,11 +174,8 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
         return None
 
     tight, wide = (1e-10, 1e-8, 1e-6), (1e-4, 1e-2, 1e-1)
-    if estimator == "auto" and gram.is_cuda and d <= DEVICE_DENSE_MAX_DIM:
-        bound = shifted_bound(max(float(torch.linalg.eigvalsh(gram)[-1]), 0.0), tight + wide)
-        if bound is not None:
-            return bound
-    use_lanczos = estimator == "lanczos" or (estimator == "auto" and gram.is_cuda and d > DEVICE_DENSE_MAX_DIM)
+    device_dense = estimator == "auto" and gram.is_cuda and d <= DEVICE_DENSE_MAX_DIM
+    use_lanczos = estimator == "lanczos" or (estimator == "auto" and gram.is_cuda and not device_dense)
     if use_lanczos:
         mu = max(lanczos_top_eigenvalue(gram), 0.0)
         # A Ritz value above Gershgorin's bound on λ_max can only be a broken recurrence: it would still give a proven
@@ -187,7 +184,8 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
             bound = shifted_bound(mu, tight)
             if bound is not None:
                 return bound
-    bound = shifted_bound(max(_eigen_estimate(gram), 0.0), tight + wide)
+    mu = float(torch.linalg.eigvalsh(gram)[-1]) if device_dense else _eigen_estimate(gram)
+    bound = shifted_bound(max(mu, 0.0), tight + wide)
     if bound is not None:
         return bound
     # λ_max ≤ trace for a PSD matrix: always valid, rarely needed.

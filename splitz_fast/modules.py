@@ -3,8 +3,8 @@
 A SPLITZ classifier is ``f = f_R ∘ f_L``. ``f_L`` (:class:`LeftHalf`) is an optional standardization followed by
 ``s`` affine layers (``nn.Conv2d`` / ``nn.Linear``), each followed by a :class:`ClippedReLU` (or by nothing, which
 the bound code treats as an identity) and, between two affine layers, optionally by a non-overlapping
-``nn.MaxPool2d`` (l2 1-Lipschitz and monotone, so the bounds pass through it). ``f_R`` is any module. Noise is never added by a model: the smoother
-(:mod:`splitz_fast.smoothing`) owns σ and adds it between the halves.
+``nn.MaxPool2d`` (l2 1-Lipschitz and monotone, so the bounds pass through it). ``f_R`` is any module.
+Noise is never added by a model: the smoother (:mod:`splitz_fast.smoothing`) owns σ and adds it between the halves.
 """
 from __future__ import annotations
 
