@@ -1,0 +1,297 @@
+"""Sequential (anytime-valid) certification: estimate ``p_A`` with as few noise samples as the decision needs.
+
+Cohen's CERTIFY fixes ``n`` in advance and applies a Clopper–Pearson bound once. Looking at that bound after every
+batch and stopping when it is good enough ("optional stopping") voids its guarantee: the chance that *some* look
+overstates ``p_A`` grows with the number of looks (``tests/test_sequential.py`` measures it). This module replaces it
+with a **confidence sequence** — bounds that hold at every sample size simultaneously — so a driver may stop as soon
+as the question asked is decided, with the same per-input error ``α``.
+
+The construction (:class:`BetaBinomialCS`) is Robbins' beta-binomial mixture martingale, made a confidence sequence
+by Ville's inequality:
+
+- H. Robbins (1970), *Statistical methods related to the law of the iterated logarithm*, Ann. Math. Statist. 41(5),
+  1397–1409 (mixture of likelihood ratios over a conjugate prior).
+- J. Ville (1939), *Étude critique de la notion de collectif* (``P(∃t: M_t ≥ 1/α) ≤ α`` for a nonnegative
+  martingale with ``M_0 = 1``).
+- S. R. Howard, A. Ramdas, J. McAuliffe, J. Sekhon (2021), *Time-uniform, nonparametric, nonasymptotic confidence
+  sequences*, Ann. Statist. 49(2), 1055–1080 (modern treatment of mixture boundaries).
+- For randomized smoothing: V. Voráček (2024), *Treatment of statistical estimation problems in randomized smoothing
+  for adversarial robustness*, NeurIPS 2024 (confidence sequences to decide "robust at radius r?"); M. Z. Horváth et
+  al. (2022), *Boosting randomized smoothing with variance reduced classifiers*, ICLR 2022 (adaptive sampling for
+  predetermined radii).
+
+The driver :func:`certify_sequential` is decoupled from sampling: it calls ``draw(num)``, which returns how many of
+``num`` fresh noise samples the base classifier assigned to the (already selected) class ``ĉ_A``. Selection of
+``ĉ_A`` stays Cohen's: ``n0`` separate draws by the caller, independent of the ones counted here.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import betaln, xlog1py, xlogy
+from scipy.stats import norm
+
+from ._checks import check_count, check_positive, check_probability
+
+
+def _check_counts(hits: int, t: int) -> tuple[int, int]:
+    try:
+        hits, t = operator.index(hits), operator.index(t)
+    except TypeError:
+        raise TypeError(f"hits and t must be integers, got {type(hits).__name__} and {type(t).__name__}") from None
+    if t < 0 or not 0 <= hits <= t:
+        raise ValueError(f"need 0 <= hits <= t, got hits={hits}, t={t}")
+    return hits, t
+
+
+@dataclass(frozen=True)
+class BetaBinomialCS:
+    """Two-sided ``1 − α`` confidence sequence for a Bernoulli mean ``p`` (Robbins' beta-binomial mixture).
+
+    **Construction.** For a candidate ``p ∈ (0, 1)`` and ``S_t`` hits in ``t`` draws, mix the likelihood ratio of
+    ``Bernoulli(q)`` against ``Bernoulli(p)`` over the prior ``q ~ Beta(a, b)``::
+
+        M_t(p) = ∫ q^S (1−q)^(t−S) dBeta(q; a, b) / (p^S (1−p)^(t−S))
+               = B(a + S, b + t − S) / (B(a, b) · p^S (1−p)^(t−S)).
+
+    ``C_t = {p : M_t(p) < 1/α}`` is the confidence set after ``t`` draws.
+
+    **Why it is valid at every t at once.** If the draws are i.i.d. ``Bernoulli(p)`` (fresh noise per sample; it is
+    enough that each draw has conditional mean ``p`` given the past), then for every fixed ``q`` the likelihood
+    ratio ``∏ q^X (1−q)^(1−X) / (p^X (1−p)^(1−X))`` is a nonnegative martingale with mean 1 (one factor has
+    expectation ``q + (1 − q) = 1``), hence so is its ``q``-mixture ``M_t(p)`` (Fubini), with ``M_0 = 1``. Ville's
+    inequality gives ``P(∃t ≥ 0: M_t(p) ≥ 1/α) ≤ α``, i.e. ``P(∃t: p ∉ C_t) ≤ α``. The bound therefore survives
+    any stopping rule and any data-dependent batch schedule, and both ends of ``C_t`` are covered by this single
+    ``α`` (no split between the lower and upper side). On the same event ``p`` lies in every ``C_s``, so running
+    maxima of lower bounds and minima of upper bounds are valid too.
+
+    **Shape of C_t.** ``log M_t(p) = const − S log p − (t − S) log(1 − p)`` is convex in ``p`` with its minimum at
+    ``p̂ = S/t``, where ``M_t(p̂) ≤ 1`` (the marginal likelihood is at most the maximum likelihood). So ``C_t`` is an
+    interval around ``p̂`` and its lower end is the unique root of ``log M_t(p) = log(1/α)`` in ``(0, p̂)``
+    (0 when ``S = 0``).
+
+    **Prior.** Any ``a, b > 0`` gives a valid sequence; the prior only moves where it is tight. The default Jeffreys
+    prior ``Beta(1/2, 1/2)`` puts more mass near 0 and 1 than the uniform one, which suits randomized smoothing
+    (``p_A`` is usually above 0.9). It must be fixed before the counted draws (it may depend on the independent
+    selection draws).
+    """
+
+    alpha: float
+    a: float = 0.5
+    b: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_probability("alpha", self.alpha)
+        check_positive("a", self.a)
+        check_positive("b", self.b)
+
+    def log_mixture(self, hits, t, p):
+        """``log M_t(p)`` (vectorised over numpy arrays; ``p`` in ``[0, 1]``, ``+inf`` where ``p`` is impossible)."""
+        hits, t, p = np.asarray(hits, dtype=float), np.asarray(t, dtype=float), np.asarray(p, dtype=float)
+        with np.errstate(divide="ignore"):
+            log_lik = xlogy(hits, p) + xlog1py(t - hits, -p)
+        return betaln(self.a + hits, self.b + t - hits) - betaln(self.a, self.b) - log_lik
+
+    def lower(self, hits: int, t: int) -> float:
+        """Lower end of ``C_t``, rounded down: never above the exact boundary (0 when ``hits = 0``)."""
+        hits, t = _check_counts(hits, t)
+        return float(_lower_end(hits, t, self.a, self.b, math.log(1.0 / self.alpha)))
+
+    def upper(self, hits: int, t: int) -> float:
+        """Upper end of ``C_t`` (1 when ``hits = t``): by the symmetry ``p ↔ 1 − p``, ``hits ↔ t − hits``,
+        ``a ↔ b``. Certificates use only :meth:`lower`; this side only lets a driver give up early."""
+        hits, t = _check_counts(hits, t)
+        return float(1.0 - _lower_end(t - hits, t, self.b, self.a, math.log(1.0 / self.alpha)))
+
+
+def _lower_end(hits: int, t: int, a: float, b: float, log_inv_alpha: float) -> float:
+    """Largest ``p`` the search can *prove* is ≤ the root of ``log M_t(p) = log(1/α)`` on ``(0, hits/t)``.
+
+    ``g(p) = log M_t(p) − log(1/α)`` is strictly decreasing on ``(0, p̂)`` (convexity, minimum at ``p̂``), so any
+    ``p < p̂`` with ``g(p) ≥ 0`` lies at or below the root. brentq locates the root; the returned value is then
+    stepped down until ``g`` is non-negative with a margin covering the floating-point error of evaluating ``g``.
+    """
+    if hits == 0:
+        return 0.0
+    p_hat = hits / t
+    log_marginal = betaln(a + hits, b + t - hits) - betaln(a, b)
+
+    def g(p: float) -> float:
+        return log_marginal - xlogy(hits, p) - xlog1py(t - hits, -p) - log_inv_alpha
+
+    def surely_excluded(p: float) -> bool:
+        terms = abs(log_marginal) + abs(xlogy(hits, p)) + abs(xlog1py(t - hits, -p)) + log_inv_alpha
+        return g(p) >= 64 * np.finfo(float).eps * (1.0 + terms)
+
+    # g(p) ≥ log_marginal − hits·log p − log(1/α) because −(t − hits)·log(1 − p) ≥ 0; this p makes that ≥ hits.
+    p_lo = math.exp((log_marginal - log_inv_alpha) / hits - 1.0)
+    if p_lo == 0.0 or not surely_excluded(p_lo):
+        return 0.0  # bracket underflows: 0 is always a valid lower bound
+    root = brentq(g, p_lo, p_hat, xtol=1e-300, rtol=8 * np.finfo(float).eps, maxiter=200)
+    step = 16 * np.finfo(float).eps * root
+    candidate = root - step
+    while candidate > p_lo and not surely_excluded(candidate):
+        step *= 4.0
+        candidate = root - step
+    return max(candidate, p_lo)
+
+
+def latent_thresholds(latent_radii: Sequence[float], sigma: float) -> np.ndarray:
+    """Thresholds ``Φ(R_j / σ)`` on ``p_A``: certified at latent radius ``R_j`` iff ``p_A_lower ≥ Φ(R_j / σ)``,
+    because Cohen's radius ``σ Φ⁻¹(p_A_lower)`` is increasing in ``p_A_lower``.
+
+    For SPLITZ the caller converts an input-space radius ε into the latent radius it needs, ``R_j = ε · L(x, ε)``
+    (the Lipschitz bound over ``B(x, ε)``, computed before sampling; its failure probability is added to α by the
+    caller). For plain RS (``f_L`` = identity) ``R_j = ε``.
+    """
+    sigma = check_positive("sigma", sigma)
+    radii = np.asarray(latent_radii, dtype=float).reshape(-1)
+    if not np.all(np.isfinite(radii)) or np.any(radii < 0):
+        raise ValueError(f"latent_radii must be finite and >= 0, got {radii.tolist()}")
+    return norm.cdf(radii / sigma)
+
+
+def checkpoints(budget: int, first: int = 1000, growth: float = 1.5, multiple: int = 1) -> np.ndarray:
+    """Sample counts at which the driver looks at the data: ``first``, then ×``growth`` each time, each rounded up
+    to a multiple of ``multiple`` (a static f_R batch shape), strictly increasing, the last one equal to ``budget``.
+    """
+    check_count("budget", budget, 1)
+    check_count("first", first, 1)
+    check_count("multiple", multiple, 1)
+    if not (isinstance(growth, (int, float)) and growth > 1.0 and math.isfinite(growth)):
+        raise ValueError(f"growth must be a finite number > 1, got {growth}")
+    points, target = [], float(first)
+    while True:
+        t = min(budget, multiple * math.ceil(target / multiple))
+        if not points or t > points[-1]:
+            points.append(t)
+        if t == budget:
+            return np.asarray(points, dtype=np.int64)
+        target *= growth
+
+
+class Decision(str, enum.Enum):
+    """Outcome for one threshold ``p_j``."""
+
+    CERTIFIED = "certified"      # CS lower bound ≥ p_j: certified at that radius (on the 1 − α event)
+    REFUTED = "refuted"          # CS upper bound < p_j: p_A < p_j with probability ≥ 1 − α
+    UNREACHABLE = "unreachable"  # even if every remaining draw within the budget were a hit, lower < p_j
+    UNDECIDED = "undecided"      # the budget ran out first
+
+
+@dataclass(frozen=True)
+class SequentialResult:
+    """What :func:`certify_sequential` found for one input.
+
+    ``p_lower`` / ``p_upper`` are the running max / min of the confidence-sequence ends over the looks made; with
+    probability ≥ 1 − α, ``p_lower ≤ p_A ≤ p_upper`` (jointly, whatever the stopping rule). ``decisions[j]`` belongs
+    to ``thresholds[j]``; ``stop_reason`` is ``"decided"`` (every threshold decided) or ``"budget"``.
+    """
+
+    p_lower: float
+    p_upper: float
+    hits: int
+    samples: int
+    thresholds: tuple[float, ...]
+    decisions: tuple[Decision, ...]
+    stop_reason: str
+
+    def latent_radius(self, sigma: float) -> float:
+        """Cohen's radius ``σ Φ⁻¹(p_lower)`` (0 where ``p_lower ≤ 1/2``, i.e. abstain)."""
+        sigma = check_positive("sigma", sigma)
+        return float(sigma * norm.ppf(self.p_lower)) if self.p_lower > 0.5 else 0.0
+
+
+def certify_sequential(
+    draw: Callable[[int], int],
+    thresholds: Sequence[float] = (),
+    *,
+    alpha: float,
+    budget: int,
+    first: int = 1000,
+    growth: float = 1.5,
+    multiple: int = 1,
+    prior: tuple[float, float] = (0.5, 0.5),
+) -> SequentialResult:
+    """Estimate ``p_A`` for a fixed class with a confidence sequence, stopping once every threshold is decided.
+
+    ``draw(num)`` must return the number of hits (samples classified as ``ĉ_A``) among ``num`` *fresh* noise samples;
+    the caller owns noise and seeds. ``thresholds`` are probabilities ``p_j ∈ (0, 1)`` — for radii use
+    :func:`latent_thresholds`. The driver draws up to each of :func:`checkpoints`\\ ``(budget, first, growth,
+    multiple)`` and after each draw updates the bounds of :class:`BetaBinomialCS` ``(alpha, *prior)`` and every
+    undecided threshold:
+
+    - ``CERTIFIED`` when ``p_lower ≥ p_j``; ``REFUTED`` when ``p_upper < p_j``;
+    - ``UNREACHABLE`` when even all hits up to every remaining checkpoint keep the lower bound below ``p_j`` (the
+      lower bound is increasing in the hit count, so this is the best any continuation can do).
+
+    It stops when no threshold is undecided (``"decided"``; never with an empty ``thresholds``) or at ``budget``.
+    Use case "largest radius within a budget": pass no thresholds and read :meth:`SequentialResult.latent_radius`.
+
+    **Error.** Every ``CERTIFIED`` decision and ``p_lower`` hold simultaneously with probability ≥ 1 − α (one
+    confidence sequence, valid at the data-dependent stopping time; see :class:`BetaBinomialCS`). ``REFUTED`` and
+    ``UNREACHABLE`` only decide when to stop spending samples: a wrong one loses a certificate, never creates one.
+    The caller adds the failure probability of a probabilistic Lipschitz bound to α.
+    """
+    cs = BetaBinomialCS(alpha, *prior)
+    targets = np.asarray(thresholds, dtype=float).reshape(-1)
+    if not np.all((targets > 0.0) & (targets < 1.0)):
+        raise ValueError(f"thresholds must lie strictly between 0 and 1, got {targets.tolist()}")
+    schedule = checkpoints(budget, first, growth, multiple)
+    decisions = [Decision.UNDECIDED] * len(targets)
+    hits = samples = 0
+    p_lower, p_upper = 0.0, 1.0
+    for k, t in enumerate(schedule):
+        num = int(t) - samples
+        new_hits = draw(num)
+        try:
+            new_hits = operator.index(new_hits)
+        except TypeError:
+            raise TypeError(f"draw({num}) must return an integer count, got {type(new_hits).__name__}") from None
+        if not 0 <= new_hits <= num:
+            raise ValueError(f"draw({num}) returned {new_hits} hits, outside [0, {num}]")
+        hits, samples = hits + new_hits, int(t)
+        p_lower = max(p_lower, cs.lower(hits, samples))
+        p_upper = min(p_upper, cs.upper(hits, samples))
+        open_ = [j for j, d in enumerate(decisions) if d is Decision.UNDECIDED]
+        for j in open_:
+            if p_lower >= targets[j]:
+                decisions[j] = Decision.CERTIFIED
+            elif p_upper < targets[j]:
+                decisions[j] = Decision.REFUTED
+        open_ = [j for j in open_ if decisions[j] is Decision.UNDECIDED]
+        if open_ and k + 1 < len(schedule):
+            best = max(cs.lower(hits + int(u) - samples, int(u)) for u in schedule[k + 1:])
+            for j in open_:
+                if max(best, p_lower) < targets[j]:
+                    decisions[j] = Decision.UNREACHABLE
+        if len(targets) and all(d is not Decision.UNDECIDED for d in decisions):
+            stop_reason = "decided"
+            break
+    else:
+        stop_reason = "budget"
+    return SequentialResult(
+        p_lower=p_lower,
+        p_upper=p_upper,
+        hits=hits,
+        samples=samples,
+        thresholds=tuple(float(p) for p in targets),
+        decisions=tuple(decisions),
+        stop_reason=stop_reason,
+    )
+
+
+__all__ = [
+    "BetaBinomialCS",
+    "Decision",
+    "SequentialResult",
+    "certify_sequential",
+    "checkpoints",
+    "latent_thresholds",
+]
