@@ -36,7 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import interpreting
-from .interval_clip import _gamma_vector, _theta_broadcast, _theta_mode, interval_clip_reference
+from .interval_clip import _gamma_vector, interval_clip_reference
+from .thresholds import theta_broadcast, theta_mode
 
 __all__ = ["FirstLayerBounds", "first_layer_bounds", "first_layer_bounds_reference", "first_layer_bounds_triton"]
 
@@ -127,8 +128,8 @@ def first_layer_bounds_reference(
     step = interval_clip_reference(z, r, theta, gamma=g, margin=margin, need_next=need_next)
     latent = None
     if need_latent:
-        mode, values = _theta_mode(theta, z)
-        latent = z if mode == 0 else torch.minimum(z.clamp_min(0), _theta_broadcast(mode, values, z))
+        mode, values = theta_mode(theta, z)
+        latent = z if mode == 0 else torch.minimum(z.clamp_min(0), theta_broadcast(mode, values, z))
     return FirstLayerBounds(step.lower, step.upper, step.mask, step.center, step.radius, latent)
 
 
@@ -269,7 +270,7 @@ def first_layer_bounds_triton(
     bias = None if layer.bias is None else layer.bias.detach().to(x.dtype).contiguous()
     probe = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     g = _gamma_vector(gamma, probe)
-    mode, theta_t = _theta_mode(theta, probe)
+    mode, theta_t = theta_mode(theta, probe)
     lower, upper = torch.empty_like(probe), torch.empty_like(probe)
     mask = torch.empty(out_shape, dtype=torch.uint8, device=x.device)
     center = torch.empty_like(probe) if need_next else None

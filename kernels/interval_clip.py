@@ -23,9 +23,10 @@ Shapes (``S`` is one sample's shape, e.g. ``(C, H, W)`` or ``(F,)``):
 * ``r``: ``[B, *S]`` per-sample radius, or ``[*S]`` / ``[1, *S]`` shared by the batch (e.g. first-layer row norms
   ``‖w_i D‖₂``) — then usually with ``gamma: [B]`` (or a scalar), the per-sample ball radius.
 * ``margin``: ``None``, ``[B, *S]`` or ``[*S]`` / ``[1, *S]``.
-* ``theta``: ``None`` (layer without activation), a scalar (``float`` or 0-d/1-element tensor, may be ``inf``),
-  per channel ``[C]`` (``C = S[0]``, broadcast over dim 1 of ``z``; also ``[C, 1, 1]``), or per element
-  (anything broadcastable to ``S``). θ must be ≥ 0 (not checked here; ``LeftHalf.check_thresholds`` does).
+* ``theta``: ``None`` (layer without activation) or a threshold of any shape ``ClippedReLU`` accepts, read by
+  :func:`.thresholds.normalize_threshold` exactly as the forward pass reads it (scalar, may be ``inf``; 1-D ``[C]``
+  per channel; otherwise torch broadcasting against ``S``). θ must be ≥ 0 (not checked here;
+  ``LeftHalf.check_thresholds`` does).
 
 Outputs (:class:`IntervalClip`): ``lower``, ``upper``, ``center``, ``radius`` shaped like ``z`` in ``z``'s dtype,
 ``mask`` ``[B, *S]`` bool; ``center``/``radius`` are ``None`` when ``need_next=False`` (the last layer).
@@ -39,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from . import interpreting
+from .thresholds import theta_broadcast, theta_mode
 
 __all__ = [
     "IntervalClip",
@@ -98,39 +100,6 @@ def _gamma_vector(gamma: float | torch.Tensor | None, z: torch.Tensor) -> torch.
     return g.contiguous()
 
 
-def _theta_mode(theta: float | torch.Tensor | None, z: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """``(mode, values)``: mode 0 no activation, 1 scalar (``[1]``), 2 per channel (``[C]``), 3 per element
-    (``[N]``); values in ``z``'s dtype."""
-    if theta is None:
-        return 0, None
-    t = torch.as_tensor(theta).detach().to(device=z.device, dtype=z.dtype)
-    if t.numel() == 1:
-        return 1, t.reshape(1).contiguous()
-    sample = tuple(z.shape[1:])
-    channels = sample[0]
-    squeezed = t
-    while squeezed.ndim > 1 and squeezed.shape[-1] == 1:
-        squeezed = squeezed.squeeze(-1)
-    if z.ndim > 2 and squeezed.ndim == 1 and squeezed.numel() == channels and t.ndim <= len(sample):
-        return 2, squeezed.contiguous()
-    try:
-        full = t.expand(sample)
-    except RuntimeError as err:
-        raise ValueError(f"theta of shape {tuple(t.shape)} does not broadcast to the sample shape {sample}") from err
-    return 3, full.reshape(-1).contiguous()
-
-
-def _theta_broadcast(mode: int, values: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor | None:
-    """The reference's θ, broadcastable against ``z``."""
-    if mode == 0:
-        return None
-    if mode == 1:
-        return values.reshape(())
-    if mode == 2:
-        return values.view(-1, *([1] * (z.ndim - 2)))
-    return values.view(z.shape[1:])
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Reference (the CPU path and the test oracle)
 # --------------------------------------------------------------------------------------------------------------------
@@ -167,12 +136,12 @@ def interval_clip_reference(
         total = total + rel * r_eff
     lower = z - total
     upper = z + total
-    mode, values = _theta_mode(theta, z)
+    mode, values = theta_mode(theta, z)
     if mode == 0:
         mask = torch.ones(z.shape, dtype=torch.bool, device=z.device)
         clo, cup = lower, upper
     else:
-        th = _theta_broadcast(mode, values, z)
+        th = theta_broadcast(mode, values, z)
         mask = (upper > 0) & (lower < th)
         clo = torch.minimum(lower.clamp_min(0), th)
         cup = torch.minimum(upper.clamp_min(0), th)
@@ -299,7 +268,7 @@ def interval_clip_triton(
     g = _gamma_vector(gamma, z)
     m_t, m_per_sample = (None, False) if margin is None else _per_sample_or_shared("margin", margin, z)
     rel = None if not rel_margin else torch.tensor([float(rel_margin)], dtype=z.dtype, device=z.device)
-    mode, theta_t = _theta_mode(theta, z)
+    mode, theta_t = theta_mode(theta, z)
     channels = z.shape[1]
     inner = max(1, n // channels) if channels else 1
 

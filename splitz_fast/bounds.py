@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from ._checks import check_tensor
 from .kernels import select_backend
 from .kernels.first_layer_bounds import first_layer_bounds
-from .kernels.interval_clip import _theta_broadcast, _theta_mode, interval_clip
+from .kernels.interval_clip import interval_clip
+from .kernels.thresholds import theta_broadcast, theta_mode
 from .modules import LeftHalf
 
 # Relative widening of every interval (see module docstring).
@@ -141,10 +142,10 @@ def pool_interval(
     widen = torch.where(radius > 0, 8 * unit * (center.abs() + radius), torch.zeros_like(radius))
     lo = center - radius - widen
     hi = center + radius + widen
-    mode, values = _theta_mode(theta, center)
+    mode, values = theta_mode(theta, center)
     if mode != 0:
         lo = lo.clamp_min(0)
-        hi = torch.minimum(hi, _theta_broadcast(mode, values, center))
+        hi = torch.minimum(hi, theta_broadcast(mode, values, center))
     lo, hi = pool(lo), pool(hi)
     varying = hi > lo
     center, radius = (lo + hi) / 2, (hi - lo) / 2

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels.thresholds import normalize_threshold
+
 AFFINE_TYPES = (nn.Conv2d, nn.Linear)
 
 
@@ -23,8 +25,10 @@ class ClippedReLU(nn.Module):
 
     Args:
         threshold: initial θ ≥ 0 (``float('inf')`` gives a plain ReLU).
-        shape: shape of θ: ``()`` scalar, ``(C,)`` per channel (broadcast over dim 1 of ``[B, C, ...]``), or the full
-            element shape ``(C, H, W)`` / ``(F,)``.
+        shape: shape of θ: ``()`` scalar, ``(C,)`` per channel (broadcast over dim 1 of ``[B, C, ...]``), or any shape
+            that broadcasts to one activation under torch's rules, e.g. ``(C, H, W)``, ``(1, H, W)``, ``(H, 1)``,
+            ``(F,)``. How θ is read is decided in one place, :func:`splitz_fast.kernels.thresholds.normalize_threshold`,
+            which the bound code and the kernels use too; a shape it cannot read unambiguously is an error.
         learnable: whether θ is an ``nn.Parameter``. Optimizers can push it below zero; call
             :meth:`project_` after each step (the training loop does) — the bound code refuses negative θ.
     """
@@ -38,14 +42,10 @@ class ClippedReLU(nn.Module):
             self.threshold = nn.Parameter(value)
         else:
             self.register_buffer("threshold", value)
-        self.per_channel = len(shape) == 1
 
     def broadcast_threshold(self, z: torch.Tensor) -> torch.Tensor:
-        """θ shaped to broadcast against a pre-activation ``z`` of shape ``[B, ...]``."""
-        theta = self.threshold
-        if self.per_channel and z.ndim > 2:
-            theta = theta.view(-1, *([1] * (z.ndim - 2)))
-        return theta.to(z.dtype)
+        """θ shaped to broadcast against a pre-activation ``z`` of shape ``[B, ...]`` (the reading every bound uses)."""
+        return normalize_threshold(self.threshold, tuple(z.shape[1:])).to(z.dtype)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         theta = self.broadcast_threshold(z)
