@@ -176,6 +176,18 @@ def checkpoints(budget: int, first: int = 1000, growth: float = 1.5, multiple: i
         target *= growth
 
 
+def _best_reachable(cs: BetaBinomialCS, hits: int, samples: int, future: np.ndarray, enough: float) -> float:
+    """Max over the future looks ``u`` of the lower bound if every draw until ``u`` were a hit — the highest lower
+    bound any continuation can show, since the bound increases with the hits. Scans from the last look (usually
+    the max) and stops early once ``enough`` is reached, as no threshold can then be unreachable."""
+    best = 0.0
+    for u in reversed(future.tolist()):
+        best = max(best, cs.lower(hits + u - samples, u))
+        if best >= enough:
+            break
+    return best
+
+
 class Decision(str, enum.Enum):
     """Outcome for one threshold ``p_j``."""
 
@@ -267,7 +279,7 @@ def certify_sequential(
                 decisions[j] = Decision.REFUTED
         open_ = [j for j in open_ if decisions[j] is Decision.UNDECIDED]
         if open_ and k + 1 < len(schedule):
-            best = max(cs.lower(hits + int(u) - samples, int(u)) for u in schedule[k + 1:])
+            best = _best_reachable(cs, hits, samples, schedule[k + 1:], max(targets[j] for j in open_))
             for j in open_:
                 if max(best, p_lower) < targets[j]:
                     decisions[j] = Decision.UNREACHABLE

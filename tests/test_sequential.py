@@ -42,14 +42,17 @@ def crossing_counts(lower, schedule: np.ndarray, p: float) -> np.ndarray:
     return crit
 
 
-def stopped_above_p(lower, p: float, schedule: np.ndarray, trials: int, seed: int) -> int:
+def stopped_above_p(lower, p: float, schedule: np.ndarray, trials: int, seed: int, chunk: int = 10_000) -> int:
     """Number of simulated Bernoulli(p) streams on which the lower bound exceeds p at *some* look in ``schedule``:
     exactly the streams on which "stop as soon as the lower bound exceeds p" ends with a false claim."""
     rng = np.random.default_rng(seed)
     crit = crossing_counts(lower, schedule, p)
-    increments = rng.binomial(np.diff(schedule, prepend=0), p, size=(trials, len(schedule)))
-    hits = np.cumsum(increments, axis=1)
-    return int(np.count_nonzero((hits >= crit).any(axis=1)))
+    steps = np.diff(schedule, prepend=0)
+    fails = 0
+    for start in range(0, trials, chunk):
+        hits = np.cumsum(rng.binomial(steps, p, size=(min(chunk, trials - start), len(schedule))), axis=1)
+        fails += int(np.count_nonzero((hits >= crit).any(axis=1)))
+    return fails
 
 
 def naive_clopper_pearson(alpha: float):
@@ -82,10 +85,10 @@ def test_naive_repeated_clopper_pearson_fails_the_same_check(p):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("alpha", [0.05, 0.2])
-@pytest.mark.parametrize("p", [0.3, 0.75, 0.95, 0.9962, 0.9995])
+@pytest.mark.parametrize("p", [0.3, 0.9962, 0.9995])
 def test_optional_stopping_every_draw_large(p, alpha):
-    """100,000 streams, a look after *every* draw up to 2,000 and +2 % per look up to 10^5 (~240 looks)."""
-    schedule = np.unique(np.concatenate([np.arange(1, 2001), checkpoints(100_000, first=2000, growth=1.02)]))
+    """100,000 streams, a look after *every* draw up to 500, then +3 % per look up to 10^5 (~680 looks)."""
+    schedule = np.unique(np.concatenate([np.arange(1, 501), checkpoints(100_000, first=500, growth=1.03)]))
     trials = 100_000
     fails = stopped_above_p(BetaBinomialCS(alpha).lower, p, schedule, trials, seed=2)
     assert binomtest(fails, trials, alpha, alternative="greater").pvalue > 1e-3, (p, alpha, fails / trials)
