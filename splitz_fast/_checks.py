@@ -5,6 +5,8 @@ Each check raises ``ValueError`` (or ``TypeError``) with a message that names th
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -69,3 +71,52 @@ def check_tensor(
     if finite and not torch.isfinite(x).all():
         raise ValueError(f"{name} contains NaN or Inf values; clean the input before certifying")
     return x
+
+
+def available_devices() -> list[str]:
+    """The devices this machine can run on: ``cpu``, then ``cuda`` and ``cuda:N`` for each GPU CUDA sees."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return devices
+
+
+def check_device(name: str, value: str) -> str:
+    """Refuse a device string that is not a device, or a device this machine does not have (before any work)."""
+    valid = available_devices()
+    if value in valid:
+        return value
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} {value!r} is not a device; valid here: {', '.join(valid)}") from None
+    raise ValueError(f"{name} {value!r} is unavailable on this machine; valid here: {', '.join(valid)}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    for parent in path.parents:
+        if parent.exists():
+            return parent
+    return Path(".")
+
+
+def check_output_file(name: str, path: str | os.PathLike) -> Path:
+    """A file path that can be created: not a folder, and no existing file where a parent folder should be."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{name} {str(path)!r} is a folder; give a file path, e.g. {str(path / 'out.tsv')!r}")
+    parent = _nearest_existing(path)
+    if not parent.is_dir():
+        raise ValueError(f"cannot create {name} {str(path)!r}: {str(parent)!r} is a file, not a folder")
+    return path
+
+
+def check_output_folder(name: str, path: str | os.PathLike) -> Path:
+    """A folder path that exists as a folder or can be created (no file in the way)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {str(path)!r} is a file, not a folder")
+    parent = _nearest_existing(path)
+    if not path.exists() and not parent.is_dir():
+        raise ValueError(f"cannot create {name} {str(path)!r}: {str(parent)!r} is a file, not a folder")
+    return path

@@ -37,6 +37,7 @@ from typing import Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
+from ._checks import check_output_folder
 from .results import COHEN_COLUMNS, SPLITZ_COLUMNS
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -130,8 +131,12 @@ def read_certification(path: PathLike) -> CertificationTable:
             other than ``predict == label``, an abstention with a nonzero radius, or an ``idx`` seen before.
     """
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as fh:
-        lines = [(number, line.rstrip("\r\n")) for number, line in enumerate(fh, start=1)]
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = [(number, line.rstrip("\r\n")) for number, line in enumerate(fh, start=1)]
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a text file (byte {err.start} is not UTF-8); expected a certification TSV "
+                         f"whose header starts with {' '.join(COHEN_COLUMNS)}") from None
     lines = [(number, line) for number, line in lines if line.strip()]
     if not lines:
         raise ValueError(f"{path}: empty file, expected a header starting with {' '.join(COHEN_COLUMNS)}")
@@ -218,7 +223,8 @@ def certified_accuracy(table: CertificationTable, radii: float | Iterable[float]
     n = _require_rows(table)
     r = np.asarray(radii, dtype=np.float64)
     if np.isnan(r).any() or (r < 0).any():
-        raise ValueError(f"radii must be >= 0, got {radii!r}")
+        bad = [v for v in np.atleast_1d(r).tolist() if not v >= 0]
+        raise ValueError(f"radii must be >= 0, got {', '.join(f'{v:g}' for v in bad)}")
     certified = np.sort(table.radius[table.correct])
     # Rows with radius >= r are those at or after the first position where r could be inserted.
     counts = certified.size - np.searchsorted(certified, r, side="left")
@@ -320,6 +326,13 @@ def markdown_table(named_tables: Mapping[str, CertificationTable], radii: Iterab
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+# pdflatex has no glyphs for Greek or math symbols in text (run names such as "RS (σ=0.25)"): emit math mode.
+_LATEX_SPECIAL.update({ch: rf"$\{name}$" for ch, name in zip(
+    "αβγδεζηθικλμνξπρστυφχψωΓΔΘΛΞΠΣΦΨΩ",
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho sigma tau upsilon phi chi psi "
+    "omega Gamma Delta Theta Lambda Xi Pi Sigma Phi Psi Omega".split())})
+_LATEX_SPECIAL.update({"≥": r"$\geq$", "≤": r"$\leq$", "×": r"$\times$", "→": r"$\to$", "·": r"$\cdot$",
+                       "∞": r"$\infty$", "−": "-", "√": r"$\surd$"})
 
 
 def _latex_escape(text: str) -> str:
@@ -480,6 +493,8 @@ def analyze(paths_or_named: RunsArg, radii: Iterable[float], out_dir: PathLike |
             (:func:`latex_table`) and ``certified_accuracy.png`` / ``.pdf`` (:func:`plot_certified_accuracy`).
         title: optional plot title.
     """
+    if out_dir is not None:  # before reading anything, so a bad folder costs nothing and writes nothing
+        check_output_folder("output folder", out_dir)
     radii = [float(r) for r in radii]
     runs = load_runs(paths_or_named)
     text = markdown_table(runs, radii) + "\n" + summary_markdown_table(runs)

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -14,7 +16,8 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from ._checks import check_count, check_positive, check_probability
+from ._checks import (check_count, check_device, check_output_file, check_output_folder, check_positive,
+                      check_probability)
 from .data import DatasetUnavailableError
 from .smoothing import MarginCertifier, Smoother
 from .stats import max_latent_radius
@@ -32,18 +35,20 @@ def demo(args: argparse.Namespace) -> int:
     from .datasets import get_dataset
     from .models import build_model
     from .runs import run_over_dataset, select_indices
-    from .training import TrainConfig, train
+    from .training import train
 
-    # Check the certification settings up front: a bad value must not cost a training run first.
-    check_positive("sigma", args.sigma)
-    check_probability("alpha", args.alpha)
-    check_count("n0", args.n0)
-    check_count("n", args.n)
-    check_count("batch", args.batch)
+    # Check every setting up front: a bad value must not cost a training run first.
+    config = _train_config(args, _DEMO_TRAIN_OPTIONS)
+    check_probability("--alpha", args.alpha)
+    check_count("--n0", args.n0)
+    check_count("--n", args.n)
+    check_count("--batch", args.batch)
+    check_count("--num-images", args.num_images)
+    check_count("--skip", args.skip)
     if args.n0 > args.n:
-        raise ValueError(f"n0 ({args.n0}) must not exceed n ({args.n})")
+        raise ValueError(f"--n0 ({args.n0}) must not exceed --n ({args.n})")
+    out = check_output_folder("--out", args.out)
     start_all = time.perf_counter()
-    out = Path(args.out)
     train_info = get_dataset("mnist", "train")
     test_info = get_dataset("mnist", "test")
     indices = select_indices(len(test_info.dataset), args.skip, args.num_images)
@@ -54,9 +59,6 @@ def demo(args: argparse.Namespace) -> int:
           f"({len(indices)} images), n0={args.n0}, n={args.n}, α={args.alpha}")
     tsvs = {}
     for name, split_index in (("RS", 0), ("SPLITZ", 1)):
-        config = TrainConfig(sigma=args.sigma, epochs=args.epochs, batch_size=args.train_batch,
-                             lambda_start=args.lambda_start, lambda_end=args.lambda_end, seed=args.seed,
-                             max_batches=args.max_batches)
         kwargs = {"split_index": split_index, "threshold": 1.0, "learnable_threshold": False}
         torch.manual_seed(args.seed)
         model = build_model("lenet", **kwargs)
@@ -64,7 +66,8 @@ def demo(args: argparse.Namespace) -> int:
         spec = {"name": "lenet", "kwargs": kwargs, "dataset": "mnist"}
         started = time.perf_counter()
         result = train(model, train_info.dataset, config, run_dir, model_spec=spec, device=args.device, resume=True)
-        epoch_times = [r["epoch_seconds"] for r in result.history]
+        # Checkpoints hold no wall times (identical runs give identical files): read them from the log.
+        epoch_times = [json.loads(line)["epoch_seconds"] for line in (run_dir / "train.log").read_text().splitlines()]
         print(f"{name}: trained in {time.perf_counter() - started:.0f} s this call; epoch times "
               f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch + 1}, "
               f"val noisy acc {result.best_val_noisy_acc:.3f}", flush=True)
@@ -100,19 +103,39 @@ def _model_kwargs(model_name: str, info, args: argparse.Namespace) -> dict:
     return kwargs
 
 
+# TrainConfig field -> the option that sets it, so a refused value is reported under the name the user typed.
+_TRAIN_OPTIONS = {
+    "sigma": "--sigma", "epochs": "--epochs", "batch_size": "--batch", "noise_samples": "--noise-samples",
+    "lambda_start": "--lambda-start", "lambda_end": "--lambda-end", "theta_lip": "--theta-lip",
+    "gamma_train": "--gamma-train", "power_iters": "--power-iters", "optimizer": "--optimizer", "lr": "--lr",
+    "weight_decay": "--weight-decay", "lr_schedule": "--lr-schedule", "lr_step": "--lr-step", "lr_decay": "--lr-decay",
+    "val_fraction": "--val-fraction", "max_batches": "--max-batches", "seed": "--seed", "num_workers": "--workers",
+}
+_DEMO_TRAIN_OPTIONS = {"sigma": "--sigma", "epochs": "--epochs", "batch_size": "--train-batch",
+                       "lambda_start": "--lambda-start", "lambda_end": "--lambda-end", "seed": "--seed",
+                       "max_batches": "--max-batches"}
+
+
+def _train_config(args: argparse.Namespace, options: dict[str, str]):
+    """The validated TrainConfig of ``options`` (field -> option); errors name the option, not the field."""
+    from .training import TrainConfig
+
+    config = TrainConfig(**{field: getattr(args, option[2:].replace("-", "_")) for field, option in options.items()})
+    try:
+        return config.validate()
+    except (ValueError, TypeError) as err:  # TrainConfig's messages start with the field's name
+        field, _, rest = str(err).partition(" ")
+        raise type(err)(f"{options.get(field, field)} {rest}") from None
+
+
 def train_command(args: argparse.Namespace) -> int:
     from .datasets import get_dataset
     from .models import build_model
-    from .training import TrainConfig, train
+    from .training import train
 
     # Validate the settings before touching data or the output folder.
-    config = TrainConfig(
-        sigma=args.sigma, epochs=args.epochs, batch_size=args.batch, noise_samples=args.noise_samples,
-        lambda_start=args.lambda_start, lambda_end=args.lambda_end, theta_lip=args.theta_lip,
-        gamma_train=args.gamma_train, power_iters=args.power_iters, optimizer=args.optimizer, lr=args.lr,
-        weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, lr_step=args.lr_step, lr_decay=args.lr_decay,
-        val_fraction=args.val_fraction, max_batches=args.max_batches, seed=args.seed, num_workers=args.workers,
-    ).validate()
+    config = _train_config(args, _TRAIN_OPTIONS)
+    check_output_folder("OUTDIR", args.outdir)
     info = get_dataset(args.dataset, "train", root=args.root)
     kwargs = _model_kwargs(args.model, info, args)
     torch.manual_seed(args.seed)  # the initial weights are part of the run: seed them
@@ -140,7 +163,10 @@ def load_model(checkpoint: str, device: str):
     spec = ckpt.get("model_spec") or {}
     if "name" not in spec:
         raise ValueError(f"{checkpoint} does not record its model; it was not written by `splitz train`")
-    model = load_state_into(build_model(spec["name"], **spec.get("kwargs", {})), ckpt)
+    try:
+        model = load_state_into(build_model(spec["name"], **spec.get("kwargs", {})), ckpt)
+    except ValueError as err:
+        raise ValueError(f"{checkpoint}: {err}") from None
     return model.to(device).eval(), ckpt
 
 
@@ -159,6 +185,17 @@ def _model_and_dataset(args: argparse.Namespace):
 def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
     from .runs import run_over_dataset, select_indices
 
+    # The sampling options under their command-line names, before the model and data are loaded.
+    check_positive("SIGMA", args.sigma)
+    check_count("--batch", args.batch)
+    check_count("--N", args.N)
+    if kind == "certify":
+        check_count("--N0", args.N0)
+        if args.N0 > args.N:
+            raise ValueError(f"--N0 ({args.N0}) must not exceed --N ({args.N})")
+    check_probability("--alpha", args.alpha)
+    check_count("--seed", args.seed, 0)
+    check_output_file("OUTFILE", args.outfile)
     model, ckpt, info = _model_and_dataset(args)
     smoother = Smoother(model, args.sigma, bound=getattr(args, "bound", "local"),
                         bound_method=getattr(args, "bound_method", "auto"),
@@ -185,6 +222,8 @@ def certify_margin_command(args: argparse.Namespace) -> int:
     """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
     from .runs import run_over_dataset, select_indices
 
+    check_count("--seed", args.seed, 0)
+    check_output_file("OUTFILE", args.outfile)
     model, ckpt, info = _model_and_dataset(args)
     certifier = MarginCertifier(model, bound=args.bound, bound_method=args.bound_method,
                                 gamma_search=args.gamma_search)
@@ -214,126 +253,173 @@ def analyze_command(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, except where there is none to show (unset, flags, required)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .datasets import DATASETS
+    from .models import MODELS
+
+    dataset_help = f"dataset name: {', '.join(DATASETS)}"
     parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
     parser.add_argument("--version", action="version", version=f"splitz_fast {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="train RS and SPLITZ LeNets on offline MNIST, certify, compare")
-    d.add_argument("--out", default="runs/demo", help="folder for checkpoints, TSVs, tables, plot (default: runs/demo)")
-    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model (default: 2)")
-    d.add_argument("--train-batch", type=int, default=256, help="training batch size (default: 256)")
-    d.add_argument("--lambda-start", type=float, default=0.8, help="SPLITZ λ at the first epoch (default: 0.8)")
-    d.add_argument("--lambda-end", type=float, default=0.4, help="SPLITZ λ at the last epoch (default: 0.4)")
-    d.add_argument("--num-images", type=int, default=30, help="number of test images (default: 30)")
-    d.add_argument("--skip", type=int, default=333, help="certify every SKIP-th test image (default: 333)")
-    d.add_argument("--sigma", type=float, default=0.75, help="noise level σ, train and test (default: 0.75)")
-    d.add_argument("--n0", type=int, default=100, help="selection samples (default: 100)")
-    d.add_argument("--n", type=int, default=10_000, help="estimation samples (default: 10,000)")
-    d.add_argument("--alpha", type=float, default=0.001, help="failure probability (default: 0.001)")
+    d = sub.add_parser("demo", help="train RS and SPLITZ LeNets on offline MNIST, certify, compare",
+                       formatter_class=_HelpFormatter)
+    d.add_argument("--out", default="runs/demo", help="folder for checkpoints, TSVs, tables, plot")
+    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model")
+    d.add_argument("--train-batch", type=int, default=256, help="training batch size")
+    d.add_argument("--lambda-start", type=float, default=0.8, help="SPLITZ λ at the first epoch")
+    d.add_argument("--lambda-end", type=float, default=0.4, help="SPLITZ λ at the last epoch")
+    d.add_argument("--num-images", type=int, default=30, help="number of test images")
+    d.add_argument("--skip", type=int, default=333, help="certify every SKIP-th test image")
+    d.add_argument("--sigma", type=float, default=0.75, help="noise level σ, train and test")
+    d.add_argument("--n0", type=int, default=100, help="selection samples")
+    d.add_argument("--n", type=int, default=10_000, help="estimation samples")
+    d.add_argument("--alpha", type=float, default=0.001, help="failure probability")
     # Small batches keep LeNet's activations in cache: ~2x the samples/s of batch 1000 on a 2-core CPU.
-    d.add_argument("--batch", type=int, default=100, help="noise samples per forward pass (default: 100)")
-    d.add_argument("--max-batches", type=int, default=None, help="cap batches per epoch (quick runs)")
-    d.add_argument("--seed", type=int, default=0, help="seed of training and certification (default: 0)")
-    d.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
+    d.add_argument("--batch", type=int, default=100, help="noise samples per forward pass")
+    d.add_argument("--max-batches", type=int, default=None, help="cap batches per epoch (quick runs; default: all)")
+    d.add_argument("--seed", type=int, default=0, help="seed of training and certification")
+    d.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
     d.set_defaults(func=demo)
 
-    t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)")
-    t.add_argument("dataset", help="mnist, cifar10, imagenet, adult, law_school, ...")
-    t.add_argument("model", help="lenet, lenet-splitz, cifar_resnet20/56/110, imagenet_resnet50, mlp")
+    t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)",
+                       formatter_class=_HelpFormatter)
+    t.add_argument("dataset", help=dataset_help)
+    t.add_argument("model", help=f"model name: {', '.join(MODELS)}")
     t.add_argument("outdir", help="run folder: last.pt, best.pt, train.log")
     t.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
-    t.add_argument("--split-index", type=int, default=1, help="affine layers in f_L; 0 = plain RS (default: 1)")
-    t.add_argument("--threshold", type=float, default=1.0, help="clipped-ReLU threshold θ in f_L (default: 1.0)")
+    t.add_argument("--split-index", type=int, default=1, help="affine layers in f_L; 0 = plain RS")
+    t.add_argument("--threshold", type=float, default=1.0,
+                   help="clipped-ReLU threshold θ in f_L (inf keeps a pretrained network's outputs)")
     t.add_argument("--learnable-threshold", action="store_true", help="learn θ (projected to >= 0)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
-    t.add_argument("--epochs", type=int, default=10)
-    t.add_argument("--batch", type=int, default=512)
-    t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input (default: 1)")
-    t.add_argument("--lambda-start", type=float, default=0.8, help="λ at the first epoch (default: 0.8)")
-    t.add_argument("--lambda-end", type=float, default=0.4, help="λ at the last epoch (default: 0.4)")
-    t.add_argument("--theta-lip", type=float, default=0.5, help="hinge threshold θ_lip (default: 0.5)")
-    t.add_argument("--gamma-train", type=float, default=0.1, help="γ of the training estimate (default: 0.1)")
-    t.add_argument("--power-iters", type=int, default=5, help="power steps per training step (default: 5)")
-    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--lr-schedule", choices=("step", "half-cosine", "cosine", "none"), default="step")
-    t.add_argument("--lr-step", type=int, default=50, help="epochs between ×lr-decay steps (default: 50)")
-    t.add_argument("--lr-decay", type=float, default=0.1)
+    t.add_argument("--epochs", type=int, default=10, help="training epochs")
+    t.add_argument("--batch", type=int, default=512, help="training batch size")
+    t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")
+    t.add_argument("--lambda-start", type=float, default=0.8, help="λ at the first epoch")
+    t.add_argument("--lambda-end", type=float, default=0.4, help="λ at the last epoch")
+    t.add_argument("--theta-lip", type=float, default=0.5, help="hinge threshold θ_lip")
+    t.add_argument("--gamma-train", type=float, default=0.1, help="γ of the training estimate")
+    t.add_argument("--power-iters", type=int, default=5, help="power steps per training step")
+    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer (sgd: momentum 0.9)")
+    t.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
+    t.add_argument("--lr-schedule", choices=("step", "half-cosine", "cosine", "none"), default="step",
+                   help="learning-rate schedule")
+    t.add_argument("--lr-step", type=int, default=50, help="epochs between ×lr-decay steps")
+    t.add_argument("--lr-decay", type=float, default=0.1, help="factor of each step of the step schedule")
     t.add_argument("--val-fraction", type=float, default=0.1, help="held-out share of train for early stop")
-    t.add_argument("--max-batches", type=int, default=None, help="batches per epoch cap (quick runs)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--workers", type=int, default=0, help="DataLoader workers (default: 0)")
-    t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    t.add_argument("--max-batches", type=int, default=None, help="batches per epoch cap (quick runs; default: all)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order and noise")
+    t.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    t.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
     t.add_argument("--resume", action="store_true", help="continue OUTDIR/last.pt (same settings only)")
     t.set_defaults(func=train_command)
 
     for name, func, helptext in (("certify", certify_command, "Cohen's CERTIFY with the SPLITZ radius"),
                                  ("predict", predict_command, "Cohen's PREDICT")):
-        c = sub.add_parser(name, help=helptext)
-        c.add_argument("dataset")
+        c = sub.add_parser(name, help=helptext, formatter_class=_HelpFormatter)
+        c.add_argument("dataset", help=dataset_help)
         c.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train`")
         c.add_argument("sigma", type=float, help="noise level σ")
         c.add_argument("outfile", help="TSV output (a sidecar OUTFILE.json records the settings)")
         c.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
-        c.add_argument("--batch", type=int, default=400, help="noise samples per forward pass (default: 400)")
-        c.add_argument("--skip", type=int, default=1, help="every SKIP-th image (default: 1)")
-        c.add_argument("--max", type=int, default=-1, help="at most MAX images, -1 = all (default: -1)")
-        c.add_argument("--split", default="test", help="dataset split (default: test)")
+        c.add_argument("--batch", type=int, default=400, help="noise samples per forward pass")
+        c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
+        c.add_argument("--max", type=int, default=-1, help="at most MAX images, -1 = all")
+        c.add_argument("--split", default="test", help="dataset split")
         if name == "certify":
-            c.add_argument("--N0", type=int, default=100, help="selection samples (default: 100)")
-        c.add_argument("--N", type=int, default=100_000, help="estimation samples (default: 100,000)")
-        c.add_argument("--alpha", type=float, default=0.001, help="failure probability (default: 0.001)")
+            c.add_argument("--N0", type=int, default=100, help="selection samples")
+        c.add_argument("--N", type=int, default=100_000, help="estimation samples")
+        c.add_argument("--alpha", type=float, default=0.001, help="failure probability")
         if name == "certify":
-            c.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection")
+            c.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
+                           help="how γ is searched (every evaluated γ gives a valid radius)")
             c.add_argument("--bound", choices=("local", "global"), default="local",
-                           help="local L(x, γ) or the global product of norms (default: local)")
+                           help="local L(x, γ) or the global product of norms")
             c.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
                            help="exact (deterministic) or probabilistic (δ added to α); auto picks by size")
         c.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
-                       help="dtype of f_R while sampling (noise stays float32; default: float32)")
-        c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i (default: 0)")
-        c.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
+                       help="dtype of f_R while sampling (noise stays float32)")
+        c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
+        c.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
         c.set_defaults(func=func)
 
     m = sub.add_parser("certify-margin", help="deterministic logit-margin certificates (no smoothing) for a model "
-                                              "whose whole classifier is in f_L (the Lipschitz-only baseline)")
-    m.add_argument("dataset")
+                                              "whose whole classifier is in f_L (the Lipschitz-only baseline)",
+                       formatter_class=_HelpFormatter)
+    m.add_argument("dataset", help=dataset_help)
     m.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train` with --split-index = all layers")
     m.add_argument("outfile", help="TSV output (Cohen's columns; pA_lower is nan, R_latent is margin/√2)")
     m.add_argument("--root", default=None, help="dataset folder")
-    m.add_argument("--skip", type=int, default=1, help="every SKIP-th input (default: 1)")
-    m.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all (default: -1)")
-    m.add_argument("--split", default="test", help="dataset split (default: test)")
-    m.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection")
-    m.add_argument("--bound", choices=("local", "global"), default="local")
-    m.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto")
-    m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only (default: 0)")
-    m.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
+    m.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
+    m.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all")
+    m.add_argument("--split", default="test", help="dataset split")
+    m.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
+                   help="how γ is searched (every evaluated γ gives a valid radius)")
+    m.add_argument("--bound", choices=("local", "global"), default="local",
+                   help="local L(x, γ) or the global product of norms")
+    m.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
+                   help="exact (deterministic) or probabilistic; auto picks by size")
+    m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
+    m.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
     m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
     m.set_defaults(func=certify_margin_command)
 
-    a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs")
+    a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
+                       formatter_class=_HelpFormatter)
     a.add_argument("files", nargs="+", help="certification TSVs (Cohen's six columns first)")
-    a.add_argument("--names", nargs="+", default=None, help="one display name per file")
-    a.add_argument("--radii", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0])
+    a.add_argument("--names", nargs="+", default=None, help="one display name per file; file names when omitted")
+    a.add_argument("--radii", type=float, nargs="+", default=DEMO_RADII,
+                   help="l2 radii (input units, >= 0) at which to report certified accuracy")
     a.add_argument("--out", default=None, help="folder for table.md, table.tex and the plot (PNG and PDF)")
     a.set_defaults(func=analyze_command)
     return parser
 
 
+def _stopped_at(args: argparse.Namespace) -> str:
+    """Where an interrupted run stopped, read from what it keeps on disk (flushed rows, per-epoch checkpoints)."""
+    if args.command == "train":
+        log = Path(args.outdir) / "train.log"
+        epochs = len(log.read_text().splitlines()) if log.is_file() else 0
+        return f"{epochs} of {args.epochs} epochs finished in {args.outdir}"
+    if args.command == "demo":
+        return f"finished parts are kept in {args.out}"
+    if args.command == "analyze":
+        return "nothing to keep"
+    out = Path(args.outfile)
+    rows = max(0, out.read_text().count("\n") - 1) if out.is_file() else 0  # complete lines after the header
+    return f"{rows} rows in {out}"
+
+
+def _continue_command(args: argparse.Namespace, argv: list[str]) -> str:
+    words = list(argv)
+    if getattr(args, "resume", None) is False:  # demo resumes by itself and analyze has nothing to resume
+        words.append("--resume")
+    return "splitz " + shlex.join(words)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "num_images", 1) < 1 or getattr(args, "skip", 1) < 1:
-        parser.error("--num-images and --skip must be >= 1")
+    """Run the command line; errors are one line on stderr with exit status 2, Ctrl-C exits with 130."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "device"):
+            check_device("--device", args.device)
         return args.func(args)
-    except DatasetUnavailableError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
+    except KeyboardInterrupt:
+        print(f"interrupted: {_stopped_at(args)}; to continue, run: {_continue_command(args, argv)}", file=sys.stderr)
+        return 130
+    except (DatasetUnavailableError, ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

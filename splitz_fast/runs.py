@@ -3,11 +3,12 @@
 Each row is flushed as soon as it is computed. Image ``i`` is certified with seed ``seed + i``, so a row depends only
 on the image, the model and the seed: a resumed run writes exactly the rows an uninterrupted one would. The run's
 settings go to a sidecar ``OUTFILE.json``; ``resume`` refuses a file written with other settings (or another
-checkpoint, compared by SHA-256), drops a torn last line, and skips the indices already present.
+checkpoint, compared by :func:`~splitz_fast.training.checkpoint_digest`: weights and training settings, not file
+bytes, so a bit-identical retrained checkpoint is accepted), drops a torn last line, and skips the indices already
+present.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -18,20 +19,13 @@ from typing import Any, Callable
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from ._checks import check_count, check_probability
+from ._checks import check_count, check_output_file, check_probability
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .smoothing import Smoother
+from .training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 PREDICT_HEADER = "\t".join(("idx", "label", "predict", "correct", "time", "count_top", "count_second", "p_value"))
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def select_indices(n_items: int, skip: int, max_count: int) -> list[int]:
@@ -102,7 +96,8 @@ def run_over_dataset(
     """CERTIFY (``kind="certify"``) or PREDICT (``kind="predict"``) every selected dataset index into ``out_path``.
 
     ``settings`` (everything that determines the rows) is stored in the sidecar together with the checkpoint's
-    SHA-256; ``stop_after`` stops after that many new rows (as an interruption would).
+    digest (``checkpoint_digest``, described by ``checkpoint_digest_covers``); ``stop_after`` stops after that many
+    new rows (as an interruption would).
     """
     if kind not in ("certify", "predict"):
         raise ValueError(f"kind must be 'certify' or 'predict', got {kind!r}")
@@ -117,11 +112,12 @@ def run_over_dataset(
     check_count("seed", seed, 0)
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")
-    out_path = Path(out_path)
+    out_path = check_output_file("output file", out_path)
     settings = dict(settings, kind=kind, n0=n0, n=n, alpha=alpha, batch=batch_size, seed=seed,
                     sigma=smoother.sigma, indices=[indices[0], indices[-1], len(indices)] if indices else [])
     if checkpoint is not None:
-        settings["checkpoint_sha256"] = file_sha256(checkpoint)
+        settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint))
+        settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
     header = CERTIFY_HEADER if kind == "certify" else PREDICT_HEADER
     done = _prepare_output(out_path, header, settings, resume)
     todo = [i for i in indices if i not in done]
@@ -149,4 +145,4 @@ def run_over_dataset(
     return out_path
 
 
-__all__ = ["run_over_dataset", "select_indices", "file_sha256", "PREDICT_HEADER"]
+__all__ = ["run_over_dataset", "select_indices", "PREDICT_HEADER"]

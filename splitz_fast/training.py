@@ -7,17 +7,20 @@ is applied per sample, then averaged. With ``split_index = 0`` (or λ = 0) the l
 the RS baseline trained in the same loop. Clipped-ReLU thresholds are projected to ≥ 0 after every step.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
-accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch). Checkpoints hold only tensors and plain
-Python values, so they load with ``torch.load(..., weights_only=True)``. The data order of epoch ``e`` depends only on
+accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
+tensors and plain Python values, so they load with ``torch.load(..., weights_only=True)``, and no wall times, so
+identical runs write identical checkpoints (:func:`checkpoint_digest` identifies them by content). The data order of epoch ``e`` depends only on
 ``(seed, e)``, so a run resumed from ``last.pt`` continues exactly as an uninterrupted one would.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -188,19 +191,53 @@ def _atomic_save(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+_EXPECTED_CHECKPOINT = (f"expected a splitz_fast checkpoint (format {CHECKPOINT_FORMAT}) written by `splitz train` or "
+                        "splitz_fast.train()")
+
+
+def _unreadable_reason(path: Path) -> str:
+    """Why torch.load(weights_only=True) failed, in a few words (torch's own messages run to many lines)."""
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    if not zipfile.is_zipfile(path):
+        return "the file is not a torch.save archive (damaged, truncated, or another kind of file)"
+    return "the archive is damaged, or holds Python objects other than tensors and plain values"
+
+
 def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint with ``weights_only=True`` and check its format; clear errors for anything else."""
+    """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as err:  # pickle errors, truncated files, foreign objects
-        raise ValueError(f"{path} is not a splitz_fast checkpoint loadable with weights_only=True: {err}") from None
+    except Exception:  # pickle errors, truncated files, foreign objects
+        raise ValueError(f"{path} is not a splitz_fast checkpoint: {_unreadable_reason(path)}; "
+                         f"{_EXPECTED_CHECKPOINT}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "model" not in ckpt:
-        raise ValueError(f"{path} is not a splitz_fast checkpoint (format {CHECKPOINT_FORMAT}); "
-                         "train one with `splitz train` or splitz_fast.train()")
+        raise ValueError(f"{path} is not a splitz_fast checkpoint: {_EXPECTED_CHECKPOINT}")
     return ckpt
+
+
+def checkpoint_digest(ckpt: dict) -> str:
+    """SHA-256 identifying a checkpoint's model: its weights and the settings that made them, never file bytes.
+
+    Covers the ``model`` state_dict tensors, sorted by name (name, dtype, shape, then the raw bytes), and the JSON
+    (sorted keys) of ``model_spec`` and ``config``. Two bit-identical trainings give the same digest.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(ckpt["model"]):
+        tensor = ckpt["model"][name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    settings = {"model_spec": ckpt.get("model_spec"), "config": ckpt.get("config")}
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+#: What :func:`checkpoint_digest` covers, recorded beside it in certification sidecars.
+CHECKPOINT_DIGEST_COVERS = ("sha256 over the model state_dict tensors sorted by name (name, dtype, shape, bytes) "
+                            "and the JSON of model_spec and training config; not the file bytes")
 
 
 @dataclass
@@ -254,9 +291,12 @@ def train(
             raise FileExistsError(f"{last_path} exists: pass resume=True (--resume) to continue that run, "
                                   "or choose another output folder")
         ckpt = load_checkpoint_file(last_path, device)
-        if ckpt["config"] != config_dict or ckpt.get("model_spec", {}) != spec:
-            raise ValueError(f"{last_path} was written with another config or model; refusing to resume it with "
-                             "different settings (use a new output folder)")
+        previous = {**ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
+        changed = [f"{key} ({previous.get(key)!r} in last.pt, {value!r} now)"
+                   for key, value in {**config_dict, "model_spec": spec}.items() if previous.get(key) != value]
+        if changed:
+            raise ValueError(f"cannot resume {last_path}: it was written with another config or model: "
+                             f"{'; '.join(changed)}; use the same settings or a new output folder")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state.vectors = [v.to(device) for v in ckpt["power_vectors"]]
@@ -299,11 +339,14 @@ def train(
             batches += 1
             progress.set_postfix(loss=f"{sums['loss'] / batches:.4f}")
         progress.close()
+        seconds = time.perf_counter() - start
         record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam,
                   "train_loss": sums["loss"] / batches, "train_ce": sums["ce"] / batches,
-                  "train_lip_estimate": sums["lip"] / batches, "epoch_seconds": time.perf_counter() - start}
+                  "train_lip_estimate": sums["lip"] / batches}
         record.update(evaluate(model, val_loader, config, device))
+        # Wall times go to train.log only: checkpoints of identical runs must be identical.
         result.history.append(record)
+        timed_record = {**record, "epoch_seconds": seconds}
         improved = record["val_noisy_acc"] > result.best_val_noisy_acc
         if improved:
             result.best_epoch, result.best_val_noisy_acc = epoch, record["val_noisy_acc"]
@@ -316,17 +359,24 @@ def train(
             _atomic_save(ckpt, best_path)
         _atomic_save(ckpt, last_path)
         with log_path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json.dumps(timed_record) + "\n")
         if on_epoch_end is not None:
-            on_epoch_end(record)
+            on_epoch_end(timed_record)
         epochs_run += 1
     return result
 
 
 def load_state_into(model: nn.Module, checkpoint: dict) -> nn.Module:
-    """Load a checkpoint's weights into a model built from its ``model_spec``; explains a mismatch."""
-    try:
-        model.load_state_dict(checkpoint["model"])
-    except RuntimeError as err:
-        raise ValueError(f"checkpoint does not match the model {checkpoint.get('model_spec')}: {err}") from None
+    """Load a checkpoint's weights into a model built from its ``model_spec``; a mismatch is one line saying how."""
+    saved, expected = checkpoint["model"], model.state_dict()
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    reshaped = [k for k in expected if k in saved and saved[k].shape != expected[k].shape]
+    if missing or unexpected or reshaped:
+        first = (missing or unexpected or reshaped)[0]
+        raise ValueError(
+            f"checkpoint weights do not fit the model {checkpoint.get('model_spec')} as this version builds it "
+            f"({len(missing)} missing, {len(unexpected)} unexpected, {len(reshaped)} reshaped tensors, e.g. "
+            f"{first!r}): it was written for another split or architecture")
+    model.load_state_dict(saved)
     return model

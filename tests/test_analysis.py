@@ -239,6 +239,19 @@ def test_latex_table_cells_and_bold(table_a, table_b):
     assert lines[-1] == r"\end{tabular}"
 
 
+def test_latex_table_is_ascii_for_pdflatex(table_a):
+    """Run names such as the demo's "SPLITZ (s=1, σ=0.75)" must not put raw Unicode into table.tex."""
+    text = an.latex_table({"SPLITZ (s=1, σ=0.75)": table_a, "λ ≥ 0.5 → γ×2": table_a}, RADII)
+    assert text.isascii()
+    assert r"SPLITZ (s=1, $\sigma$=0.75) & " in text
+    assert r"$\lambda$ $\geq$ 0.5 $\to$ $\gamma$$\times$2 & " in text
+
+
+def test_radius_errors_show_the_bad_values_plainly(table_a):
+    with pytest.raises(ValueError, match=r"^radii must be >= 0, got -1, nan$"):
+        an.certified_accuracy(table_a, np.array([0.5, -1.0, float("nan")]))
+
+
 def test_ties_are_all_bold_and_a_single_run_has_none(table_a):
     tied = an.markdown_table({"x": table_a, "y": table_a}, [0.5]).splitlines()
     assert tied[2:] == ["| x | **40.0** | **0.350** |", "| y | **40.0** | **0.350** |"]

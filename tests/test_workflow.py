@@ -185,7 +185,7 @@ def test_cli_train_certify_predict_analyze_on_real_mnist(tmp_path, capsys):
     header, *rows = out.read_text().splitlines()
     assert tuple(header.split("\t")[:6]) == COHEN_COLUMNS and len(rows) == 4
     sidecar = json.loads((tmp_path / "cert.tsv.json").read_text())
-    assert sidecar["sigma"] == 0.5 and sidecar["model_spec"]["name"] == "lenet" and len(sidecar["checkpoint_sha256"]) == 64
+    assert sidecar["sigma"] == 0.5 and sidecar["model_spec"]["name"] == "lenet" and len(sidecar["checkpoint_digest"]) == 64
     assert main(["certify", "mnist"] + common + ["--resume"]) == 0  # nothing left to do: nothing added
     assert out.read_text().splitlines()[1:] == rows
     assert main(["certify", "mnist"] + common) == 2

@@ -1,0 +1,250 @@
+"""The `splitz` command line on bad input and interruptions: one clear line on stderr, exit status 2 (130 for Ctrl-C),
+no traceback, nothing half-written; and checkpoints identified by their content, not by file bytes or wall times."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import splitz_fast.datasets as datasets
+import splitz_fast.training as training
+from splitz_fast.cli import build_parser, main
+from splitz_fast.datasets import DATASETS, DatasetInfo
+from splitz_fast.smoothing import Smoother
+from splitz_fast.training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """A 40-row, 4-feature, 2-class dataset under any dataset name, so every command runs in well under a second."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, generator=gen)
+    info = DatasetInfo(TensorDataset(x, (x[:, 0] > 0).long()), (4,), 2, None, None, "tiny test data")
+    monkeypatch.setattr(datasets, "get_dataset", lambda name, split, root=None: info)
+    return info
+
+
+TRAIN = ["--sigma", "0.5", "--epochs", "2", "--batch", "8", "--val-fraction", "0.25", "--lr-schedule", "none"]
+
+
+def _train(run, *extra):
+    assert main(["train", "tiny", "mlp", str(run), *TRAIN, *extra]) == 0
+    return run / "best.pt"
+
+
+def _certify_args(ckpt, out, *extra):
+    return ["certify", "tiny", str(ckpt), "0.5", str(out), "--skip", "10", "--N0", "10", "--N", "50", "--batch", "25",
+            *extra]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def _last_line(capsys) -> str:
+    """The last line on stderr (progress bars before it end in carriage returns), checked to be the only message."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n")
+    last = err.splitlines()[-1]
+    assert err.count(last) == 1
+    return last
+
+
+@pytest.fixture
+def checkpoint(tmp_path_factory, tiny, capsys):
+    ckpt = _train(tmp_path_factory.mktemp("run") / "run")
+    capsys.readouterr()  # the training's progress output is not under test
+    return ckpt
+
+
+# ------------------------------------------------------------------------------------------------ devices
+@pytest.mark.parametrize("command", ["train", "certify"])
+@pytest.mark.parametrize("device, problem", [("cuda", "unavailable"), ("cuda:7", "unavailable"),
+                                             ("gpu", "not a device")])
+def test_device_that_is_missing_or_not_a_device_is_named(tmp_path, capsys, monkeypatch, tiny, command, device,
+                                                         problem):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    args = (["train", "tiny", "mlp", str(tmp_path / "run"), *TRAIN] if command == "train" else
+            _certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv"))
+    assert main(args + ["--device", device]) == 2
+    err = _one_line_error(capsys)
+    assert f"--device {device!r} is {problem}" in err and "valid here: cpu" in err and "cuda" not in err.split(":")[-1]
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+# ------------------------------------------------------------------------------------------------ output paths
+def test_outfile_that_is_a_folder_or_under_a_file_says_so(tmp_path, capsys, checkpoint):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(_certify_args(checkpoint, tmp_path)) == 2
+    assert "is a folder; give a file path" in _one_line_error(capsys)
+    assert main(_certify_args(checkpoint, blocker / "x.tsv")) == 2
+    assert f"'{blocker}' is a file, not a folder" in _one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_analyze_out_that_is_a_file_or_under_a_file_says_so(tmp_path, capsys):
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("idx\tlabel\tpredict\tradius\tcorrect\ttime\n0\t1\t1\t0.5\t1\t0.1\n")
+    assert main(["analyze", str(tsv), "--out", str(tsv / "sub")]) == 2
+    assert f"'{tsv}' is a file, not a folder" in _one_line_error(capsys)
+    assert main(["analyze", str(tsv), "--out", str(tsv)]) == 2
+    assert "is a file, not a folder" in _one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tsv"]
+
+
+# ------------------------------------------------------------------------------------------------ Ctrl-C
+def _interrupt_on_call(monkeypatch, owner, name, call):
+    original = getattr(owner, name)
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("kind", ["certify", "predict"])
+def test_ctrl_c_during_a_run_says_where_it_stopped_and_how_to_resume(tmp_path, capsys, monkeypatch, checkpoint, kind):
+    def args(out):
+        certify = _certify_args(checkpoint, out)
+        return certify if kind == "certify" else ["predict", *certify[1:certify.index("--N0")], "--N", "50"]
+
+    assert main(args(tmp_path / "whole.tsv")) == 0
+    whole = (tmp_path / "whole.tsv").read_text().splitlines()
+    part_args = args(tmp_path / "part.tsv")
+    with monkeypatch.context() as patch:
+        _interrupt_on_call(patch, Smoother, kind, 3)
+        assert main(part_args) == 130
+    err = _last_line(capsys)
+    assert err.startswith(f"interrupted: 2 rows in {tmp_path / 'part.tsv'}; to continue, run: ")
+    command = shlex.split(err.split("to continue, run: ")[1])
+    assert command == ["splitz", *part_args, "--resume"]
+    assert main(command[1:]) == 0
+    time_column = whole[0].split("\t").index("time")
+    drop_time = lambda lines: [[f for i, f in enumerate(line.split("\t")) if i != time_column] for line in lines]  # noqa: E731
+    assert drop_time((tmp_path / "part.tsv").read_text().splitlines()) == drop_time(whole)
+
+
+def test_ctrl_c_during_training_says_which_epoch_and_resumes(tmp_path, capsys, monkeypatch, tiny):
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _interrupt_on_call(patch, training, "evaluate", 2)  # during the second epoch
+        assert main(["train", "tiny", "mlp", str(run), *TRAIN]) == 130
+    err = _last_line(capsys)
+    assert err.startswith(f"interrupted: 1 of 2 epochs finished in {run}; ")
+    command = shlex.split(err.split("to continue, run: ")[1])
+    assert command[-1] == "--resume" and main(command[1:]) == 0
+    assert len(load_checkpoint_file(run / "last.pt")["history"]) == 2
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("content, reason", [(b"", "the file is empty"),
+                                             (b"garbage\x00\x01", "not a torch.save archive")])
+def test_garbage_or_empty_checkpoint_is_one_line(tmp_path, capsys, tiny, content, reason):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(content)
+    assert main(_certify_args(bad, tmp_path / "out.tsv")) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"error: {bad} is not a splitz_fast checkpoint: ") and reason in err
+    assert "written by `splitz train`" in err and not (tmp_path / "out.tsv").exists()
+
+
+def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys, checkpoint):
+    ckpt = load_checkpoint_file(checkpoint)
+    ckpt["model_spec"]["kwargs"]["split_index"] = 2
+    other = tmp_path / "other.pt"
+    torch.save(ckpt, other)
+    assert main(_certify_args(other, tmp_path / "out.tsv")) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"error: {other}: ") and "another split or architecture" in err
+    assert "Missing key" not in err and not (tmp_path / "out.tsv").exists()
+
+
+def test_resume_with_other_settings_names_them(tmp_path, capsys, tiny):
+    run = tmp_path / "run"
+    assert main(["train", "tiny", "mlp", str(run), *TRAIN[:3], "1", *TRAIN[4:]]) == 0
+    capsys.readouterr()
+    assert main(["train", "tiny", "mlp", str(run), *TRAIN, "--lr", "0.01", "--resume"]) == 2
+    err = _one_line_error(capsys)
+    assert "epochs (1 in last.pt, 2 now)" in err and "lr (0.001 in last.pt, 0.01 now)" in err and "sigma" not in err
+
+
+# ------------------------------------------------------------------------------------------------ option messages
+def test_option_messages_use_the_options_the_command_has(tmp_path, capsys, checkpoint):
+    assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--skip", "0")) == 2
+    err = _one_line_error(capsys)
+    assert "--skip must be >= 1" in err and "--num-images" not in err
+    assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--batch", "0")) == 2
+    err = _one_line_error(capsys)
+    assert "--batch must be >= 1" in err and "batch_size" not in err
+    assert main(["train", "tiny", "mlp", str(tmp_path / "run"), *TRAIN, "--batch", "0"]) == 2
+    err = _one_line_error(capsys)
+    assert "--batch must be >= 1" in err and "batch_size" not in err
+    assert main(["demo", "--num-images", "0", "--out", str(tmp_path / "demo")]) == 2
+    assert "--num-images must be >= 1" in _one_line_error(capsys)
+    assert main(["demo", "--skip", "0", "--out", str(tmp_path / "demo")]) == 2
+    assert "--skip must be >= 1" in _one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_analyze_names_a_binary_file_and_prints_bad_radii_plainly(tmp_path, capsys):
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"PK\x03\x04\xff\xfe\x00binary")
+    assert main(["analyze", str(binary)]) == 2
+    err = _one_line_error(capsys)
+    assert str(binary) in err and "not a text file" in err
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("idx\tlabel\tpredict\tradius\tcorrect\ttime\n0\t1\t1\t0.5\t1\t0.1\n")
+    assert main(["analyze", str(tsv), "--radii", "-1", "0.5"]) == 2
+    err = _one_line_error(capsys)
+    assert err == "error: radii must be >= 0, got -1\n"
+
+
+def test_help_lists_dataset_names_and_every_default():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps the subparsers here
+    for name in ("train", "certify", "predict", "certify-margin"):
+        text = " ".join(commands[name].format_help().split())
+        assert all(dataset in text for dataset in DATASETS), name
+    for name, sub in commands.items():
+        text = " ".join(sub.format_help().split())
+        shown = [a for a in sub._actions if a.option_strings and not a.required
+                 and a.default not in (None, argparse.SUPPRESS) and a.default is not False]
+        assert all(a.help for a in sub._actions), name
+        assert text.count("(default: ") == len(shown), name
+
+
+# ------------------------------------------------------------------------------------------------ reproducibility
+def test_identical_trainings_give_identical_checkpoints_and_certify_resumes_with_either(tmp_path, capsys, tiny):
+    first, second = _train(tmp_path / "a"), _train(tmp_path / "b")
+    a = torch.load(first, weights_only=True)
+    assert all("epoch_seconds" not in record for record in a["history"])  # no wall times in checkpoints ...
+    log = [json.loads(line) for line in (tmp_path / "a" / "train.log").read_text().splitlines()]
+    assert all(record["epoch_seconds"] >= 0 for record in log)  # ... they are in the training log
+    assert checkpoint_digest(a) == checkpoint_digest(load_checkpoint_file(second))
+    assert first.read_bytes() != b"" and first.read_bytes() == second.read_bytes()
+
+    out = tmp_path / "out.tsv"
+    with pytest.MonkeyPatch.context() as patch:
+        _interrupt_on_call(patch, Smoother, "certify", 2)
+        assert main(_certify_args(first, out)) == 130
+    sidecar = json.loads((tmp_path / "out.tsv.json").read_text())
+    assert sidecar["checkpoint_digest"] == checkpoint_digest(a)
+    assert sidecar["checkpoint_digest_covers"] == CHECKPOINT_DIGEST_COVERS
+    assert main(_certify_args(second, out, "--resume")) == 0  # the retrained twin is the same model
+    assert len(out.read_text().splitlines()) == 1 + 4
+
+    other = _train(tmp_path / "c", "--seed", "1")
+    capsys.readouterr()
+    assert main(_certify_args(other, out, "--resume")) == 2
+    assert "checkpoint_digest" in _one_line_error(capsys)
