@@ -69,6 +69,7 @@ SHIFT_ESTIMATORS = ("auto", "lanczos", "eigen")
 # H200 (whole exact bound, benchmarks/test_bench_bounds.py): LeNet conv1 (d = 784) 14 ms with eigvalsh vs 25 ms with
 # Lanczos (launch-bound Python loop); CIFAR stem (d = 3072) 27 ms with Lanczos vs 145 ms with a host copy + ARPACK.
 DEVICE_DENSE_MAX_DIM = 1024
+BAND_BLOCK_MIN = 64  # smallest block of the block-tridiagonal Cholesky (fewer, larger BLAS calls on narrow bands)
 
 
 def lanczos_top_eigenvalue(gram: torch.Tensor, max_steps: int = LANCZOS_MAX_STEPS, rtol: float = 1e-13) -> float:
@@ -127,30 +128,105 @@ def _eigen_estimate(gram: torch.Tensor) -> float:
     return float(scipy.sparse.linalg.eigsh(matrix, k=1, which="LA", tol=0, v0=start, return_eigenvectors=False)[0])
 
 
+def _upper_eigen_estimate(upper: scipy.sparse.csr_matrix) -> float:
+    """``λ_max`` estimate (ARPACK) of the symmetric matrix whose upper triangle is ``upper``."""
+    d = upper.shape[0]
+    if d < 3:  # below ARPACK's smallest problem
+        full = upper.toarray()
+        return float(np.linalg.eigvalsh(full + np.triu(full, 1).T)[-1])
+    diagonal, lower = upper.diagonal(), upper.T
+
+    def matvec(v: np.ndarray) -> np.ndarray:
+        v = v.ravel()
+        return upper @ v + lower @ v - diagonal * v
+
+    operator = scipy.sparse.linalg.LinearOperator((d, d), matvec=matvec, dtype=np.float64)
+    start = np.random.default_rng(0).standard_normal(d)  # fixed start: certificates stay bit-reproducible
+    return float(scipy.sparse.linalg.eigsh(operator, k=1, which="LA", tol=0, v0=start, return_eigenvectors=False)[0])
+
+
+def _band_blocks(upper: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The upper triangle (sparse CSR) of a symmetric banded ``G`` of half-bandwidth ``b`` cut into a block-tridiagonal
+    matrix with blocks of size ``nb ≥ b``: ``(diagonal blocks' upper triangles, super-diagonal blocks, b)``, negated
+    (``−G``, exactly) so that ``sI − G`` is one diagonal update away."""
+    d = upper.shape[0]
+    crow, col, values = upper.crow_indices(), upper.col_indices(), upper.values()
+    row = torch.repeat_interleave(torch.arange(d, device=col.device), crow.diff())
+    band = int((col - row).max()) if col.numel() else 0
+    nb = min(d, max(band, BAND_BLOCK_MIN))
+    starts = list(range(0, d, nb))
+    diag = torch.zeros(len(starts), nb, nb, dtype=values.dtype, device=values.device)
+    off = torch.zeros(len(starts), nb, nb, dtype=values.dtype, device=values.device)
+    block_row, block_col = row // nb, col // nb
+    same = block_row == block_col
+    diag[block_row[same], row[same] % nb, col[same] % nb] = -values[same]
+    off[block_row[~same], row[~same] % nb, col[~same] % nb] = -values[~same]
+    sizes = [min(nb, d - start) for start in starts]
+    diag_blocks = [diag[k, :n, :n] for k, n in enumerate(sizes)]
+    off_blocks = [off[k, :n, :sizes[k + 1]] for k, n in enumerate(sizes[:-1])]
+    return diag_blocks, off_blocks, band
+
+
+def _block_cholesky_succeeds(diag_blocks: list[torch.Tensor], off_blocks: list[torch.Tensor], s: float) -> bool:
+    """Whether Cholesky ``H = RᵀR`` of the block-tridiagonal ``H = sI − G`` runs to completion (upper triangles
+    only): ``R_kk = chol(H_kk − R_{k−1,k}ᵀ R_{k−1,k})``, ``R_{k,k+1} = R_kk⁻ᵀ H_{k,k+1}`` by substitution — the
+    partitioned form of the point algorithm (the same equations ``h_ij = Σ_k r_ki r_kj``, summed in another order)."""
+    carry = None
+    for k, block in enumerate(diag_blocks):
+        h = block.clone()
+        h.diagonal().add_(s)
+        if carry is not None:
+            h = h - carry
+        r, info = torch.linalg.cholesky_ex(h, upper=True)
+        if int(info) != 0:
+            return False
+        if k < len(off_blocks):
+            r_next = torch.linalg.solve_triangular(r.mT, off_blocks[k], upper=False)
+            carry = r_next.mT @ r_next
+    return True
+
+
 def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto") -> float:
     """A proven upper bound on ``λ_max`` of the *exact* Gram matrix whose float64 rounding is ``gram``.
 
-    ``terms`` is the longest sum that formed an entry of ``gram`` from float64-exact inputs, so the exact Gram
-    differs from ``gram`` by ``E`` with ``‖E‖₂ ≤ γ_{terms+2} tr(|A|ᵀ|A|) = γ_{terms+2}·tr(gram)(1 + O(u))``.
+    ``gram`` is a dense ``[d, d]`` tensor or a sparse CSR tensor (a banded convolution Gram,
+    :meth:`~splitz_fast.operators.MaskedAffine.gram`; its upper triangle defines the symmetric matrix). ``terms``
+    bounds the number of products summed into an entry of ``gram`` from float64-exact inputs, plus at most two
+    roundings of scale factors per product, so the exact Gram differs from ``gram`` by ``E`` with
+    ``|E| ≤ γ_{terms+2}|A|ᵀ|A|`` entrywise and ``‖E‖₂ ≤ γ_{terms+2} tr(|A|ᵀ|A|) = γ_{terms+2}·tr(gram)(1 + O(u))``.
 
     Certificate: if Cholesky of ``H = fl(sI − gram)`` completes, then ``R̂ᵀR̂ = H + ΔH`` with
-    ``|ΔH| ≤ γ_{d+1}|R̂ᵀ||R̂|`` (Higham, *Accuracy and Stability*, Thm 10.5), hence
-    ``‖ΔH‖₂ ≤ γ_{d+1}‖R̂‖_F² ≤ γ_{d+1} tr(H)/(1 − γ_{d+1})`` and ``H ⪰ −‖ΔH‖₂ I``; forming ``H``'s diagonal adds at
-    most ``u·max|H_ii|``. So ``λ_max(gram) ≤ s + ‖ΔH‖₂ + u·max|H_ii|``.
+    ``|ΔH| ≤ γ_{n+1}|R̂ᵀ||R̂|`` (Higham, *Accuracy and Stability*, Thm 10.3), hence
+    ``‖ΔH‖₂ ≤ γ_{n+1}‖R̂‖_F² ≤ γ_{n+1} tr(H)/(1 − γ_{n+1})`` and ``H ⪰ −‖ΔH‖₂ I``; forming ``H``'s diagonal adds at
+    most ``u·max|H_ii|``. So ``λ_max(gram) ≤ s + ‖ΔH‖₂ + u·max|H_ii|``. Dense ``gram``: ``n = d`` (LAPACK
+    ``potrf``). Sparse ``gram`` of half-bandwidth ``b``: ``H`` is cut into a block-tridiagonal matrix with blocks of
+    size ``≥ b`` and factored block by block (:func:`_block_cholesky_succeeds`, the partitioned form of the same
+    algorithm, ~10x faster than LAPACK's banded ``pbtrf`` here). The proof of Thm 10.3 bounds each equation
+    ``h_ij = Σ_k r_ki r_kj`` by the number of its operations: outside the band ``R̂`` is exactly zero (by induction,
+    every product there has an exact zero factor), products and sums with an exact zero are exact in IEEE arithmetic
+    whatever the order, so at most ``b + 1`` products and one division (or a reciprocal and a product) carry
+    rounding: ``n = min(d, b + 2)``.
 
     ``estimator`` picks the estimate ``μ`` that places the shift ``s`` (it never enters the proof): ``"lanczos"``
     (:func:`lanczos_top_eigenvalue`, on the Gram's device), ``"eigen"`` (host eigensolver), or ``"auto"`` (on CUDA:
     dense ``eigvalsh`` on the device up to ``DEVICE_DENSE_MAX_DIM``, Lanczos above; elsewhere the host solver). If a
     Lanczos estimate leaves the shift too low for a tight bound, the host solver's estimate is tried before the
-    shift is widened further.
+    shift is widened further. A sparse ``gram`` takes ARPACK's estimate on the host, its Cholesky on its device.
     """
     if estimator not in SHIFT_ESTIMATORS:
         raise ValueError(f"estimator must be one of {SHIFT_ESTIMATORS}, got {estimator!r}")
     d = gram.shape[0]
     if d == 0:
         return 0.0
+    sparse = gram.layout == torch.sparse_csr
     u = UNIT_ROUNDOFF_64
-    trace = float(torch.diagonal(gram).sum().clamp_min(0))
+    if sparse:
+        host = scipy.sparse.csr_matrix(tuple(t.cpu().numpy() for t in (gram.values(), gram.col_indices(),
+                                                                         gram.crow_indices())), shape=(d, d))
+        diagonal = torch.from_numpy(host.diagonal()).to(gram.device)
+    else:
+        diagonal = torch.diagonal(gram)
+    trace = max(float(diagonal.sum()), 0.0)
     if trace == 0.0:
         return 0.0
 
@@ -158,24 +234,43 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
         return n * u / (1 - n * u)
 
     gram_error = gamma_n(terms + 2) * trace * (1 + 4 * u)
-    eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
+
+    if sparse:
+        diag_blocks, off_blocks, band = _band_blocks(gram)
+        chol_terms = min(d, band + 2) + 1
+
+        def factorize(s: float) -> tuple[float, float] | None:
+            if not _block_cholesky_succeeds(diag_blocks, off_blocks, s):
+                return None
+            h_diag = s - diagonal  # the rounded diagonal the factorization started from
+            return float(h_diag.sum()), float(h_diag.abs().max())
+    else:
+        chol_terms = d + 1
+        eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
+
+        def factorize(s: float) -> tuple[float, float] | None:
+            h = s * eye - gram
+            _, info = torch.linalg.cholesky_ex(h)
+            if int(info) != 0:
+                return None
+            h_diag = torch.diagonal(h)
+            return float(h_diag.sum()), float(h_diag.abs().max())
 
     def shifted_bound(mu: float, etas: tuple[float, ...]) -> float | None:
         # Shift just above the estimate; widen only if the factorization fails (clustered top eigenvalues).
         for eta in etas:
             s = mu * (1 + eta) + eta * trace / d
-            h = s * eye - gram
-            _, info = torch.linalg.cholesky_ex(h)
-            if int(info) == 0:
-                trace_h = float(torch.diagonal(h).sum())
-                chol_error = gamma_n(d + 1) * trace_h / (1 - gamma_n(d + 1))
-                diag_error = u * float(torch.diagonal(h).abs().max())
+            done = factorize(s)
+            if done is not None:
+                trace_h, max_h = done
+                chol_error = gamma_n(chol_terms) * trace_h / (1 - gamma_n(chol_terms))
+                diag_error = u * max_h
                 return (s + chol_error + diag_error + gram_error) * (1 + 8 * u)
         return None
 
     tight, wide = (1e-10, 1e-8, 1e-6), (1e-4, 1e-2, 1e-1)
-    device_dense = estimator == "auto" and gram.is_cuda and d <= DEVICE_DENSE_MAX_DIM
-    use_lanczos = estimator == "lanczos" or (estimator == "auto" and gram.is_cuda and not device_dense)
+    device_dense = not sparse and estimator == "auto" and gram.is_cuda and d <= DEVICE_DENSE_MAX_DIM
+    use_lanczos = not sparse and (estimator == "lanczos" or (estimator == "auto" and gram.is_cuda and not device_dense))
     if use_lanczos:
         mu = max(lanczos_top_eigenvalue(gram), 0.0)
         # A Ritz value above Gershgorin's bound on λ_max can only be a broken recurrence: it would still give a proven
@@ -184,7 +279,10 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
             bound = shifted_bound(mu, tight)
             if bound is not None:
                 return bound
-    mu = float(torch.linalg.eigvalsh(gram)[-1]) if device_dense else _eigen_estimate(gram)
+    if device_dense:
+        mu = float(torch.linalg.eigvalsh(gram)[-1])
+    else:
+        mu = _upper_eigen_estimate(host) if sparse else _eigen_estimate(gram)
     bound = shifted_bound(max(mu, 0.0), tight + wide)
     if bound is not None:
         return bound

@@ -7,18 +7,25 @@ For affine layer ``k`` of ``f_L`` (weights ``W_k``), the factor in ``L(x, γ) �
 per input of the batch: ``out_mask`` is the varying mask of layer ``k`` (all ones for the global bound or a layer
 without activation), ``in_mask`` the varying mask of layer ``k−1`` (none for the first layer), ``in_scale`` the
 folded ``1/sd`` (first layer only). :class:`MaskedAffine` applies ``A`` and ``Aᵀ`` batched and builds the explicit
-float64 Gram matrix of one input for the exact bound.
+float64 Gram matrix of one input, restricted to the varying inputs, for the exact bound: dense for a Linear factor,
+banded and sparse for a convolution (:meth:`MaskedAffine._conv_gram`).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .bounds import linear_part
 from .kernels import select_backend
 from .kernels.masked_conv2d import conv2d_adjoint, masked_conv2d
 from .kernels.masked_linear import masked_linear
+
+
+# A convolution Gram up to this dimension is handed to the certificate densified (dense Cholesky), above it as a banded
+# sparse CSR matrix (banded Cholesky). Set by measurement: see DENSE_GRAM_MAX_DIM's note in lipschitz.py.
+DENSE_GRAM_MAX_DIM = 1024
 
 
 def _channels_last(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -117,11 +124,19 @@ class MaskedAffine:
             v = (u @ self.weight).reshape(u.shape[0], *self.in_shape)
         return v if self.in_factor is None else v * self.in_factor
 
-    def gram(self, b: int) -> tuple[torch.Tensor, int]:
-        """Explicit float64 Gram matrix of ``A_b`` restricted to its non-zero columns (or rows), and the length of
-        the longest sum that formed an entry (for the rounding-error bound).
+    def gram(self, b: int, sparse: bool | None = None) -> tuple[torch.Tensor, int]:
+        """Float64 Gram matrix of ``A_b`` restricted to its varying side, and the rounding-error term count.
 
-        Returns ``(G, terms)``: ``G`` is ``[d, d]`` with ``λ_max(G) = ‖A_b‖₂²``.
+        Zero columns of ``A_b`` (inputs outside the input mask) and zero rows (outputs outside the output mask) only
+        add zero eigenvalues, so ``λ_max(G) = ‖A_b‖₂²`` for ``G`` = the Gram of the non-zero columns (``AᵀA``) — or of
+        the non-zero rows (``AAᵀ``) for a Linear factor whose varying outputs are fewer.
+
+        Returns ``(G, terms)``: ``G`` is ``[d, d]``, ``terms`` bounds the number of products summed into one entry
+        (see :func:`~splitz_fast.lipschitz.certified_lambda_max`). A Linear factor's ``G`` is dense. A convolution's
+        ``G`` is banded (inputs ``i``, ``j`` interact only when one output position covers both): when ``sparse`` is
+        ``True``, or ``None`` and ``d > DENSE_GRAM_MAX_DIM``, it is returned as a sparse CSR tensor holding the
+        **upper triangle** (``col ≥ row``) of ``G`` in the band order of :meth:`_conv_gram`; otherwise as the dense
+        symmetric ``G`` (same order).
         """
         with torch.no_grad():
             w = self.weight.detach().to(torch.float64)
@@ -129,9 +144,13 @@ class MaskedAffine:
             factor = None
             if self.in_factor is not None:
                 factor = self.in_factor[b if self.in_factor.shape[0] > 1 else 0].to(torch.float64)
-            if isinstance(self.layer, nn.Conv2d):
-                return self._conv_gram(w, out_mask, factor)
-            return self._linear_gram(w, out_mask, factor)
+            if not isinstance(self.layer, nn.Conv2d):
+                return self._linear_gram(w, out_mask, factor)
+            gram, terms = self._conv_gram(w, out_mask, factor)
+            if sparse is False or (sparse is None and gram.shape[0] <= DENSE_GRAM_MAX_DIM):
+                upper = gram.to_dense()
+                gram = upper + upper.triu(1).mT  # exact: each off-diagonal sum adds a zero
+            return gram, terms
 
     def _linear_gram(self, w, out_mask, factor) -> tuple[torch.Tensor, int]:
         a = w
@@ -145,34 +164,97 @@ class MaskedAffine:
         return a.T @ a, a.shape[0]
 
     def _conv_gram(self, w, out_mask, factor) -> tuple[torch.Tensor, int]:
-        # AᵀA = Σ_p P_pᵀ (W_fᵀ diag(m_p) W_f) P_p over output positions p, where P_p selects the input entries under
-        # the filter at p (padding taps select nothing) and W_f is the [C_out, C_in·kh·kw] filter matrix.
-        layer = self.layer
+        """Upper triangle of ``AᵀA`` for the convolution, on its varying inputs, as a sparse CSR tensor in band order.
+
+        Construction (never a dense ``n_in × n_in`` array). Write ``A = diag(m) W diag(f)``. Inputs ``i = (c, y, x)``
+        and ``j = (c', y', x')`` share a row of ``A`` only if one output position ``p`` has ``i`` under its tap
+        ``t = (a, b)`` and ``j`` under tap ``t' = (a', b')``; then ``y' − y = (a' − a)·dil_h`` and
+        ``x' − x = (b' − b)·dil_w``, and
+
+            ``G_ij = f_i f_j · Σ_p Σ_o m[o, p] W[o, c, t] W[o, c', t']``  (over the ``p`` that cover both).
+
+        Band order ranks the varying inputs pixel-major (rows, then columns), channel-minor; ``j`` comes after ``i``
+        exactly when ``(a' − a, b' − b, c')`` is lexicographically ≥ ``(0, 0, c)``, i.e. ``t' ≥ t`` in row-major tap
+        order. So the upper triangle lives on a half stencil ``S[y, x, c, a' − a, b' − b, c']`` with
+        ``a' − a ∈ [0, kh)``, ``b' − b ∈ (−kw, kw)``: per tap ``t``, one GEMM over all output positions
+        (``[P·C_in, C_out] @ [C_out, C_in·#{t' ≥ t}]``) gives the ``(t, t')`` blocks, added into ``S`` by strided
+        slices (padding taps fall outside the slices). ``S`` is then gathered at the varying pairs and scaled by
+        ``f_i f_j``. Within a row the stencil order ``(a' − a, b' − b, c')`` is the rank order, so the CSR columns
+        come out sorted. The image is transposed first when scanning columns gives the narrower band: a row reaches
+        at most ``C_in·((kh − 1)·dil_h·W + (kw − 1)·dil_w + 1)`` ranks ahead, and the banded Cholesky of
+        :func:`~splitz_fast.lipschitz.certified_lambda_max` costs about ``d·band²``.
+
+        ``terms``: an entry sums ``C_out`` products per covering position and at most ``kh·kw`` positions cover a
+        pair, so at most ``C_out·kh·kw`` products, in whatever grouping the GEMM and the slice additions use; the
+        masks are 0/1 (exact), and the scaling by ``f_i`` and ``f_j`` adds the two roundings that ``γ_{terms+2}``
+        covers.
+        """
         c_in, h_in, w_in = self.in_shape
-        n_in = c_in * h_in * w_in
-        ids = torch.arange(1, n_in + 1, dtype=torch.float64, device=w.device).view(1, c_in, h_in, w_in)
-        patches = F.unfold(ids, layer.kernel_size, layer.dilation, layer.padding, layer.stride)[0]  # [K, P]
-        patches = patches.round().long() - 1  # -1 marks a padding tap
-        w_f = w.reshape(w.shape[0], -1)  # [C_out, K]
-        n_pos = patches.shape[1]
-        m = torch.ones(w.shape[0], n_pos, dtype=torch.float64, device=w.device)
+        c_out, _, kh, kw = w.shape
+        _, h_out, w_out = self.out_shape
+        (sh, sw), (ph, pw), (dh, dw) = self.layer.stride, self.layer.padding, self.layer.dilation
+        m = torch.ones(c_out, h_out, w_out, dtype=torch.float64, device=w.device)
         if out_mask is not None:
-            m = out_mask.reshape(w.shape[0], n_pos).to(torch.float64)
-        gram = torch.zeros(n_in * n_in, dtype=torch.float64, device=w.device)
-        # Chunk the positions so [chunk, K, K] stays small.
-        k = w_f.shape[1]
-        chunk = max(1, int(4e6 // (k * k)))
-        for start in range(0, n_pos, chunk):
-            idx = patches[:, start:start + chunk]  # [K, p]
-            blocks = torch.einsum("cp,ck,cl->pkl", m[:, start:start + chunk], w_f, w_f)
-            valid = (idx.T[:, :, None] >= 0) & (idx.T[:, None, :] >= 0)
-            flat = idx.T[:, :, None] * n_in + idx.T[:, None, :]
-            gram.index_add_(0, flat[valid], blocks[valid])
-        gram = gram.view(n_in, n_in)
+            m = out_mask.reshape(c_out, h_out, w_out).to(torch.float64)
+        scale = torch.ones(c_in, h_in, w_in, dtype=torch.float64, device=w.device)
         if factor is not None:
-            f = factor.flatten()
-            keep = f != 0
-            gram = gram[keep][:, keep] * f[keep][:, None] * f[keep][None, :]
-        # An entry sums C_out products per covering position, and at most kh·kw positions cover an input entry.
-        terms = w.shape[0] * layer.kernel_size[0] * layer.kernel_size[1]
-        return gram, terms
+            scale = factor.reshape(c_in, h_in, w_in)
+        if (kh - 1) * dh * w_in + (kw - 1) * dw > (kw - 1) * dw * h_in + (kh - 1) * dh:
+            # Scanning columns first gives the narrower band: transpose the whole problem.
+            w, m, scale = w.transpose(2, 3), m.transpose(1, 2), scale.transpose(1, 2)
+            (h_in, w_in), (h_out, w_out), (kh, kw) = (w_in, h_in), (w_out, h_out), (kw, kh)
+            (sh, sw), (ph, pw), (dh, dw) = (sw, sh), (pw, ph), (dw, dh)
+        taps = kh * kw
+        w_taps = w.permute(0, 2, 3, 1).reshape(c_out, taps, c_in)  # [o, t', c']
+        stencil = torch.zeros(h_in, w_in, c_in, kh, 2 * kw - 1, c_in, dtype=torch.float64, device=w.device)
+        for t in range(taps):
+            a, b = divmod(t, kw)
+            # blocks[i, j, c, t' − t, c'] = Σ_o m[o, i, j] W[o, c, t] W[o, c', t'] at output position (i, j), t' ≥ t
+            lhs = (m[:, :, :, None] * w_taps[:, None, None, t, :]).reshape(c_out, -1)
+            blocks = (lhs.T @ w_taps[:, t:].reshape(c_out, -1)).view(h_out, w_out, c_in, taps - t, c_in)
+            for t2 in range(t, taps):
+                a2, b2 = divmod(t2, kw)
+                rows = _covered(h_out, sh, ph, dh, (a, a2), h_in)
+                cols = _covered(w_out, sw, pw, dw, (b, b2), w_in)
+                if rows is None or cols is None:
+                    continue
+                (i0, i1, y0), (j0, j1, x0) = rows, cols
+                target = stencil[y0:y0 + (i1 - i0 - 1) * sh + 1:sh, x0:x0 + (j1 - j0 - 1) * sw + 1:sw, :,
+                                 a2 - a, b2 - b + kw - 1, :]
+                target += blocks[i0:i1, j0:j1, :, t2 - t, :]
+        scale = scale.permute(1, 2, 0).reshape(-1)  # band order [y, x, c]
+        varying = scale != 0
+        d = int(varying.sum())
+        # rank of each input in band order; non-varying: −1 as a neighbour, +∞ as a row (so it keeps no entry)
+        reach_h, reach_w = (kh - 1) * dh, (kw - 1) * dw
+        rank = torch.full((h_in + reach_h, w_in + 2 * reach_w, c_in), -1, dtype=torch.long, device=w.device)
+        ranks = torch.where(varying, varying.cumsum(0) - 1, -1)
+        rank[:h_in, reach_w:reach_w + w_in] = ranks.view(h_in, w_in, c_in)
+        # neighbour[y, x, a' − a, b' − b + kw − 1, c'] = rank of input (c', y + (a' − a)·dil_h, x + (b' − b)·dil_w)
+        neighbour = rank.unfold(0, reach_h + 1, 1)[..., ::dh].unfold(1, 2 * reach_w + 1, 1)[..., ::dw]
+        neighbour = neighbour.permute(0, 1, 3, 4, 2).reshape(h_in * w_in, 1, -1)
+        row_key = torch.where(varying, ranks, torch.iinfo(torch.long).max).view(h_in * w_in, c_in, 1)
+        keep = neighbour >= row_key  # [pixel, c, (a' − a, b' − b, c')]: the upper triangle's entries
+        flat = keep.view(-1).nonzero().squeeze(1)
+        per_pixel = neighbour.shape[2]
+        row_input = flat // per_pixel  # index of input i in band order (varying or not)
+        col = neighbour.view(-1)[(row_input // c_in) * per_pixel + flat % per_pixel]
+        values = stencil.view(-1)[flat] * scale[row_input] * scale[varying][col]
+        counts = keep.sum(2).view(-1)[varying]
+        crow = torch.zeros(d + 1, dtype=torch.long, device=w.device)
+        crow[1:] = counts.cumsum(0)
+        with warnings.catch_warnings():  # torch labels its (working) CSR support "beta", once per process
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            gram = torch.sparse_csr_tensor(crow, col, values, size=(d, d), check_invariants=False)
+        return gram, c_out * kh * kw
+
+
+def _covered(n_out: int, stride: int, pad: int, dil: int, taps: tuple[int, int], size: int):
+    """Output positions ``i0 ≤ i < i1`` (along one axis) at which both ``taps`` land inside ``[0, size)``, and the
+    input coordinate ``y0`` of the first tap at ``i0``; ``None`` when there is none."""
+    low, high = min(taps) * dil, max(taps) * dil
+    i0 = max(0, -((low - pad) // stride))  # ceil((pad − low)/stride)
+    i1 = min(n_out, (size - 1 + pad - high) // stride + 1)
+    if i1 <= i0:
+        return None
+    return i0, i1, i0 * stride - pad + taps[0] * dil
