@@ -247,6 +247,10 @@ def split_sequential(
     if its windows are disjoint (:func:`check_pool`); any other module inside ``f_L`` (average pooling, BatchNorm,
     dropout, an overlapping max-pool) is an error. ``standardize`` (if given) goes to ``f_L`` for ``split_index ≥ 1`` and to the front of
     ``f_R`` for ``split_index == 0``.
+
+    The result shares its layers with ``network`` (nothing is copied: training one changes the other); pass
+    ``copy.deepcopy(network)`` to keep ``network`` as it was. ``threshold=1.0`` (the default) clips ``f_L``'s ReLUs at 1,
+    which changes a pretrained network's outputs; ``float('inf')`` keeps them.
     """
     modules = list(network.children())
     n_affine = sum(isinstance(m, AFFINE_TYPES) for m in modules)
