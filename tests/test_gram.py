@@ -140,6 +140,29 @@ def test_linear_gram_matches_the_dense_masked_factor(shape, mask):
     _check(op, dense, None)
 
 
+@pytest.mark.parametrize("panel_min", [1, 2, 5, 64])
+@pytest.mark.parametrize("name", ["odd-5x7", "dilated-asym", "kernel-5-on-6x6", "stride3-dil2-pad2"])
+def test_banded_cholesky_decides_positive_definiteness(name, panel_min, monkeypatch):
+    """``sI − G`` factors exactly when ``s`` is above ``λ_max(G)`` (away from the rounding level), in any panel size;
+    and with a far too low eigenvalue estimate the certificate still ends above ``λ_max`` (the shift widens)."""
+    c_in, c_out, h, w, kernel, stride, padding, dilation = CONVS[name]
+    torch.manual_seed(7)
+    conv = nn.Conv2d(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation)
+    out_shape = tuple(conv(torch.zeros(1, c_in, h, w)).shape[1:])
+    out_mask, in_mask = _masks("random", (c_in, h, w), out_shape, torch.Generator().manual_seed(3))
+    op = MaskedAffine(conv, (c_in, h, w), out_mask=out_mask, in_mask=in_mask, in_scale=None, batch=1)
+    gram, terms = op.gram(0, sparse=True)
+    upper = gram.to_dense()
+    top = float(torch.linalg.eigvalsh(upper + upper.triu(1).mT)[-1])
+    monkeypatch.setattr(lipschitz, "BAND_BLOCK_MIN", panel_min)
+    cholesky = lipschitz._BandedCholesky(gram)
+    assert cholesky.band > 0 and (panel_min > 5 or cholesky.nb < cholesky.d)
+    assert cholesky.succeeds(top * (1 + 1e-6))
+    assert not cholesky.succeeds(top * (1 - 1e-6))
+    monkeypatch.setattr(lipschitz, "_upper_eigen_estimate", lambda upper: 0.95 * top)
+    assert top <= certified_lambda_max(gram, terms) <= top * 1.1
+
+
 def test_banded_certificate_widens_the_shift_on_a_repeated_top_eigenvalue():
     """Disjoint windows (2×2 kernel, stride 2) with a constant filter give a Gram with many equal top eigenvalues."""
     conv = nn.Conv2d(1, 1, 2, stride=2, bias=False)
