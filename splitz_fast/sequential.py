@@ -157,7 +157,7 @@ def latent_thresholds(latent_radii: Sequence[float], sigma: float) -> np.ndarray
     return norm.cdf(radii / sigma)
 
 
-def checkpoints(budget: int, first: int = 1000, growth: float = 1.5, multiple: int = 1) -> np.ndarray:
+def checkpoints(budget: int, first: int = 256, growth: float = 1.3, multiple: int = 1) -> np.ndarray:
     """Sample counts at which the driver looks at the data: ``first``, then ×``growth`` each time, each rounded up
     to a multiple of ``multiple`` (a static f_R batch shape), strictly increasing, the last one equal to ``budget``.
     """
@@ -176,24 +176,12 @@ def checkpoints(budget: int, first: int = 1000, growth: float = 1.5, multiple: i
         target *= growth
 
 
-def _best_reachable(cs: BetaBinomialCS, hits: int, samples: int, future: np.ndarray, enough: float) -> float:
-    """Max over the future looks ``u`` of the lower bound if every draw until ``u`` were a hit — the highest lower
-    bound any continuation can show, since the bound increases with the hits. Scans from the last look (usually
-    the max) and stops early once ``enough`` is reached, as no threshold can then be unreachable."""
-    best = 0.0
-    for u in reversed(future.tolist()):
-        best = max(best, cs.lower(hits + u - samples, u))
-        if best >= enough:
-            break
-    return best
-
-
 class Decision(str, enum.Enum):
     """Outcome for one threshold ``p_j``."""
 
     CERTIFIED = "certified"      # CS lower bound ≥ p_j: certified at that radius (on the 1 − α event)
     REFUTED = "refuted"          # CS upper bound < p_j: p_A < p_j with probability ≥ 1 − α
-    UNREACHABLE = "unreachable"  # even if every remaining draw within the budget were a hit, lower < p_j
+    UNREACHABLE = "unreachable"  # given up: the rest of the budget would not lift the lower bound to p_j
     UNDECIDED = "undecided"      # the budget ran out first
 
 
@@ -226,41 +214,45 @@ def certify_sequential(
     *,
     alpha: float,
     budget: int,
-    first: int = 1000,
-    growth: float = 1.5,
+    first: int = 256,
+    growth: float = 1.3,
     multiple: int = 1,
     prior: tuple[float, float] = (0.5, 0.5),
+    give_up: float = 0.3,
 ) -> SequentialResult:
     """Estimate ``p_A`` for a fixed class with a confidence sequence, stopping once every threshold is decided.
 
     ``draw(num)`` must return the number of hits (samples classified as ``ĉ_A``) among ``num`` *fresh* noise samples;
     the caller owns noise and seeds. ``thresholds`` are probabilities ``p_j ∈ (0, 1)`` — for radii use
-    :func:`latent_thresholds`. The driver draws up to each of :func:`checkpoints`\\ ``(budget, first, growth,
-    multiple)`` and after each draw updates the bounds of :class:`BetaBinomialCS` ``(alpha, *prior)`` and every
-    undecided threshold:
+    :func:`latent_thresholds`. The driver draws up to each of :func:`checkpoints` ``(budget, first, growth,
+    multiple)``; after each draw it updates the bounds of :class:`BetaBinomialCS` ``(alpha, *prior)`` and decides
+    every open threshold it can:
 
     - ``CERTIFIED`` when ``p_lower ≥ p_j``; ``REFUTED`` when ``p_upper < p_j``;
-    - ``UNREACHABLE`` when even all hits up to every remaining checkpoint keep the lower bound below ``p_j`` (the
-      lower bound is increasing in the hit count, so this is the best any continuation can do).
+    - ``UNREACHABLE`` (a give-up rule) when, even if the rest of the budget hit at rate ``p_hope`` — the upper end
+      of the same mixture at the looser level ``give_up`` (running min) — the lower bound at ``budget`` would stay
+      below ``p_j``. ``give_up = alpha`` gives up late; larger values (default 0.3) save the samples that inputs just
+      below a threshold would burn, at the price of rare near-threshold certificates.
 
-    It stops when no threshold is undecided (``"decided"``; never with an empty ``thresholds``) or at ``budget``.
+    It stops when no threshold is open (``"decided"``; never with an empty ``thresholds``) or at ``budget``.
     Use case "largest radius within a budget": pass no thresholds and read :meth:`SequentialResult.latent_radius`.
 
     **Error.** Every ``CERTIFIED`` decision and ``p_lower`` hold simultaneously with probability ≥ 1 − α (one
     confidence sequence, valid at the data-dependent stopping time; see :class:`BetaBinomialCS`). ``REFUTED`` and
-    ``UNREACHABLE`` only decide when to stop spending samples: a wrong one loses a certificate, never creates one.
-    The caller adds the failure probability of a probabilistic Lipschitz bound to α.
+    ``UNREACHABLE`` only decide when to stop spending samples: a wrong one loses a certificate, never creates one,
+    so ``give_up`` spends no α. The caller adds the failure probability of a probabilistic Lipschitz bound to α.
     """
     cs = BetaBinomialCS(alpha, *prior)
+    hope = BetaBinomialCS(check_probability("give_up", give_up), *prior)
     targets = np.asarray(thresholds, dtype=float).reshape(-1)
     if not np.all((targets > 0.0) & (targets < 1.0)):
         raise ValueError(f"thresholds must lie strictly between 0 and 1, got {targets.tolist()}")
-    schedule = checkpoints(budget, first, growth, multiple)
     decisions = [Decision.UNDECIDED] * len(targets)
     hits = samples = 0
-    p_lower, p_upper = 0.0, 1.0
-    for k, t in enumerate(schedule):
-        num = int(t) - samples
+    p_lower, p_upper, p_hope = 0.0, 1.0, 1.0
+    stop_reason = "budget"
+    for t in checkpoints(budget, first, growth, multiple).tolist():
+        num = t - samples
         new_hits = draw(num)
         try:
             new_hits = operator.index(new_hits)
@@ -268,26 +260,23 @@ def certify_sequential(
             raise TypeError(f"draw({num}) must return an integer count, got {type(new_hits).__name__}") from None
         if not 0 <= new_hits <= num:
             raise ValueError(f"draw({num}) returned {new_hits} hits, outside [0, {num}]")
-        hits, samples = hits + new_hits, int(t)
+        hits, samples = hits + new_hits, t
         p_lower = max(p_lower, cs.lower(hits, samples))
         p_upper = min(p_upper, cs.upper(hits, samples))
-        open_ = [j for j, d in enumerate(decisions) if d is Decision.UNDECIDED]
-        for j in open_:
-            if p_lower >= targets[j]:
+        p_hope = min(p_hope, hope.upper(hits, samples))
+        hoped_lower = cs.lower(hits + math.ceil(p_hope * (budget - samples)), budget)
+        for j, p_j in enumerate(targets):
+            if decisions[j] is not Decision.UNDECIDED:
+                continue
+            if p_lower >= p_j:
                 decisions[j] = Decision.CERTIFIED
-            elif p_upper < targets[j]:
+            elif p_upper < p_j:
                 decisions[j] = Decision.REFUTED
-        open_ = [j for j in open_ if decisions[j] is Decision.UNDECIDED]
-        if open_ and k + 1 < len(schedule):
-            best = _best_reachable(cs, hits, samples, schedule[k + 1:], max(targets[j] for j in open_))
-            for j in open_:
-                if max(best, p_lower) < targets[j]:
-                    decisions[j] = Decision.UNREACHABLE
-        if len(targets) and all(d is not Decision.UNDECIDED for d in decisions):
+            elif samples < budget and max(p_lower, hoped_lower) < p_j:
+                decisions[j] = Decision.UNREACHABLE
+        if len(targets) and Decision.UNDECIDED not in decisions:
             stop_reason = "decided"
             break
-    else:
-        stop_reason = "budget"
     return SequentialResult(
         p_lower=p_lower,
         p_upper=p_upper,

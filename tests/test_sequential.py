@@ -253,19 +253,30 @@ def test_driver_unreachable_within_the_budget():
 
 
 def test_driver_mixed_decisions_and_budget():
-    # Exactly 95 % hits per call: 0.9 gets certified, 0.93 stays open until the budget, and 0.99 is out of reach
-    # of 2,000 draws from the first look on (refuting it would take more draws than that).
+    # Exactly 95 % hits per call, looks at 1,000 and 2,000: 0.9 is certified and 0.99 refuted at the first look;
+    # 0.93 still looks reachable then (rate 0.95+ for 1,000 more draws) and is left open when the budget runs out.
     draw = Recorder(lambda num: (95 * num) // 100)
-    result = certify_sequential(draw, [0.9, 0.93, 0.99], alpha=0.01, budget=2000, first=100, multiple=100)
-    assert result.decisions == (Decision.CERTIFIED, Decision.UNDECIDED, Decision.UNREACHABLE)
-    assert result.stop_reason == "budget" and result.samples == 2000 == sum(draw.sizes)
-    assert all(size % 100 == 0 for size in draw.sizes)
+    result = certify_sequential(draw, [0.9, 0.93, 0.99], alpha=0.01, budget=2000, first=1000, growth=2.0)
+    assert result.decisions == (Decision.CERTIFIED, Decision.UNDECIDED, Decision.REFUTED)
+    assert result.stop_reason == "budget" and result.samples == 2000 and draw.sizes == [1000, 1000]
     assert result.p_lower < 0.93 < result.p_upper
-    # At 0.95 = the hit rate itself, the driver gives up once the rest of the budget could not lift the bound.
-    result = certify_sequential(lambda num: (95 * num) // 100, [0.95], alpha=0.01, budget=20_000, first=100)
-    assert result.decisions == (Decision.UNREACHABLE,) and result.samples < 20_000
-    # With a large budget, 0.99 is refuted by the upper bound instead.
-    result = certify_sequential(lambda num: (95 * num) // 100, [0.99], alpha=0.01, budget=10**6, first=100)
+
+
+def test_driver_gives_up_on_a_threshold_the_budget_cannot_reach():
+    # At 0.95 = the hit rate itself no budget suffices; the give-up rule stops long before 20,000 draws, earlier
+    # with a looser give_up level.
+    samples = {}
+    for give_up in (0.01, 0.3):
+        result = certify_sequential(
+            lambda num: (95 * num) // 100, [0.95], alpha=0.01, budget=20_000, first=100, give_up=give_up
+        )
+        assert result.decisions == (Decision.UNREACHABLE,) and result.stop_reason == "decided"
+        samples[give_up] = result.samples
+    assert samples[0.3] <= samples[0.01] < 20_000
+    # With give_up = alpha and a budget of a million draws, the upper bound refutes 0.99 first.
+    result = certify_sequential(
+        lambda num: (95 * num) // 100, [0.99], alpha=0.01, budget=10**6, first=100, give_up=0.01
+    )
     assert result.decisions == (Decision.REFUTED,) and result.p_upper < 0.99
 
 
@@ -305,6 +316,7 @@ def test_driver_accepts_numpy_integer_counts():
         (dict(first=0), ValueError),
         (dict(multiple=0), ValueError),
         (dict(prior=(0.0, 1.0)), ValueError),
+        (dict(give_up=1.0), ValueError),
     ],
 )
 def test_driver_rejects_bad_arguments(kwargs, error):
