@@ -95,14 +95,18 @@ def test_optional_stopping_every_draw_large(p, alpha):
 
 
 @pytest.mark.slow
-def test_driver_validity_under_its_own_stopping_rule():
-    """End to end: certify_sequential stops once a threshold just below p is certified; p_lower > p must be rare."""
-    alpha, p, runs = 0.1, 0.9, 3000
+def test_driver_false_certificates_under_its_own_stopping_rule():
+    """End to end: the only threshold is p itself, so every CERTIFIED is a false certificate; the driver keeps
+    looking (40 looks, giving up late) until it certifies, refutes, gives up or runs out of budget."""
+    alpha, p, runs = 0.2, 0.9, 1000
     rng = np.random.default_rng(3)
     wrong = 0
     for _ in range(runs):
-        result = certify_sequential(lambda n: rng.binomial(n, p), [0.5, 0.85], alpha=alpha, budget=20_000, first=10)
-        wrong += result.p_lower > p
+        result = certify_sequential(
+            lambda n: rng.binomial(n, p), [p], alpha=alpha, budget=20_000, first=10, growth=1.2, give_up=alpha
+        )
+        wrong += result.decisions[0] is Decision.CERTIFIED
+    assert 0 < wrong, "no false certificate at all: the check would not notice a broken driver"
     assert binomtest(wrong, runs, alpha, alternative="greater").pvalue > 1e-3, wrong / runs
 
 
