@@ -11,9 +11,11 @@ with ``V`` the pooled varying mask (:func:`~splitz_fast.bounds.pool_interval`): 
 
 Three ways to bound each factor ``‖A‖₂`` (:class:`~splitz_fast.operators.MaskedAffine`):
 
-* ``"exact"`` — deterministic: the float64 Gram matrix ``G = AᵀA``, an eigenvalue estimate ``μ``, and a Cholesky
-  factorization of ``sI − G`` (``s`` slightly above ``μ``) whose success *proves* ``λ_max(G) ≤ s`` up to explicit
-  floating-point terms (:func:`certified_lambda_max`). Used while the Gram dimension is at most ``exact_max_dim``.
+* ``"exact"`` — deterministic: the float64 Gram matrix ``G = AᵀA`` restricted to the varying inputs (banded and
+  sparse for a convolution), an eigenvalue estimate ``μ``, and a Cholesky factorization of ``sI − G`` (``s`` slightly
+  above ``μ``) whose success *proves* ``λ_max(G) ≤ s`` up to explicit floating-point terms
+  (:func:`certified_lambda_max`). Under ``"auto"``: used while the Gram dimension is at most ``exact_max_dim`` or the
+  estimated cost is at most ``EXACT_MAX_FLOPS`` (see there why).
 * ``"probabilistic"`` — for operators too large for a dense Gram (ImageNet-sized first layers): ``k`` power steps
   from a Gaussian start ``b`` give ``‖Gᵏb‖ ≥ λ_maxᵏ |⟨b, e₁⟩|``, and ``P(|⟨b, e₁⟩| < t) ≤ t·√(2/π)``; with
   ``t = δ√(π/2)``, ``‖A‖ ≤ (‖Gᵏb‖/t)^{1/(2k)}`` fails with probability at most ``δ``, whatever the spectrum
@@ -39,6 +41,13 @@ from .operators import MaskedAffine
 UNIT_ROUNDOFF_64 = 2.0 ** -53
 DEFAULT_EXACT_MAX_DIM = 4096
 DEFAULT_PROBABILISTIC_ITERS = 128
+# Under method="auto" a factor takes the exact bound when its Gram dimension is at most exact_max_dim, or when the
+# estimated cost of the exact bound (MaskedAffine.exact_cost) is at most this many flops. Why cost and not dimension
+# alone: a convolution's Gram is banded, so its cost is ~d·band², not d³ (LeNet-splitz conv2, d ≈ 12k–25k: 0.5–2e11
+# flops, a few seconds on 2 CPU cores), while an ImageNet stem (d = 150,528, band ≈ 4,000) would cost ~6e12. And the
+# exact bound is worth several times the probabilistic one's cost: it adds nothing to α and is tight, where the
+# probabilistic bound is looser by up to (1/δ)^{1/(2·n_iter)} (5.5 % per factor at δ = 1e-6, 128 steps).
+EXACT_MAX_FLOPS = 3e11
 
 
 @dataclass
@@ -365,10 +374,10 @@ def _bound_factors(
     value = torch.ones(batch, dtype=torch.float64)
     n_prob = [0] * batch
     for op in ops:
-        # The Gram dimension of sample b: the non-zero columns (varying inputs), or rows for a wide Linear.
         use_exact = method == "exact"
         if method == "auto":
-            use_exact = _gram_dim(op) <= exact_max_dim
+            dim, flops = op.exact_cost()
+            use_exact = dim <= exact_max_dim or flops <= EXACT_MAX_FLOPS
         if use_exact:
             for b in range(batch):
                 gram, terms = op.gram(b)
@@ -380,15 +389,6 @@ def _bound_factors(
     kind = ["exact" if n == 0 else "probabilistic" for n in n_prob]
     failure = [n * delta for n in n_prob]
     return value * (1 + 1e-12), kind, failure
-
-
-def _gram_dim(op: MaskedAffine) -> int:
-    n_in = math.prod(op.in_shape)
-    if op.in_mask is not None:
-        n_in = int(op.in_mask.flatten(1).sum(1).max())
-    if isinstance(op.layer, torch.nn.Linear):
-        return min(n_in, op.layer.out_features)
-    return n_in
 
 
 def lipschitz_bound(
@@ -406,9 +406,9 @@ def lipschitz_bound(
 
     Args:
         gamma: scalar or ``[B]`` ball radii in raw input units, ≥ 0.
-        method: ``"exact"`` (deterministic, dense Gram + Cholesky certificate), ``"probabilistic"`` (power method
-            from a random start, failure probability ``delta`` per factor), or ``"auto"`` (exact while the Gram
-            dimension is ≤ ``exact_max_dim``).
+        method: ``"exact"`` (deterministic, restricted Gram + Cholesky certificate), ``"probabilistic"`` (power
+            method from a random start, failure probability ``delta`` per factor), or ``"auto"`` (per factor: exact
+            while the Gram dimension is ≤ ``exact_max_dim`` or the estimated cost ≤ ``EXACT_MAX_FLOPS``).
         n_iter: power steps of the probabilistic bound; the bound's slack factor is about ``(1/δ)^{1/(2·n_iter)}``.
     """
     _check_method(method)

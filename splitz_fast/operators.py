@@ -12,6 +12,7 @@ banded and sparse for a convolution (:meth:`MaskedAffine._conv_gram`).
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -23,9 +24,12 @@ from .kernels.masked_conv2d import conv2d_adjoint, masked_conv2d
 from .kernels.masked_linear import masked_linear
 
 
-# A convolution Gram up to this dimension is handed to the certificate densified (dense Cholesky), above it as a banded
-# sparse CSR matrix (banded Cholesky). Set by measurement: see DENSE_GRAM_MAX_DIM's note in lipschitz.py.
-DENSE_GRAM_MAX_DIM = 1024
+# How a convolution Gram goes to the certificate: banded sparse CSR (panel Cholesky) or densified (dense Cholesky).
+# Measured on the 2-core CPU (whole exact bound of LeNet conv1, d ≤ 784, γ = 0.1 / 0.5, best of 30 on a loaded
+# machine): banded 33 / 34 ms, dense 83 / 108 ms (the dense Gram before the banded one: 92 / 87 ms). So on the CPU
+# every convolution Gram goes banded. On CUDA, Grams up to this dimension stay dense (device eigvalsh + Cholesky:
+# 14 ms for LeNet conv1 on an H200, DEVICE_DENSE_MAX_DIM in lipschitz.py), banded above.
+CUDA_DENSE_GRAM_MAX_DIM = 1024
 
 
 def _channels_last(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,6 +128,39 @@ class MaskedAffine:
             v = (u @ self.weight).reshape(u.shape[0], *self.in_shape)
         return v if self.in_factor is None else v * self.in_factor
 
+    def exact_cost(self) -> tuple[int, float]:
+        """``(d, flops)``: the largest Gram dimension of the batch (after masking) and an estimate of the floating-point
+        operations of one exact bound of that size (:meth:`gram` plus
+        :func:`~splitz_fast.lipschitz.certified_lambda_max`), from the shapes and masks alone.
+
+        * Linear, or a convolution Gram handed over dense (CUDA, ``d ≤ CUDA_DENSE_GRAM_MAX_DIM``): the Gram product
+          plus ``d³`` (eigensolver and Cholesky).
+        * Banded convolution Gram: building the half stencil (``C_out·C_in²·kh·kw·P``), then with half-bandwidth
+          ``b`` — estimated as the band of :meth:`_conv_gram` thinned by the fraction of varying inputs — the panel
+          Cholesky (``≈ 2.3·d·b²``) and about 200 ARPACK products with the ``≈ d·b``-entry Gram (``400·d·b``).
+        """
+        n_in = math.prod(self.in_shape)
+        varying_in = n_in if self.in_mask is None else int(self.in_mask.flatten(1).sum(1).max())
+        if isinstance(self.layer, nn.Linear):
+            n_out = self.layer.out_features
+            varying_out = n_out if self.out_mask is None else int(self.out_mask.flatten(1).sum(1).max())
+            d = min(varying_in, varying_out)
+            return d, 2.0 * varying_in * varying_out * d + float(d) ** 3
+        c_out, c_in, kh, kw = self.weight.shape
+        _, h_in, w_in = self.in_shape
+        _, h_out, w_out = self.out_shape
+        d = varying_in
+        build = float(c_out) * c_in * c_in * kh * kw * h_out * w_out
+        if self._dense_conv_gram(d):
+            return d, build + float(d) ** 3
+        reach_h, reach_w = (kh - 1) * self.layer.dilation[0], (kw - 1) * self.layer.dilation[1]
+        span = c_in * (min(reach_h * w_in + reach_w, reach_w * h_in + reach_h) + 1)
+        band = min(d, math.ceil(span * d / n_in))
+        return d, build + 2.3 * d * band ** 2 + 400.0 * d * band
+
+    def _dense_conv_gram(self, d: int) -> bool:
+        return self.weight.is_cuda and d <= CUDA_DENSE_GRAM_MAX_DIM
+
     def gram(self, b: int, sparse: bool | None = None) -> tuple[torch.Tensor, int]:
         """Float64 Gram matrix of ``A_b`` restricted to its varying side, and the rounding-error term count.
 
@@ -133,10 +170,10 @@ class MaskedAffine:
 
         Returns ``(G, terms)``: ``G`` is ``[d, d]``, ``terms`` bounds the number of products summed into one entry
         (see :func:`~splitz_fast.lipschitz.certified_lambda_max`). A Linear factor's ``G`` is dense. A convolution's
-        ``G`` is banded (inputs ``i``, ``j`` interact only when one output position covers both): when ``sparse`` is
-        ``True``, or ``None`` and ``d > DENSE_GRAM_MAX_DIM``, it is returned as a sparse CSR tensor holding the
-        **upper triangle** (``col ≥ row``) of ``G`` in the band order of :meth:`_conv_gram`; otherwise as the dense
-        symmetric ``G`` (same order).
+        ``G`` is banded (inputs ``i``, ``j`` interact only when one output position covers both): it is returned as a
+        sparse CSR tensor holding the **upper triangle** (``col ≥ row``) of ``G`` in the band order of
+        :meth:`_conv_gram` when ``sparse`` is ``True``, or ``None`` except on CUDA up to ``CUDA_DENSE_GRAM_MAX_DIM``;
+        otherwise as the dense symmetric ``G`` (same order).
         """
         with torch.no_grad():
             w = self.weight.detach().to(torch.float64)
@@ -147,7 +184,7 @@ class MaskedAffine:
             if not isinstance(self.layer, nn.Conv2d):
                 return self._linear_gram(w, out_mask, factor)
             gram, terms = self._conv_gram(w, out_mask, factor)
-            if sparse is False or (sparse is None and gram.shape[0] <= DENSE_GRAM_MAX_DIM):
+            if sparse is False or (sparse is None and self._dense_conv_gram(gram.shape[0])):
                 upper = gram.to_dense()
                 gram = upper + upper.triu(1).mT  # exact: each off-diagonal sum adds a zero
             return gram, terms

@@ -291,7 +291,7 @@ def test_lanczos_estimate_matches_a_dense_solver_on_lenet_grams(seed):
     left = sz.lenet(split_index=1).left
     x = torch.rand(1, 1, 28, 28)
     bounds = sz.ball_bounds(left, x, 0.3 * seed)
-    gram, _ = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0)
+    gram, _ = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0, sparse=False)
     exact = float(torch.linalg.eigvalsh(gram)[-1])
     estimate = lanczos_top_eigenvalue(gram)
     assert exact * (1 - 1e-10) <= estimate <= exact * (1 + 1e-12)
@@ -365,6 +365,6 @@ def test_exact_bound_on_cuda_matches_the_cpu_certificate(seed, estimator, monkey
     bounds = sz.ball_bounds(left, x, 0.3 * seed)
     ops = masked_operators(left, bounds, (1, 28, 28), 2, bounds.input_scale)
     for b in range(2):
-        exact = math.sqrt(float(torch.linalg.eigvalsh(ops[0].gram(b)[0])[-1]))
+        exact = math.sqrt(float(torch.linalg.eigvalsh(ops[0].gram(b, sparse=False)[0])[-1]))
         assert exact <= float(cuda[b]) <= exact * (1 + 1e-6)
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-6, atol=0)
