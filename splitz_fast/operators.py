@@ -137,7 +137,7 @@ class MaskedAffine:
           plus ``d³`` (eigensolver and Cholesky).
         * Banded convolution Gram: building the half stencil (``C_out·C_in²·kh·kw·P``), then with half-bandwidth
           ``b`` — estimated as the band of :meth:`_conv_gram` thinned by the fraction of varying inputs — the panel
-          Cholesky (``≈ 2.3·d·b²``) and about 200 ARPACK products with the ``≈ d·b``-entry Gram (``400·d·b``).
+          Cholesky (``≈ 3.3·d·b²``) and about 200 ARPACK products with the ``≈ d·b``-entry Gram (``400·d·b``).
         """
         n_in = math.prod(self.in_shape)
         varying_in = n_in if self.in_mask is None else int(self.in_mask.flatten(1).sum(1).max())
@@ -156,7 +156,7 @@ class MaskedAffine:
         reach_h, reach_w = (kh - 1) * self.layer.dilation[0], (kw - 1) * self.layer.dilation[1]
         span = c_in * (min(reach_h * w_in + reach_w, reach_w * h_in + reach_h) + 1)
         band = min(d, math.ceil(span * d / n_in))
-        return d, build + 2.3 * d * band ** 2 + 400.0 * d * band
+        return d, build + 3.3 * d * band ** 2 + 400.0 * d * band
 
     def _dense_conv_gram(self, d: int) -> bool:
         return self.weight.is_cuda and d <= CUDA_DENSE_GRAM_MAX_DIM

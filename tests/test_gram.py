@@ -99,8 +99,8 @@ def _check(op: MaskedAffine, dense: torch.Tensor, sparse: bool | None):
     torch.testing.assert_close(ours, torch.linalg.eigvalsh(side), rtol=0, atol=1e-12 * (1 + top))
     # A proven, tight bound on ‖A‖₂².
     true_sq = float(torch.linalg.matrix_norm(dense, ord=2)) ** 2 if dense.numel() else 0.0
-    # Sparse: the banded Cholesky in one panel (the default here) and in many small panels (BAND_BLOCK_MIN = 1: panels
-    # of max(1, band // 4) rows, so the window of pending updates carries across panel boundaries).
+    # Sparse: the banded Cholesky in one panel (the default here) and in many (BAND_BLOCK_MIN = 1 or 3: panels of
+    # max(BAND_BLOCK_MIN, band) rows, so each panel's update carries into the next).
     for panel_min in [lipschitz.BAND_BLOCK_MIN] + ([1, 3] if sparse else []):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(lipschitz, "BAND_BLOCK_MIN", panel_min)
