@@ -34,13 +34,13 @@ def normalize_threshold(theta: float | torch.Tensor, sample_shape: tuple[int, ..
     if t.ndim == 1 and len(sample) > 1:
         if t.shape[0] != sample[0]:
             raise ValueError(
-                f"a 1-D clipped-ReLU threshold is per channel, but it has {t.shape[0]} values for an activation with "
+                f"a 1-D clipped-ReLU threshold theta is per channel, but it has {t.shape[0]} values for an activation with "
                 f"{sample[0]} channels (sample shape {sample}); give per-row/per-column thresholds an explicit shape "
                 f"such as (H, 1) or (1, 1, W)"
             )
         return t.view(-1, *([1] * (len(sample) - 1)))
     if t.ndim > len(sample):
-        raise ValueError(f"clipped-ReLU threshold of shape {tuple(t.shape)} has more dims than the activation's "
+        raise ValueError(f"clipped-ReLU threshold theta of shape {tuple(t.shape)} has more dims than the activation's "
                          f"sample shape {sample} (θ must not depend on the batch)")
     padded = t.view(*([1] * (len(sample) - t.ndim)), *t.shape)
     try:
@@ -48,7 +48,7 @@ def normalize_threshold(theta: float | torch.Tensor, sample_shape: tuple[int, ..
     except RuntimeError:
         broadcast = None
     if broadcast != sample:
-        raise ValueError(f"clipped-ReLU threshold of shape {tuple(t.shape)} does not broadcast to the activation's "
+        raise ValueError(f"clipped-ReLU threshold theta of shape {tuple(t.shape)} does not broadcast to the activation's "
                          f"sample shape {sample}")
     return padded
 

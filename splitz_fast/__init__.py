@@ -18,8 +18,11 @@ from .lipschitz import (
     lipschitz_bound,
     lipschitz_estimate,
 )
-from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
-from .smoothing import ABSTAIN, CertifyResult, MarginCertifier, PredictResult, Smoother
+from .modules import ClippedReLU, LeftHalf, ModuleSnapshot, SplitModel, Standardize, split_sequential
+from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
+from .margin import MarginCertifier
+from .radius import BoundOptions, RadiusSearch
+from .sampling import NoiseStream, SamplingEngine
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
 from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
 from .datasets import DATASETS, DatasetInfo, get_dataset
@@ -46,6 +49,11 @@ __all__ = [
     "tabular_mlp",
     "train",
     "BallBounds",
+    "BoundOptions",
+    "ModuleSnapshot",
+    "NoiseStream",
+    "RadiusSearch",
+    "SamplingEngine",
     "CertifyResult",
     "ClippedReLU",
     "LeftHalf",

@@ -19,7 +19,8 @@ from . import __version__
 from ._checks import (check_count, check_device, check_output_file, check_output_folder, check_positive,
                       check_probability)
 from .data import DatasetUnavailableError
-from .smoothing import MarginCertifier, Smoother
+from .margin import MarginCertifier
+from .smoothing import Smoother
 from .stats import max_latent_radius
 
 
@@ -187,7 +188,8 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
 
     # The sampling options under their command-line names, before the model and data are loaded.
     check_positive("SIGMA", args.sigma)
-    check_count("--batch", args.batch)
+    if args.batch is not None:
+        check_count("--batch", args.batch)
     check_count("--N", args.N)
     if kind == "certify":
         check_count("--N0", args.N0)
@@ -199,13 +201,17 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
     model, ckpt, info = _model_and_dataset(args)
     smoother = Smoother(model, args.sigma, bound=getattr(args, "bound", "local"),
                         bound_method=getattr(args, "bound_method", "auto"),
-                        gamma_search=getattr(args, "gamma_search", "bisection"), precision=args.precision)
+                        gamma_search=getattr(args, "gamma_search", "bisection"),
+                        gamma_batch=getattr(args, "gamma_batch", 2), precision=args.precision,
+                        compile=args.compile)
     indices = select_indices(len(info.dataset), args.skip, args.max)
     settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
                 "model_spec": ckpt.get("model_spec"), "bound": smoother.bound,
                 "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
     if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
         settings["precision"] = smoother.precision
+    if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
+        settings["gamma_batch"] = smoother.options.gamma_batch
     n0 = args.N0 if kind == "certify" else 0
     run_over_dataset(kind, smoother, info.dataset, args.outfile, settings=settings, indices=indices, n0=n0,
                      n=args.N, alpha=args.alpha, batch_size=args.batch, seed=args.seed, resume=args.resume,
@@ -332,7 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("sigma", type=float, help="noise level σ")
         c.add_argument("outfile", help="TSV output (a sidecar OUTFILE.json records the settings)")
         c.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
-        c.add_argument("--batch", type=int, default=400, help="noise samples per forward pass")
+        c.add_argument("--batch", type=int, default=None,
+                       help="noise samples per forward pass of f_R; unset, the fastest batch measured on this device "
+                            "(up to 4096) is used. It never changes the results: an image's noise depends only on "
+                            "its seed")
         c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
         c.add_argument("--max", type=int, default=-1, help="at most MAX images, -1 = all")
         c.add_argument("--split", default="test", help="dataset split")
@@ -343,12 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "certify":
             c.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
                            help="how γ is searched (every evaluated γ gives a valid radius)")
+            c.add_argument("--gamma-batch", type=int, default=2,
+                           help="bisection: γ candidates per batched bound pass (2 = classic bisection; 4 = a "
+                                "superset of its points in half the passes)")
             c.add_argument("--bound", choices=("local", "global"), default="local",
                            help="local L(x, γ) or the global product of norms")
             c.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
                            help="exact (deterministic) or probabilistic (δ added to α); auto picks by size")
         c.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="dtype of f_R while sampling (noise stays float32)")
+        c.add_argument("--compile", action="store_true",
+                       help="sample through torch.compile(f_R) with static batch shapes (eager if compiling fails)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
         c.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")

@@ -67,6 +67,37 @@ class ClippedReLU(nn.Module):
         return f"threshold_shape={tuple(self.threshold.shape)}, learnable={isinstance(self.threshold, nn.Parameter)}"
 
 
+class ModuleSnapshot:
+    """A copy of a module's structure and tensors, to tell whether something cached from it (a bound, a prepared
+    copy) still describes it.
+
+    Compared by value — ``torch.equal`` on every entry of the state dict, plus the module tree's ``repr`` (layer
+    geometry) and its ``input_shape`` if it has one — so no change slips through: ``.data`` writes and ``copy_`` under
+    ``no_grad`` (which do not bump a tensor's version counter), ``load_state_dict``, a layer swapped in place.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.structure = self._structure(module)
+        self.tensors = {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+    @staticmethod
+    def _structure(module: nn.Module) -> tuple:
+        return repr(module), getattr(module, "input_shape", None)
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` has the same structure and bit-identical tensors (dtype, device, shape, values)."""
+        if self._structure(module) != self.structure:
+            return False
+        current = module.state_dict()
+        if current.keys() != self.tensors.keys():
+            return False
+        for name, t in current.items():
+            old = self.tensors[name]
+            if t.dtype != old.dtype or t.device != old.device or t.shape != old.shape or not torch.equal(t, old):
+                return False
+        return True
+
+
 class Standardize(nn.Module):
     """``(x − μ) / sd`` per input channel (dim 1). It belongs to ``f_L``; its ``1/sd`` is folded into the first layer's
     weights by the bound code, and zero padding of the next convolution stays zero in standardized space."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,7 +84,7 @@ def run_over_dataset(
     n0: int,
     n: int,
     alpha: float,
-    batch_size: int,
+    batch_size: int | None,
     seed: int,
     resume: bool = False,
     checkpoint: str | os.PathLike | None = None,
@@ -97,7 +96,10 @@ def run_over_dataset(
 
     ``settings`` (everything that determines the rows) is stored in the sidecar together with the checkpoint's
     digest (``checkpoint_digest``, described by ``checkpoint_digest_covers``); ``stop_after`` stops after that many
-    new rows (as an interruption would).
+    new rows (as an interruption would). The inputs stream through ``smoother.certify_many`` / ``predict_many``
+    (shared ``f_R`` batches, one host sync per group of inputs); each row is written as soon as its input is done.
+    ``batch_size`` (``None``: measured) does not change the rows — the noise of an input depends only on its seed —
+    so it is not part of the settings a resume must match.
     """
     if kind not in ("certify", "predict"):
         raise ValueError(f"kind must be 'certify' or 'predict', got {kind!r}")
@@ -108,38 +110,48 @@ def run_over_dataset(
         if n0 > n:
             raise ValueError(f"n0 ({n0}) must not exceed n ({n})")
     check_probability("alpha", alpha)
-    check_count("batch_size", batch_size)
+    if batch_size is not None:
+        check_count("batch_size", batch_size)
     check_count("seed", seed, 0)
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")
     out_path = check_output_file("output file", out_path)
-    settings = dict(settings, kind=kind, n0=n0, n=n, alpha=alpha, batch=batch_size, seed=seed,
-                    sigma=smoother.sigma, indices=[indices[0], indices[-1], len(indices)] if indices else [])
+    settings = dict(settings, kind=kind, n0=n0, n=n, alpha=alpha, seed=seed,
+                    sigma=getattr(smoother, "sigma", None), indices=[indices[0], indices[-1], len(indices)] if indices else [])
     if checkpoint is not None:
         settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint))
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
     header = CERTIFY_HEADER if kind == "certify" else PREDICT_HEADER
     done = _prepare_output(out_path, header, settings, resume)
     todo = [i for i in indices if i not in done]
-    written = 0
-    with out_path.open("a") as fh:
-        for idx in tqdm(todo, desc=kind, unit="img", file=sys.stderr, disable=not progress):
-            if stop_after is not None and written >= stop_after:
-                break
+    if stop_after is not None:
+        todo = todo[:stop_after]
+    labels: dict[int, int] = {}
+
+    def inputs():
+        for idx in todo:
             x, label = dataset[idx]
-            label = int(label)
+            labels[idx] = int(label)
+            yield x
+
+    seeds = [seed + idx for idx in todo]
+    if kind == "certify":
+        results = smoother.certify_many(inputs(), n0, n, alpha, batch_size=batch_size, seeds=seeds)
+    else:
+        results = smoother.predict_many(inputs(), n, alpha, batch_size=batch_size, seeds=seeds)
+    with out_path.open("a") as fh, tqdm(total=len(todo), desc=kind, unit="img", file=sys.stderr,
+                                        disable=not progress) as bar:
+        for idx, result in zip(todo, results):
+            label = labels.pop(idx)
             if kind == "certify":
-                result = smoother.certify(x, n0, n, alpha, batch_size=batch_size, seed=seed + idx)
                 line = format_row(idx, label, result)
             else:
-                start = time.perf_counter()
-                result = smoother.predict(x, n, alpha, batch_size=batch_size, seed=seed + idx)
                 line = "\t".join([str(idx), str(label), str(result.prediction), str(int(result.prediction == label)),
-                                  f"{time.perf_counter() - start:.4f}", str(result.count_top),
-                                  str(result.count_second), f"{result.p_value:.6g}"])
+                                  f"{result.seconds:.4f}", str(result.count_top), str(result.count_second),
+                                  f"{result.p_value:.6g}"])
             fh.write(line + "\n")
             fh.flush()
-            written += 1
+            bar.update()
             if on_row is not None:
                 on_row(idx, result)
     return out_path

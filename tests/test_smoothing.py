@@ -16,6 +16,7 @@ from scipy.stats import beta, binom, binomtest, norm
 
 import splitz_fast as sz
 from splitz_fast import ABSTAIN, ClippedReLU, LeftHalf, Smoother, SplitModel
+from splitz_fast.sampling import NOISE_BLOCK
 
 
 # ====================================================================== small models
@@ -81,9 +82,25 @@ def result_fields(r) -> dict:
 
 
 # ====================================================================== Cohen's CERTIFY, reimplemented
+def block_stream(g: torch.Generator, shape):
+    """The reference path's noise contract (splitz_fast.sampling): sample k of a seed is row k of consecutive
+    ``torch.randn((NOISE_BLOCK, *shape))`` blocks, whatever the batch sizes that consume it."""
+    buffer = torch.empty((0, *shape))
+
+    def take(num: int) -> torch.Tensor:
+        nonlocal buffer
+        while buffer.shape[0] < num:
+            buffer = torch.cat([buffer, torch.randn((NOISE_BLOCK, *shape), generator=g, dtype=torch.float32)])
+        rows, buffer = buffer[:num], buffer[num:]
+        return rows
+
+    return take
+
+
 def cohen_certify(f, x, sigma, n0, n, alpha, batch, seed, num_classes):
-    """Reference CERTIFY (Cohen et al. 2019, locuslab/smoothing core.py), with Python-side vote counting."""
-    g = gen(seed)
+    """Reference CERTIFY (Cohen et al. 2019, locuslab/smoothing core.py), with Python-side vote counting, drawing its
+    noise by the documented stream contract."""
+    draw = block_stream(gen(seed), x.shape)
 
     def sample_noise(num):
         counts = np.zeros(num_classes, dtype=np.int64)
@@ -91,7 +108,7 @@ def cohen_certify(f, x, sigma, n0, n, alpha, batch, seed, num_classes):
         with torch.no_grad():
             while remaining > 0:
                 b = min(batch, remaining)
-                noise = torch.randn((b, *x.shape), generator=g, dtype=torch.float32) * sigma
+                noise = draw(b) * sigma
                 for p in f(x.unsqueeze(0) + noise).argmax(1).tolist():
                     counts[p] += 1
                 remaining -= b
@@ -426,12 +443,12 @@ def test_predict_p_value_and_decision_match_binomtest():
             assert p.p_value == pytest.approx(pv, rel=1e-12)
             if pv <= alpha:
                 # The top class of the same noise draws (reference count with the same generator stream).
-                g = gen(i)
+                draw = block_stream(gen(i), (3,))
                 counts = torch.zeros(4, dtype=torch.int64)
                 remaining = 300
                 while remaining:
                     b = min(128, remaining)
-                    noise = torch.randn((b, 3), generator=g) * 0.8
+                    noise = draw(b) * 0.8
                     with torch.no_grad():
                         counts += torch.bincount(net(x + noise).argmax(1), minlength=4)
                     remaining -= b
@@ -473,7 +490,7 @@ def test_splitz_local_bisection_radius():
 
     W = model.left.layers[0].weight.detach().double()
     spectral = float(torch.linalg.matrix_norm(W, ord=2))
-    L_global = float(Smoother(model, sigma, bound="global").global_bound().value[0])
+    L_global = float(Smoother(model, sigma, bound="global").radius_search.global_bound().value[0])
     assert spectral <= L_global <= spectral * (1 + 1e-6), "global bound: a tight upper bound on ‖W‖₂"
     # Local L lies between the Jacobian norm at x and the global bound.
     assert _jacobian_norm(model, x) * (1 - 1e-12) <= r.lipschitz <= L_global * (1 + 1e-9)
@@ -577,7 +594,7 @@ def test_splitz_global_bound_radius():
     sigma = 0.25
     s = Smoother(model, sigma, bound="global")
     r = s.certify(x, n0=100, n=4000, alpha=0.001, seed=1)
-    L_global = float(s.global_bound().value[0])
+    L_global = float(s.radius_search.global_bound().value[0])
     assert r.bound_kind == "global-exact"
     assert r.lipschitz == pytest.approx(L_global, rel=1e-12)
     assert r.radius == pytest.approx(r.latent_radius / L_global, rel=1e-12)
@@ -758,7 +775,7 @@ def test_probabilistic_bounds_add_their_failure_probability_to_alpha(search):
     smoother = Smoother(model, 0.25, bound_method="probabilistic", bound_delta=bound_delta, gamma_search=search)
     r = smoother.certify(x, n0=50, n=2000, alpha=alpha, seed=3)
     assert r.bound_kind == "local-probabilistic" and exact.bound_kind == "local-exact"
-    per_evaluation = bound_delta / smoother._max_evaluations()
+    per_evaluation = bound_delta / smoother.options.max_evaluations
     assert r.failure_prob == pytest.approx(alpha + per_evaluation * r.gamma_evaluations)
     assert alpha < r.failure_prob <= alpha + bound_delta
     assert r.radius == pytest.approx(min(r.latent_radius / r.lipschitz, r.gamma))
@@ -771,10 +788,10 @@ def test_probabilistic_bounds_add_their_failure_probability_to_alpha(search):
 def test_global_bound_is_recomputed_when_f_l_changes():
     model, x = _splitz_model()
     smoother = Smoother(model, 0.25, bound="global")
-    before = float(smoother.global_bound().value[0])
+    before = float(smoother.radius_search.global_bound().value[0])
     with torch.no_grad():
         model.left.layers[0].weight.mul_(2.0)  # an in-place update, as an optimizer step would do
-    after = float(smoother.global_bound().value[0])
+    after = float(smoother.radius_search.global_bound().value[0])
     assert after == pytest.approx(2 * before, rel=1e-9)
 
 

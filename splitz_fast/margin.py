@@ -1,0 +1,103 @@
+"""Deterministic logit-margin certificates for a classifier that lies entirely in ``f_L`` (no noise).
+
+The "Lipschitz-only" baseline of the paper's tabular figures (local-Lipschitz-constrained training, Huang et al.
+2021): for ``x'`` in ``B(x, γ)`` each logit difference moves by at most
+``‖e_y − e_j‖·‖f(x') − f(x)‖ ≤ √2·L(x, γ)·‖x' − x‖``, so the prediction ``y`` cannot change within
+``min(m/(√2·L(x, γ)), γ)`` where ``m = z_y − max_{j≠y} z_j`` is the logit margin at ``x``. That is the SPLITZ radius
+with ``m/√2`` in place of the latent radius ``R``, so the bound options and the γ search are
+:mod:`splitz_fast.radius`'s, shared with :class:`~splitz_fast.smoothing.Smoother`.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .modules import ModuleSnapshot, SplitModel
+from .radius import RadiusSearch, bound_options
+from .smoothing import ABSTAIN, CertifyResult, evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+
+
+class MarginCertifier:
+    """Margin certificates (module docstring) for a model whose last affine layer gives the logits (``f_R`` empty).
+
+    Args:
+        model: a :class:`~splitz_fast.modules.SplitModel` split after its last affine layer.
+        bound_options: the Lipschitz bound and γ search, as :class:`~splitz_fast.smoothing.Smoother` takes them
+            (``bound``, ``bound_method``, ``bound_delta``, ``gamma_search``, …).
+
+    Logits are computed in float64 from a float64 copy of ``f_L`` (rebuilt whenever ``f_L`` changes; the README's
+    caveat applies: the guarantee is for the real-valued network). Results carry ``p_a_lower = nan``,
+    ``latent_radius = m/√2``, ``count_a = n = 0`` and ``failure_prob`` = the bounds' δ (0 when exact); a tie at the
+    top logit abstains. ``certify`` takes Cohen's arguments so dataset runs and TSVs work unchanged; ``n0``, ``n``,
+    ``alpha`` and ``batch_size`` are ignored (nothing is sampled), ``seed`` seeds probabilistic bounds only.
+    """
+
+    def __init__(self, model: SplitModel, **bound_options_kw):
+        if not isinstance(model, SplitModel):
+            raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}")
+        if "sigma" in bound_options_kw:
+            raise TypeError("MarginCertifier adds no noise: it takes no sigma")
+        if model.split_index == 0 or any(not isinstance(m, (nn.Sequential, nn.Identity, nn.Flatten))
+                                         for m in model.right.modules()) or any(True for _ in model.right.parameters()):
+            raise ValueError(
+                "the margin certificate needs the whole classifier in f_L (split after the last affine layer, f_R "
+                "empty): its Lipschitz bound must cover every layer up to the logits"
+            )
+        self.model = model
+        self.options = bound_options(**bound_options_kw)
+        self.radius_search = RadiusSearch(model.left, self.options)
+        self._left64: tuple[ModuleSnapshot, nn.Module] | None = None
+        model.left.check_thresholds()
+
+    bound = property(lambda self: self.options.bound)
+    bound_method = property(lambda self: self.options.method)
+    gamma_search = property(lambda self: self.options.gamma_search)
+
+    def _float64_left(self) -> nn.Module:
+        """A float64 copy of ``f_L`` for the logits, rebuilt whenever any weight, buffer or layer of ``f_L`` changed."""
+        if self._left64 is None or not self._left64[0].matches(self.model.left):
+            self._left64 = (ModuleSnapshot(self.model.left), copy.deepcopy(self.model.left).double().eval())
+        return self._left64[1]
+
+    def certify(self, x: torch.Tensor, n0: int | None = None, n: int | None = None, alpha: float | None = None,
+                batch_size: int | None = None, seed: int | None = None) -> CertifyResult:
+        with evaluating(self.model):
+            return self._certify(prepare_input(self.model, x), resolve_seed(seed))
+
+    def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor], n0: int | None = None, n: int | None = None,
+                     alpha: float | None = None, batch_size: int | None = None,
+                     seeds: Iterable[int | None] | None = None) -> Iterator[CertifyResult]:
+        """Certificates of every input, in order (one seed per input)."""
+        for x, seed in zip(inputs_of(inputs), seeds_for(seeds)):
+            yield self.certify(x, seed=seed)
+
+    def _certify(self, x: torch.Tensor, seed: int) -> CertifyResult:
+        start = time.perf_counter()
+        generator = torch.Generator(device=x.device)
+        generator.manual_seed(seed)
+        with torch.no_grad():
+            logits = self.model.right(self._float64_left()(x.double().unsqueeze(0)))[0]
+        if logits.numel() < 2:
+            raise ValueError("the margin certificate needs at least two logits")
+        top2 = logits.topk(2)
+        candidate = int(top2.indices[0])
+        margin = float(top2.values[0] - top2.values[1])
+        if margin <= 0:
+            return CertifyResult(ABSTAIN, 0.0, math.nan, 0.0, math.nan, math.nan, "none", 0.0, 0, 0, 0, seed,
+                                 time.perf_counter() - start, "none")
+        radius_latent = margin / math.sqrt(2.0)
+        best = self.radius_search.search(x, radius_latent, generator)
+        return CertifyResult(
+            prediction=candidate, radius=best.radius, p_a_lower=math.nan, latent_radius=radius_latent,
+            lipschitz=best.lipschitz, gamma=best.gamma, bound_kind=best.kind, failure_prob=best.failure,
+            count_a=0, n=0, gamma_evaluations=best.evaluations, seed=seed, seconds=time.perf_counter() - start,
+            noise_source="none",
+        )
+
+
+__all__ = ["MarginCertifier"]

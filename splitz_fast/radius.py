@@ -1,0 +1,233 @@
+"""The SPLITZ radius of one input: certificate bounds on ``L(x, γ)``, the γ search, and the cached global bound.
+
+Theorem 1: for every ``γ ≥ 0``, ``min(R / L(x, γ), γ)`` is a certified radius when ``L(x, γ)`` is an upper bound on the
+Lipschitz constant of ``f_L`` over ``B(x, γ)`` and ``R`` is the radius of the smoothed ``f_R`` in latent space
+(``R = σ Φ⁻¹(p_A_lower)`` for randomized smoothing, ``m/√2`` for a logit margin). So *every* evaluated γ yields a
+valid radius and the search only decides which γ's to evaluate; the result is the best one evaluated. Probabilistic
+bounds split their budget ``delta`` evenly over the most evaluations a search can make (a union bound), and the
+result reports the total failure probability to add to α.
+
+The search (``"bisection"``): ``L`` is non-decreasing in γ (the intervals nest, so the varying masks only grow), hence
+``h(γ) = γ − R/L(x, γ)`` is increasing and crosses 0 in ``[0, R/L(x, 0)]``. Each *pass* splits the current bracket
+into ``gamma_batch`` equal parts and evaluates the inner points (and, in the first pass, the bracket's right end) in
+one batched bound call; ``gamma_steps`` halvings of the width are reached after ``⌈gamma_steps / log2(gamma_batch)⌉``
+passes. ``gamma_batch = 2`` evaluates exactly the points of a classic bisection; ``gamma_batch = 4`` evaluates a
+superset of them in half the passes, so its radius is never smaller (for deterministic bounds), at the cost of more
+bound evaluations in each pass — worth it where a batched pass costs little more than a single one (a GPU).
+``"one-step"`` is the paper's Remark 1: ``γ₁ = R/L_ref``, then ``γ₂ = R/L(x, γ₁)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_count, check_positive, check_probability
+from .lipschitz import (
+    DEFAULT_EXACT_MAX_DIM,
+    DEFAULT_PROBABILISTIC_ITERS,
+    LipschitzBound,
+    global_lipschitz_bound,
+    lipschitz_bound,
+)
+from .modules import LeftHalf, ModuleSnapshot
+
+GAMMA_SEARCHES = ("bisection", "one-step")
+BOUNDS = ("local", "global")
+BOUND_METHODS = ("auto", "exact", "probabilistic")
+
+
+@dataclass(frozen=True)
+class BoundOptions:
+    """How the Lipschitz bound of ``f_L`` is computed and how γ is searched (see the module docstring).
+
+    Args:
+        bound: ``"local"`` (``L(x, γ)``, the paper's method) or ``"global"`` (input-independent product of norms).
+        method: ``"auto"``, ``"exact"`` or ``"probabilistic"``, see :func:`~splitz_fast.lipschitz.lipschitz_bound`.
+        delta: total failure probability allowed to probabilistic bounds *per certified input*, split evenly over
+            the γ evaluations and layers and added to α in the result. Unused by exact bounds.
+        power_iters: power steps of the probabilistic bound.
+        exact_max_dim: largest Gram dimension handled by the exact bound under ``"auto"``.
+        gamma_search: ``"bisection"`` or ``"one-step"``.
+        gamma_steps: halvings of the bisection bracket ``[0, R/L(x, 0)]``.
+        gamma_batch: bracket parts per batched bound pass of the bisection (2 = classic bisection).
+        reference_lipschitz: ``L_ref`` of the one-step search (e.g. the mean ``L`` over data); ``L(x, 0)`` if None.
+        gamma_max: search ceiling when ``L(x, 0) = 0`` (``f_L`` locally constant), in raw input units.
+    """
+
+    bound: str = "local"
+    method: str = "auto"
+    delta: float = 1e-6
+    power_iters: int = DEFAULT_PROBABILISTIC_ITERS
+    exact_max_dim: int = DEFAULT_EXACT_MAX_DIM
+    gamma_search: str = "bisection"
+    gamma_steps: int = 8
+    gamma_batch: int = 2
+    reference_lipschitz: float | None = None
+    gamma_max: float = 10.0
+
+    def __post_init__(self):
+        if self.bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {BOUNDS}, got {self.bound!r}")
+        if self.method not in BOUND_METHODS:
+            raise ValueError(f"bound_method must be one of {BOUND_METHODS}, got {self.method!r}")
+        if self.gamma_search not in GAMMA_SEARCHES:
+            raise ValueError(f"gamma_search must be one of {GAMMA_SEARCHES}, got {self.gamma_search!r}")
+        check_probability("bound_delta", self.delta)
+        check_count("power_iters", self.power_iters)
+        check_count("exact_max_dim", self.exact_max_dim, 0)
+        check_count("gamma_steps", self.gamma_steps, 0)
+        check_count("gamma_batch", self.gamma_batch, 2)
+        if self.reference_lipschitz is not None:
+            check_positive("reference_lipschitz", self.reference_lipschitz)
+        check_positive("gamma_max", self.gamma_max)
+
+    @property
+    def passes(self) -> int:
+        """Batched passes of the bisection after ``L(x, 0)``."""
+        if self.gamma_steps == 0:
+            return 1
+        return math.ceil(self.gamma_steps / math.log2(self.gamma_batch) - 1e-9)
+
+    @property
+    def max_evaluations(self) -> int:
+        """The most γ evaluations one search can make (the union bound's denominator)."""
+        if self.gamma_search == "one-step":
+            return 3
+        # L(x, 0); the first pass's inner points and the ceiling; then the inner points of every further pass.
+        return 1 + self.gamma_batch + (self.passes - 1) * (self.gamma_batch - 1)
+
+
+def bound_options(bound_method: str = "auto", bound_delta: float = 1e-6, **fields) -> BoundOptions:
+    """:class:`BoundOptions` from the certifiers' keyword names (``bound_method`` is ``method``, ``bound_delta`` is
+    ``delta``; the other names are the fields')."""
+    unknown = set(fields) - set(BoundOptions.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown bound option(s) {sorted(unknown)}; valid: bound_method, bound_delta, "
+                        f"{', '.join(n for n in BoundOptions.__dataclass_fields__ if n not in ('method', 'delta'))}")
+    return BoundOptions(method=bound_method, delta=bound_delta, **fields)
+
+
+@dataclass
+class RadiusResult:
+    """The best ``min(R/L(x, γ), γ)`` over the evaluated γ, and what produced it.
+
+    ``kind``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``, ``global-exact`` or
+    ``global-probabilistic``. ``failure``: the summed failure probability of the probabilistic bounds evaluated.
+    ``evaluations``: γ values whose bound was computed; ``passes``: batched bound calls they took.
+    """
+
+    radius: float
+    gamma: float
+    lipschitz: float
+    kind: str
+    failure: float
+    evaluations: int
+    passes: int
+
+
+class RadiusSearch:
+    """Certified radii of inputs of one ``f_L`` under :class:`BoundOptions`.
+
+    The global bound is computed once and reused while :class:`~splitz_fast.modules.ModuleSnapshot` says ``f_L`` is unchanged.
+    """
+
+    def __init__(self, left: LeftHalf, options: BoundOptions):
+        self.left = left
+        self.options = options
+        self._global: tuple[ModuleSnapshot, LipschitzBound] | None = None
+
+    def global_bound(self) -> LipschitzBound:
+        """``Π_k ‖W_k‖₂`` of ``f_L``, recomputed whenever any weight, buffer or layer of ``f_L`` has changed."""
+        if self._global is None or not self._global[0].matches(self.left):
+            if self.left.input_shape is None:
+                raise ValueError("the global bound needs the model's input_shape (LeftHalf(input_shape=...))")
+            snapshot = ModuleSnapshot(self.left)
+            device = self.left.layers[0].weight.device
+            gen = torch.Generator(device=device)
+            gen.manual_seed(0)
+            opts = self.options
+            bound = global_lipschitz_bound(
+                self.left, self.left.input_shape, method=opts.method, delta=opts.delta / max(1, self.left.depth),
+                n_iter=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=gen,
+            )
+            self._global = (snapshot, bound)
+        return self._global[1]
+
+    def search(self, x: torch.Tensor, radius_latent: float, generator: torch.Generator | None) -> RadiusResult:
+        """Best ``min(R/L(x, γ), γ)`` over the γ evaluated by the configured search, for one input ``x`` (no batch
+        dimension) whose latent radius is ``radius_latent``; ``generator`` seeds probabilistic bounds."""
+        opts = self.options
+        if self.left.depth == 0:
+            return RadiusResult(radius_latent, radius_latent, 1.0, "identity", 0.0, 0, 0)
+        if opts.bound == "global":
+            g = self.global_bound()
+            lip = float(g.value[0])
+            radius = radius_latent / lip if lip > 0 else opts.gamma_max
+            return RadiusResult(radius, radius, lip, f"global-{g.kind[0]}", g.failure_prob[0], 0, 0)
+        return _LocalSearch(self.left, opts, x, radius_latent, generator).run()
+
+
+class _LocalSearch:
+    """One input's search over γ with local bounds; keeps the best radius of every evaluated γ."""
+
+    def __init__(self, left, opts: BoundOptions, x, radius_latent, generator):
+        self.left, self.opts, self.x, self.radius_latent, self.generator = left, opts, x, radius_latent, generator
+        self.delta_eval = opts.delta / (opts.max_evaluations * left.depth)
+        self.best = RadiusResult(0.0, 0.0, math.nan, "local-exact", 0.0, 0, 0)
+        self.failure = 0.0
+        self.evaluations = 0
+        self.passes = 0
+
+    def evaluate(self, gammas: list[float]) -> list[float]:
+        """``L(x, γ)`` for each γ, in one batched bound call; records every γ's radius."""
+        batch = self.x.unsqueeze(0).expand(len(gammas), *self.x.shape).contiguous()
+        bound = lipschitz_bound(
+            self.left, batch, torch.tensor(gammas, dtype=torch.float64), method=self.opts.method,
+            delta=self.delta_eval, n_iter=self.opts.power_iters, exact_max_dim=self.opts.exact_max_dim,
+            generator=self.generator,
+        )
+        self.passes += 1
+        lips = [float(v) for v in bound.value]
+        for gamma, lip, kind, failure in zip(gammas, lips, bound.kind, bound.failure_prob):
+            self.failure += failure
+            self.evaluations += 1
+            radius = gamma if lip == 0 else min(self.radius_latent / lip, gamma)
+            if radius > self.best.radius or self.evaluations == 1:
+                self.best = RadiusResult(radius, gamma, lip, f"local-{kind}", 0.0, 0, 0)
+        return lips
+
+    def holds(self, gamma: float, lip: float) -> bool:
+        """``h(γ) ≤ 0``: γ is at or below the crossing, so the radius at γ is γ itself."""
+        return lip == 0 or self.radius_latent / lip >= gamma
+
+    def run(self) -> RadiusResult:
+        opts = self.opts
+        (lip0,) = self.evaluate([0.0])
+        ceiling = self.radius_latent / lip0 if lip0 > 0 else opts.gamma_max
+        if opts.gamma_search == "bisection":
+            self.bisect(ceiling)
+        else:
+            reference = opts.reference_lipschitz if opts.reference_lipschitz is not None else lip0
+            gamma1 = self.radius_latent / reference if reference > 0 else opts.gamma_max
+            (lip1,) = self.evaluate([gamma1])
+            gamma2 = self.radius_latent / lip1 if lip1 > 0 else opts.gamma_max
+            if gamma2 != gamma1:
+                self.evaluate([gamma2])
+        best = self.best
+        return RadiusResult(best.radius, best.gamma, best.lipschitz, best.kind, self.failure, self.evaluations,
+                            self.passes)
+
+    def bisect(self, ceiling: float) -> None:
+        k = self.opts.gamma_batch
+        lo, hi = 0.0, ceiling
+        for p in range(self.opts.passes):
+            points = [lo + (hi - lo) * j / k for j in range(1, k)]
+            if p == 0:
+                points.append(hi)  # the ceiling itself: valid, and the best radius when L(x, γ) = L(x, 0)
+            lips = self.evaluate(points)
+            below = [g for g, lip in zip(points, lips) if self.holds(g, lip)]
+            new_lo = max(below, default=lo)
+            above = [g for g in points if g > new_lo]
+            lo, hi = new_lo, min(above, default=hi)

@@ -1,0 +1,349 @@
+"""The sampling engine: noise streams, batched passes of ``f_R`` over noisy latents, and votes counted on the device.
+
+Design (SPEC §5): ``f_L(x)`` is computed once per input and noise is added after it; noise is drawn in float32 on the
+device and the cast to ``f_R``'s precision happens after the sum; votes are counted on the device; ``f_R`` is a
+prepared copy of the user's module (eval mode, BatchNorm folded, channels_last, optionally compiled), the user's model
+is never changed. One ``f_R`` batch may carry the noise samples of several inputs (:class:`SamplingJob`), so an
+input with fewer samples than a batch (the n0 selection draws, the tail of n, small models) does not leave the device
+idle; each job's votes are counted separately.
+
+**The noise an input sees depends only on its seed and the sample index** — not on the batch size, on how its samples
+are packed with other inputs', or on whether it is certified alone: with the Triton kernel by construction (Philox
+counter = sample index), on the reference path because :class:`NoiseStream` draws ``torch.randn`` in fixed blocks of
+:data:`NOISE_BLOCK` samples and hands them out in order. So a certificate is reproducible whatever batch size the
+engine picks, and certifying a stream of inputs gives the results of certifying them one by one (on the CPU exactly up
+to ``f_R``'s batch-dependent float rounding, which the tests show does not move a vote in practice; likewise on GPU).
+Selection and estimation draws are consecutive, disjoint index ranges of one stream, hence independent.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .kernels import select_backend
+from .kernels.noise_votes import count_votes, count_votes_reference, noisy_latents
+from .modules import ModuleSnapshot
+
+# Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
+# autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
+# it as long as the same precision is used for PREDICT and CERTIFY (a Smoother applies it to both).
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Samples per torch.randn call on the reference path (the unit that makes the stream batch-size independent).
+NOISE_BLOCK = 64
+# Batch sizes tried by the tuner (powers of two up to the cap), and its time budget per configuration.
+TUNE_MIN_BATCH = 32
+TUNE_BUDGET_S = 4.0
+# Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
+# precision, compile) -> batch size.
+_TUNED_BATCH: dict[tuple, int] = {}
+
+
+class NoiseStream:
+    """The noise of one input: sample ``k`` of the stream is a pure function of ``(seed, k)``.
+
+    ``offset`` is the index of the next unused sample; every draw advances it, so no sample is used twice (selection
+    draws ``[0, n0)``, estimation draws ``[n0, n0 + n)``). The Triton path passes ``(seed, offset)`` to the Philox
+    kernel; the reference path draws blocks of :data:`NOISE_BLOCK` samples from a ``torch.Generator`` seeded with
+    ``seed`` and keeps the unused rest of the last block for the next draw.
+    """
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed = seed
+        self.device = torch.device(device)
+        self.offset = 0
+        self.triton = select_backend("noisy_latents", self.device) == "triton"
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._spare: torch.Tensor | None = None  # reference path: drawn, not yet used N(0, 1) rows
+
+    @property
+    def source(self) -> str:
+        """``philox-triton`` or ``torch-<device>``: with the seed, what a rerun needs to reproduce the draws."""
+        return "philox-triton" if self.triton else f"torch-{self.device.type}"
+
+    def noisy(self, latent32: torch.Tensor, num: int, sigma: float, out_dtype: torch.dtype, channels_last: bool,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """The next ``num`` samples ``latent + σ z`` (``z`` float32, the sum float32, then cast to ``out_dtype``),
+        written into ``out`` when given (``[num, *latent.shape]``, dense in the requested memory format)."""
+        if self.triton:
+            result = noisy_latents(latent32, num, sigma, self.seed, self.offset, out_dtype=out_dtype,
+                                   channels_last=channels_last, out=out)
+        else:
+            z = self._standard_normal(num, latent32.shape, channels_last)
+            noisy = z.mul_(sigma).add_(latent32)
+            if out is None:
+                fmt = torch.channels_last if channels_last else torch.contiguous_format
+                result = noisy.to(dtype=out_dtype, memory_format=fmt)
+            else:
+                result = out.copy_(noisy)
+        self.offset += num
+        return result
+
+    def _standard_normal(self, num: int, shape: torch.Size, channels_last: bool) -> torch.Tensor:
+        have = 0 if self._spare is None else self._spare.shape[0]
+        blocks = max(0, -(-(num - have) // NOISE_BLOCK))
+        rows = torch.empty((have + blocks * NOISE_BLOCK, *_draw_shape(shape, channels_last)), dtype=torch.float32,
+                           device=self.device)
+        if have:
+            rows[:have].copy_(self._spare)
+        for b in range(blocks):
+            start = have + b * NOISE_BLOCK
+            torch.randn(rows[start:start + NOISE_BLOCK].shape, generator=self.generator, dtype=torch.float32,
+                        device=self.device, out=rows[start:start + NOISE_BLOCK])
+        self._spare = rows[num:] if rows.shape[0] > num else None
+        z = rows[:num]
+        return z.permute(0, 3, 1, 2) if channels_last and len(shape) == 3 else z
+
+
+def _draw_shape(shape: torch.Size, channels_last: bool) -> tuple[int, ...]:
+    """Memory order of one sample's draws: NHWC for channels_last image latents, so the batch comes out channels_last
+    without a copy."""
+    if channels_last and len(shape) == 3:
+        c, h, w = shape
+        return (h, w, c)
+    return tuple(shape)
+
+
+@dataclass
+class SamplingJob:
+    """``num`` noise samples of one latent through ``f_R``; their class votes are added to ``counts`` (``[C]`` int64
+    on the device)."""
+
+    latent: torch.Tensor
+    stream: NoiseStream
+    num: int
+    counts: torch.Tensor
+
+
+def fold_batchnorm(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` (eval mode) with every BatchNorm that directly follows a convolution or linear layer
+    folded into it (``torch.fx``); the same real-valued function, one pass less. Modules that ``torch.fx`` cannot
+    trace are returned unfolded (still a copy)."""
+    module = copy.deepcopy(module).eval()
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        return module
+    from torch.fx.experimental.optimization import fuse
+
+    try:
+        return fuse(module)
+    except Exception:  # noqa: BLE001 — untraceable control flow: keep the unfolded copy
+        return module
+
+
+class SamplingEngine:
+    """Votes of ``f_R`` over noisy copies of latents, for one input or a stream of them.
+
+    Args:
+        right: ``f_R`` (not modified: the engine samples through a prepared copy, see :func:`fold_batchnorm`).
+        num_classes: length of ``f_R``'s score vector.
+        sigma: noise level σ > 0 in latent units.
+        device: where sampling runs (``f_R``'s device).
+        precision: a key of :data:`PRECISIONS` (the base classifier's precision, labelled in every result).
+        compile: run ``f_R`` through ``torch.compile`` with static batch shapes (the last batch is padded and its
+            padding not counted); where compiling fails the engine warns once and stays eager.
+    """
+
+    def __init__(self, right: nn.Module, num_classes: int, sigma: float, device: torch.device,
+                 precision: str = "float32", compile: bool = False):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        self.num_classes = num_classes
+        self.sigma = sigma
+        self.device = torch.device(device)
+        self.precision = precision
+        self.dtype = PRECISIONS[precision]
+        self.source = right
+        self.compile = compile
+        self._prepared: dict[bool, nn.Module] = {}  # keyed by channels_last
+        self._snapshot: ModuleSnapshot | None = None
+
+    # ------------------------------------------------------------------ the prepared f_R
+    def check_current(self) -> None:
+        """Drop the prepared copies if the user's ``f_R`` changed since they were made (weights, buffers, layers).
+        Called once per certify/predict call, so a changed model is never sampled through a stale copy."""
+        if self._snapshot is None or not self._snapshot.matches(self.source):
+            self._prepared.clear()
+            self._snapshot = ModuleSnapshot(self.source)
+
+    def classifier(self, channels_last: bool) -> nn.Module:
+        """``f_R`` as sampled: a prepared copy (eval mode, BatchNorm folded, on the device, channels_last for image
+        latents, compiled if asked) where preparing changes something, else the user's module itself."""
+        if channels_last not in self._prepared:
+            needs_copy = self.compile or (channels_last and _has_conv(self.source)) or any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.source.modules())
+            prepared = self.source
+            if needs_copy:
+                prepared = fold_batchnorm(self.source).to(self.device)
+                if channels_last:
+                    prepared = prepared.to(memory_format=torch.channels_last)
+                if self.compile:
+                    prepared = _CompiledOrEager(prepared)
+            self._prepared[channels_last] = prepared
+        return self._prepared[channels_last]
+
+    def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        with autocast, _cudnn_benchmark(self.device):
+            logits = net(batch)
+        if logits.ndim != 2 or logits.shape[1] != self.num_classes:
+            raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
+                             f"{self.num_classes}]; fix num_classes of the SplitModel or the last layer of f_R")
+        return logits
+
+    # ------------------------------------------------------------------ batch size
+    def batch_size(self, latent_shape: torch.Size, cap: int) -> int:
+        """The batch size with the most samples/s for latents of this shape, at most ``cap``: measured once per
+        process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when throughput falls
+        twice in a row, memory runs out or the time budget is spent)."""
+        key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile)
+        if key not in _TUNED_BATCH:
+            _TUNED_BATCH[key] = self._measure_batch_size(tuple(latent_shape), cap)
+        return _TUNED_BATCH[key]
+
+    @torch.inference_mode()
+    def _measure_batch_size(self, shape: tuple[int, ...], cap: int) -> int:
+        channels_last = len(shape) == 3
+        net = self.classifier(channels_last)
+        if net is self.source:
+            net = copy.deepcopy(net)  # timing runs must not touch the user's module (it may keep state)
+        latent = torch.zeros(shape, device=self.device)
+        stream = NoiseStream(0, self.device)
+        counts = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device)
+        best_rate, best, b, worse = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
+        deadline = time.perf_counter() + TUNE_BUDGET_S
+        while b <= cap and time.perf_counter() < deadline:
+            try:
+                rates = []
+                for _ in range(2):  # the first pass warms up (allocations, cudnn/oneDNN algorithm choice)
+                    _synchronize(self.device)
+                    start = time.perf_counter()
+                    self._count(net, SamplingJob(latent, stream, b, counts), b, channels_last)
+                    _synchronize(self.device)
+                    rates.append(b / (time.perf_counter() - start))
+            except torch.OutOfMemoryError:
+                break
+            rate = rates[-1]
+            if rate > best_rate:
+                best_rate, best, worse = rate, b, 0
+            else:
+                worse += 1
+                if worse == 2:
+                    break
+            b = cap if b < cap < 2 * b else 2 * b
+        return best
+
+    # ------------------------------------------------------------------ sampling
+    @torch.inference_mode()
+    def run(self, jobs: list[SamplingJob], batch_size: int) -> None:
+        """Run every job's samples through ``f_R`` in batches of ``batch_size`` (a batch may hold samples of several
+        consecutive jobs) and add each job's votes to its ``counts``. Jobs of one stream are served in list order,
+        so their draws are consecutive ranges of that stream. No host synchronisation."""
+        if not jobs:
+            return
+        shape = jobs[0].latent.shape
+        if any(job.latent.shape != shape for job in jobs):
+            raise ValueError("all jobs of one run must have latents of the same shape")
+        channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
+        net = self.classifier(channels_last)
+        pending = [(job, job.num) for job in jobs if job.num > 0]
+        while pending:
+            size = min(batch_size, sum(left for _, left in pending))
+            segments, taken = [], 0
+            while pending and taken < size:
+                job, left = pending[0]
+                take = min(left, size - taken)
+                segments.append((job, take))
+                taken += take
+                if take == left:
+                    pending.pop(0)
+                else:
+                    pending[0] = (job, left - take)
+            self._count_segments(net, segments, channels_last, batch_size)
+
+    def _count(self, net, job: SamplingJob, num: int, channels_last: bool) -> None:
+        self._count_segments(net, [(job, num)], channels_last, num)
+
+    def _count_segments(self, net, segments: list[tuple[SamplingJob, int]], channels_last: bool,
+                        batch_size: int) -> None:
+        total = sum(take for _, take in segments)
+        # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
+        rows = batch_size if self.compile else total
+        if len(segments) == 1 and rows == total:
+            job, take = segments[0]
+            batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last)
+        else:
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+            batch = torch.empty((rows, *segments[0][0].latent.shape), dtype=self.dtype, device=self.device,
+                                memory_format=fmt)
+            if rows > total:
+                batch[total:].zero_()  # padding rows: scored, never counted
+            start = 0
+            for job, take in segments:
+                job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, out=batch[start:start + take])
+                start += take
+        logits = self._scores(net, batch)
+        count = count_votes if select_backend("count_votes", self.device) == "triton" else count_votes_reference
+        start = 0
+        for job, take in segments:
+            count(logits[start:start + take], job.counts)
+            start += take
+
+
+def _has_conv(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+class _CompiledOrEager(nn.Module):
+    """``torch.compile(net)``, falling back to ``net`` itself (with one warning) if compiling or the first compiled
+    call fails — no compiler, an unsupported platform or model; eager is always a correct base classifier."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+        self.compiled = None
+        try:
+            self.compiled = torch.compile(net, dynamic=False)
+        except Exception as err:  # noqa: BLE001
+            self._give_up(err)
+
+    def _give_up(self, err: Exception) -> None:
+        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly", stacklevel=4)
+        self.compiled = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(x)
+            except Exception as err:  # noqa: BLE001
+                self._give_up(err)
+        return self.net(x)
+
+
+class _cudnn_benchmark:
+    """``torch.backends.cudnn.benchmark`` on while sampling on CUDA (static shapes: the autotuned convolution
+    algorithm is reused), restored afterwards so the user's setting is untouched."""
+
+    def __init__(self, device: torch.device):
+        self.active = device.type == "cuda"
+
+    def __enter__(self):
+        if self.active:
+            self.previous = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = True
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.backends.cudnn.benchmark = self.previous
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm"]

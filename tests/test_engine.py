@@ -1,0 +1,252 @@
+"""The dataset-level engine (splitz_fast.sampling / smoothing.certify_many / radius) and the cache soundness of
+issue #11: results of a stream equal one-by-one certification, the noise does not depend on batching, f_R is
+prepared without changing the user's model, batched γ passes never lose radius, and no cached bound or prepared
+copy survives a change of the model.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import splitz_fast as sz
+from splitz_fast import LeftHalf, Smoother, SplitModel
+from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine, fold_batchnorm
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _small_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
+    """Conv f_L (1→3 channels on 6×6) and a small conv f_R with BatchNorm: every engine path, in milliseconds."""
+    torch.manual_seed(seed)
+    left = LeftHalf([nn.Conv2d(1, 3, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 6, 6))
+    right = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+    with torch.no_grad():
+        right[1].running_mean.uniform_(-0.2, 0.2)
+        right[1].running_var.uniform_(0.5, 2.0)
+    xs = torch.rand(7, 1, 6, 6, generator=_gen(seed + 100))
+    return SplitModel(left, right, 5), xs
+
+
+# ---------------------------------------------------------------------------------------------------- noise streams
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_noise_stream_is_a_function_of_the_sample_index_only(channels_last):
+    latent = torch.rand(3, 4, 5, generator=_gen(1))
+    whole = NoiseStream(7, torch.device("cpu")).noisy(latent, 300, 0.5, torch.float32, channels_last)
+    for sizes in ([1, 63, 64, 65, 107], [300], [NOISE_BLOCK] * 4 + [44], [17] * 17 + [11]):
+        stream = NoiseStream(7, torch.device("cpu"))
+        parts = [stream.noisy(latent, k, 0.5, torch.float32, channels_last) for k in sizes]
+        assert torch.equal(torch.cat(parts), whole), sizes
+        assert stream.offset == 300
+    other_seed = NoiseStream(8, torch.device("cpu")).noisy(latent, 300, 0.5, torch.float32, channels_last)
+    assert not torch.equal(other_seed, whole)
+    if channels_last:
+        assert whole.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_noise_stream_writes_into_a_given_buffer_and_casts_after_the_float32_sum():
+    latent = torch.rand(6, generator=_gen(2))
+    ref = NoiseStream(3, torch.device("cpu")).noisy(latent, 40, 0.3, torch.float32, False)
+    out = torch.full((40, 6), float("nan"), dtype=torch.bfloat16)
+    got = NoiseStream(3, torch.device("cpu")).noisy(latent, 40, 0.3, torch.bfloat16, False, out=out)
+    assert got is out and torch.equal(out, ref.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------------- certify_many
+@pytest.mark.parametrize("n0,n,batch", [(10, 50, 64), (20, 300, 128), (30, 1000, 4096), (5, 40, 7)])
+def test_certify_many_equals_one_by_one(n0, n, batch):
+    """Packed batches (several inputs per f_R batch, one sync per group) give the one-by-one results."""
+    model, xs = _small_splitz()
+    smoother = Smoother(model, 0.4)
+    seeds = [11 * i + 3 for i in range(len(xs))]
+    alone = [smoother.certify(x, n0, n, 0.01, batch_size=batch, seed=s) for x, s in zip(xs, seeds)]
+    stream = list(smoother.certify_many(xs, n0, n, 0.01, batch_size=batch, seeds=seeds))
+    other_batch = list(smoother.certify_many(iter(xs), n0, n, 0.01, batch_size=batch + 13, seeds=seeds))
+    key = lambda r: (r.prediction, r.count_a, r.radius, r.lipschitz, r.gamma, r.seed)  # noqa: E731
+    assert [key(r) for r in stream] == [key(r) for r in alone] == [key(r) for r in other_batch]
+    assert len({r.prediction for r in alone}) >= 1 and all(r.n == n for r in alone)
+
+
+def test_certify_many_with_overlapped_bounds_equals_inline():
+    model, xs = _small_splitz(1)
+    seeds = list(range(len(xs)))
+    inline = list(Smoother(model, 0.4, overlap_bounds=False).certify_many(xs, 10, 200, 0.01, batch_size=64,
+                                                                         seeds=seeds))
+    overlapped = list(Smoother(model, 0.4, overlap_bounds=True).certify_many(xs, 10, 200, 0.01, batch_size=64,
+                                                                            seeds=seeds))
+    assert [(r.prediction, r.count_a, r.radius) for r in inline] == \
+           [(r.prediction, r.count_a, r.radius) for r in overlapped]
+
+
+def test_predict_many_equals_one_by_one_and_counts_every_sample():
+    model, xs = _small_splitz(2)
+    smoother = Smoother(model, 0.6)
+    alone = [smoother.predict(x, 120, 0.05, batch_size=50, seed=i) for i, x in enumerate(xs)]
+    many = list(smoother.predict_many(xs, 120, 0.05, batch_size=50, seeds=range(len(xs))))
+    assert [(p.prediction, p.count_top, p.count_second) for p in many] == \
+           [(p.prediction, p.count_top, p.count_second) for p in alone]
+
+
+def test_certify_many_checks_arguments_before_sampling():
+    model, xs = _small_splitz()
+    smoother = Smoother(model, 0.4)
+    with pytest.raises(ValueError, match="n0"):
+        smoother.certify_many(xs, 20, 10, 0.01)
+    with pytest.raises(ValueError, match="alpha"):
+        smoother.certify_many(xs, 10, 20, 1.5)
+    with pytest.raises(ValueError, match="batch_size"):
+        smoother.certify_many(xs, 10, 20, 0.01, batch_size=0)
+    with pytest.raises(TypeError, match="one seed per input"):
+        list(smoother.certify_many(xs, 10, 20, 0.01, seeds=3))
+
+
+# ---------------------------------------------------------------------------------------------------- prepared f_R
+def test_prepared_f_r_folds_batchnorm_and_leaves_the_user_model_unchanged():
+    model, xs = _small_splitz()
+    before = copy.deepcopy(model.state_dict())
+    model.train()
+    engine = SamplingEngine(model.right, 5, 0.4, torch.device("cpu"))
+    engine.check_current()
+    prepared = engine.classifier(channels_last=True)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in prepared.modules())
+    assert model.training and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+    assert model.right[0].weight.is_contiguous()  # the user's layout is untouched too
+    latents = torch.rand(9, 3, 6, 6, generator=_gen(5))
+    with torch.no_grad():
+        expected = copy.deepcopy(model.right).eval()(latents)
+        got = prepared(latents.contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert fold_batchnorm(nn.Linear(3, 2)).weight is not None  # nothing to fold: still a working copy
+
+
+def test_engine_rebuilds_the_prepared_copy_when_f_r_changes():
+    model, xs = _small_splitz()
+    smoother = Smoother(model, 0.4)
+    first = smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
+    with torch.no_grad():
+        model.right[4].bias.data += torch.tensor([0.0, 0.0, 0.0, 0.0, 100.0])  # .data: no version bump
+    after = smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
+    assert after.prediction == 4 and after.count_top == 200
+    assert first.count_top != 200 or first.prediction != 4
+
+
+def test_compile_falls_back_to_eager_with_one_warning(monkeypatch):
+    model, xs = _small_splitz()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        got = Smoother(model, 0.4, compile=True).certify(xs[0], 10, 100, 0.01, batch_size=64, seed=1)
+    eager = Smoother(model, 0.4).certify(xs[0], 10, 100, 0.01, batch_size=64, seed=1)
+    assert (got.prediction, got.count_a) == (eager.prediction, eager.count_a)
+
+
+def test_static_shapes_pad_the_last_batch_without_counting_the_padding(monkeypatch):
+    """With compile on, every f_R batch has the full size; padded rows are never counted."""
+    model, xs = _small_splitz()
+    seen = []
+
+    def recording_compiler(net, **kwargs):
+        def run(batch):
+            seen.append(batch.shape[0])
+            return net(batch)
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compiler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = list(Smoother(model, 0.4, compile=True).predict_many(xs[:3], 100, 0.05, batch_size=64, seeds=[0, 1, 2]))
+    assert set(seen) == {64}
+    eager = list(Smoother(model, 0.4).predict_many(xs[:3], 100, 0.05, batch_size=64, seeds=[0, 1, 2]))
+    assert [(p.count_top, p.count_second) for p in got] == [(p.count_top, p.count_second) for p in eager]
+
+
+def test_batch_size_is_measured_once_and_never_changes_results():
+    model, xs = _small_splitz(3)
+    smoother = Smoother(model, 0.4, max_batch_size=256)
+    auto = smoother.certify(xs[0], 10, 300, 0.01, seed=4)
+    fixed = smoother.certify(xs[0], 10, 300, 0.01, batch_size=33, seed=4)
+    assert (auto.prediction, auto.count_a, auto.radius) == (fixed.prediction, fixed.count_a, fixed.radius)
+    engine = smoother.engine()
+    chosen = engine.batch_size(torch.Size((3, 6, 6)), 256)
+    assert 32 <= chosen <= 256 and chosen == engine.batch_size(torch.Size((3, 6, 6)), 256)
+
+
+# ---------------------------------------------------------------------------------------------------- γ search
+@pytest.mark.parametrize("name", ["lenet", "lenet-splitz"])
+def test_batched_gamma_passes_never_lose_radius_against_bisection(name):
+    """gamma_batch = 4 evaluates a superset of the bisection's points (in half the passes): never a smaller radius
+    with exact bounds, and every reported radius is min(R/L(x, γ), γ) at its γ."""
+    torch.manual_seed(0)
+    model = sz.build_model(name, split_index=1).eval()
+    xs = torch.rand(2, 1, 28, 28, generator=_gen(len(name)))
+    for i, x in enumerate(xs):
+        for radius_latent in (0.2, 0.8):
+            two = Smoother(model, 0.5, gamma_batch=2, bound_method="exact").radius_search.search(x, radius_latent, None)
+            four = Smoother(model, 0.5, gamma_batch=4, bound_method="exact").radius_search.search(x, radius_latent,
+                                                                                                  None)
+            assert four.radius >= two.radius - 1e-15, (i, radius_latent)
+            assert two.passes == 9 and four.passes == 5
+            assert two.evaluations == 10 and four.evaluations == 14
+            lip = float(sz.lipschitz_bound(model.left, x.unsqueeze(0), four.gamma, method="exact").value[0])
+            assert four.radius == pytest.approx(min(radius_latent / lip, four.gamma), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------- stale caches
+def _edits():
+    """Ways users change f_L's first layer without bumping what a version counter sees, or at all in place."""
+
+    def data_write(left):
+        left.layers[0].weight.data *= 3.0
+
+    def copy_under_no_grad(left):
+        with torch.no_grad():
+            left.layers[0].weight.copy_(left.layers[0].weight * 3.0)
+
+    def load_state_dict(left):
+        state = copy.deepcopy(left.state_dict())
+        state["layers.0.weight"] = state["layers.0.weight"] * 3.0
+        left.load_state_dict(state)
+
+    def swap_module(left):
+        old = left.layers[0]
+        new = copy.deepcopy(old)
+        with torch.no_grad():
+            new.weight.mul_(3.0)
+        left.layers[0] = new
+
+    return [data_write, copy_under_no_grad, load_state_dict, swap_module]
+
+
+@pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
+def test_global_bound_follows_every_change_of_f_l(edit):
+    model, xs = _small_splitz()
+    smoother = Smoother(model, 0.4, bound="global")
+    before = smoother.certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
+    edit(model.left)
+    after = smoother.certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
+    fresh = Smoother(model, 0.4, bound="global").certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
+    # 3x the weights, 3x the norm (up to the certificate's own slack: the Cholesky shift sits ~1e-8 above λ_max) ...
+    assert after.lipschitz == pytest.approx(3.0 * before.lipschitz, rel=1e-6)
+    # ... and exactly what a fresh smoother computes: nothing of the old weights survives.
+    assert (after.lipschitz, after.radius) == (fresh.lipschitz, fresh.radius)
+
+
+@pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
+def test_margin_certifier_follows_every_change_of_f_l(edit):
+    model = sz.tabular_mlp(4, hidden=(6,), split_index=2)
+    x = torch.randn(4, generator=_gen(9))
+    certifier = sz.MarginCertifier(model, bound="global")
+    certifier.certify(x, seed=0)
+    edit(model.left)
+    after = certifier.certify(x, seed=0)
+    fresh = sz.MarginCertifier(model, bound="global").certify(x, seed=0)
+    assert (after.prediction, after.latent_radius, after.lipschitz, after.radius) == \
+           (fresh.prediction, fresh.latent_radius, fresh.lipschitz, fresh.radius)
