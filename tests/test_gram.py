@@ -214,7 +214,8 @@ def _operator_lambda_max(op: MaskedAffine) -> float:
 
     def matvec(v):
         t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)).view(1, *op.in_shape)
-        return op.gram_matvec(t).flatten().numpy()
+        with torch.no_grad():
+            return op.gram_matvec(t).flatten().numpy()
 
     operator = scipy.sparse.linalg.LinearOperator((n, n), matvec=matvec, dtype=np.float64)
     start = np.random.default_rng(1).standard_normal(n)
