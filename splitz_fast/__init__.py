@@ -21,6 +21,8 @@ from .lipschitz import (
 from .modules import ClippedReLU, LeftHalf, ModuleSnapshot, SplitModel, Standardize, split_sequential
 from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
 from .margin import MarginCertifier
+from .sequential import (BetaBinomialCS, Decision, SequentialCertifier, SequentialCertifyResult, SequentialResult,
+                         certify_sequential, latent_thresholds)
 from .radius import BoundOptions, RadiusSearch
 from .sampling import NoiseStream, SamplingEngine
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
@@ -62,6 +64,13 @@ __all__ = [
     "PredictResult",
     "Smoother",
     "MarginCertifier",
+    "BetaBinomialCS",
+    "Decision",
+    "SequentialCertifier",
+    "SequentialCertifyResult",
+    "SequentialResult",
+    "certify_sequential",
+    "latent_thresholds",
     "SplitModel",
     "Standardize",
     "ball_bounds",

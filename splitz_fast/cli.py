@@ -20,6 +20,7 @@ from ._checks import (check_count, check_device, check_output_file, check_output
                       check_probability)
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
+from .sequential import SequentialCertifier
 from .smoothing import Smoother
 from .stats import max_latent_radius
 
@@ -191,7 +192,12 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
     if args.batch is not None:
         check_count("--batch", args.batch)
     check_count("--N", args.N)
-    if kind == "certify":
+    sequential = getattr(args, "sequential", False)
+    if sequential:
+        budget = _sequential_budget(args)
+    elif getattr(args, "radii", None) is not None or getattr(args, "budget", None) is not None:
+        raise ValueError("--radii and --budget belong to sequential certification: add --sequential")
+    if kind == "certify" and not sequential:
         check_count("--N0", args.N0)
         if args.N0 > args.N:
             raise ValueError(f"--N0 ({args.N0}) must not exceed --N ({args.N})")
@@ -213,11 +219,30 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
     if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
         settings["gamma_batch"] = smoother.options.gamma_batch
     n0 = args.N0 if kind == "certify" else 0
-    run_over_dataset(kind, smoother, info.dataset, args.outfile, settings=settings, indices=indices, n0=n0,
-                     n=args.N, alpha=args.alpha, batch_size=args.batch, seed=args.seed, resume=args.resume,
+    certifier, n = smoother, args.N
+    if sequential:  # recorded only when set, so files written before the option still resume
+        certifier, n = SequentialCertifier(smoother, args.radii), budget
+        settings.update(sequential=True, radii=list(args.radii), budget=budget)
+    run_over_dataset(kind, certifier, info.dataset, args.outfile, settings=settings, indices=indices, n0=n0,
+                     n=n, alpha=args.alpha, batch_size=args.batch, seed=args.seed, resume=args.resume,
                      checkpoint=args.checkpoint)
     print(f"{kind}: {len(indices)} images → {args.outfile}")
     return 0
+
+
+def _sequential_budget(args: argparse.Namespace) -> int:
+    """The checked sample budget of ``certify --sequential`` (``--budget``, else ``--N``) and its ``--radii``."""
+    if not args.radii:
+        raise ValueError("--sequential needs --radii: the input-space radii to decide, e.g. --radii 0.5 1 1.5 2")
+    bad = [r for r in args.radii if not (r > 0 and r != float("inf"))]
+    if bad:
+        raise ValueError(f"--radii must be finite and > 0 (raw input units), got {bad}")
+    name, budget = ("--budget", args.budget) if args.budget is not None else ("--N", args.N)
+    check_count(name, budget)
+    check_count("--N0", args.N0)
+    if args.N0 > budget:
+        raise ValueError(f"--N0 ({args.N0}) must not exceed {name} ({budget}), the sequential sample budget")
+    return budget
 
 
 def certify_command(args: argparse.Namespace) -> int:
@@ -359,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="local L(x, γ) or the global product of norms")
             c.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
                            help="exact (deterministic) or probabilistic (δ added to α); auto picks by size")
+            c.add_argument("--sequential", action="store_true",
+                           help="anytime-valid sequential certification: decide each radius of --radii with a "
+                                "confidence sequence and stop sampling once all are decided (same α, same TSV)")
+            c.add_argument("--radii", type=float, nargs="+", default=None,
+                           help="with --sequential: input-space l2 radii to decide, e.g. 0.5 1 1.5 2")
+            c.add_argument("--budget", type=int, default=None,
+                           help="with --sequential: most estimation samples per image (default: --N)")
         c.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="dtype of f_R while sampling (noise stays float32)")
         c.add_argument("--compile", action="store_true",

@@ -23,21 +23,31 @@ by Ville's inequality:
 The driver :func:`certify_sequential` is decoupled from sampling: it calls ``draw(num)``, which returns how many of
 ``num`` fresh noise samples the base classifier assigned to the (already selected) class ``ĉ_A``. Selection of
 ``ĉ_A`` stays Cohen's: ``n0`` separate draws by the caller, independent of the ones counted here.
+:class:`SequentialCertifier` wires it to a :class:`~splitz_fast.smoothing.Smoother`'s sampling engine and Lipschitz
+bounds: the sequential counterpart of ``Smoother.certify`` / ``certify_many``, with the same result rows.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import operator
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 from scipy.optimize import brentq
 from scipy.special import betaln, xlog1py, xlogy
 from scipy.stats import norm
 
 from ._checks import check_count, check_positive, check_probability
+from .lipschitz import lipschitz_bound
+from .sampling import NoiseStream, SamplingJob
+from .smoothing import (ABSTAIN, CertifyResult, Smoother, evaluating, inputs_of, prepare_input, resolve_seed,
+                        seeds_for)
 
 
 def _check_counts(hits: int, t: int) -> tuple[int, int]:
@@ -223,8 +233,9 @@ def certify_sequential(
     """Estimate ``p_A`` for a fixed class with a confidence sequence, stopping once every threshold is decided.
 
     ``draw(num)`` must return the number of hits (samples classified as ``ĉ_A``) among ``num`` *fresh* noise samples;
-    the caller owns noise and seeds. ``thresholds`` are probabilities ``p_j ∈ (0, 1)`` — for radii use
-    :func:`latent_thresholds`. The driver draws up to each of :func:`checkpoints` ``(budget, first, growth,
+    the caller owns noise and seeds. ``thresholds`` are probabilities ``p_j ∈ (0, 1]`` — for radii use
+    :func:`latent_thresholds`; ``p_j = 1`` (a radius whose ``Φ(R_j/σ)`` rounds to 1) is never certified, because
+    the lower bound stays below 1 after finitely many draws, and is given up at the first look. The driver draws up to each of :func:`checkpoints` ``(budget, first, growth,
     multiple)``; after each draw it updates the bounds of :class:`BetaBinomialCS` ``(alpha, *prior)`` and decides
     every open threshold it can:
 
@@ -245,8 +256,8 @@ def certify_sequential(
     cs = BetaBinomialCS(alpha, *prior)
     hope = BetaBinomialCS(check_probability("give_up", give_up), *prior)
     targets = np.asarray(thresholds, dtype=float).reshape(-1)
-    if not np.all((targets > 0.0) & (targets < 1.0)):
-        raise ValueError(f"thresholds must lie strictly between 0 and 1, got {targets.tolist()}")
+    if not np.all((targets > 0.0) & (targets <= 1.0)):
+        raise ValueError(f"thresholds must lie in (0, 1], got {targets.tolist()}")
     decisions = [Decision.UNDECIDED] * len(targets)
     hits = samples = 0
     p_lower, p_upper, p_hope = 0.0, 1.0, 1.0
@@ -288,9 +299,186 @@ def certify_sequential(
     )
 
 
+# ---------------------------------------------------------------------------------------------------- with a Smoother
+@dataclass
+class SequentialCertifyResult(CertifyResult):
+    """A :class:`~splitz_fast.smoothing.CertifyResult` of :class:`SequentialCertifier` — a row of the usual TSV —
+    with ``n`` = the estimation samples drawn (selection draws not counted, as in Cohen's ``n``), ``count_a`` = their
+    hits and ``p_a_lower`` = the confidence-sequence lower bound at the stop; plus ``radii`` (the ε asked for, raw
+    input units), their ``decisions`` and the driver's ``stop_reason``."""
+
+    radii: tuple[float, ...] = ()
+    decisions: tuple[Decision, ...] = ()
+    stop_reason: str = ""
+
+
+@dataclass(frozen=True)
+class _RadiusBounds:
+    """``L(x, ε_j)`` for the requested ε's: ``values [k]``, ``kinds`` (``local-exact``, …), the summed failure
+    probability of the probabilistic ones and how many bound evaluations they took."""
+
+    values: np.ndarray
+    kinds: list[str]
+    failure: float
+    evaluations: int
+
+
+class SequentialCertifier:
+    """Sequential CERTIFY with a :class:`~splitz_fast.smoothing.Smoother`: decide "certified at ε_j?" for a list of
+    input-space radii with as few noise samples as the decisions need, and report a Cohen-style row.
+
+    Per input ``x`` (seed ``s``), with ``σ``, ``f_L``, the bound options and the γ search of ``smoother``:
+
+    1. **Thresholds before sampling.** ``L_j = L(x, ε_j)`` for every ε in one batched
+       :func:`~splitz_fast.lipschitz.lipschitz_bound` call (``bound="global"``: the global bound; split 0: ``L = 1``);
+       a probabilistic bound gets ``bound_delta / (k · depth)`` per factor, so the k bounds together fail with
+       probability ``δ_ε ≤ bound_delta``. ``R_j = ε_j · L_j`` and ``p_j = Φ(R_j / σ)`` (rounded up, and at least the
+       next double above 1/2).
+    2. **Selection.** ``n0`` draws of the input's :class:`~splitz_fast.sampling.NoiseStream` pick ``ĉ_A`` (ties to
+       the lowest index).
+    3. **Estimation.** :func:`certify_sequential` draws the next samples of the same stream (consecutive ranges,
+       disjoint from the selection's, so independent of ``ĉ_A``) through the smoother's engine and counts ``ĉ_A``,
+       up to ``budget`` draws, stopping once every ``p_j`` is decided.
+    4. **Radius.** ``radius = max(largest certified ε_j, γ-search radius)``, the latter from
+       ``smoother.radius_search.search(x, σ Φ⁻¹(p_lower))`` when ``p_lower > 1/2``; abstain (``-1``, radius 0) when
+       ``p_lower ≤ 1/2`` (then no ε is certified either: every ``p_j > 1/2``).
+
+    **Why the certificate holds (proof sketch).** Let ``E`` be the event "``p_A(ĉ_A) ≥ p_lower``". Given ``ĉ_A`` (a
+    function of the selection draws only), the estimation hits are i.i.d. Bernoulli(``p_A``), so by
+    :class:`BetaBinomialCS` ``P(not E) ≤ α`` at the data-dependent stopping time. Let ``B_ε`` be "every
+    ``L(x, ε_j)`` is an upper bound" (``P(not B_ε) ≤ δ_ε``) and ``B_γ`` the same for the bounds the γ search
+    evaluates (``P(not B_γ) ≤`` its reported failure). On ``E``: ``p_A > 1/2`` so ``ĉ_A`` is the smoothed prediction
+    and the latent radius ``R = σ Φ⁻¹(p_lower)`` is certified for ``f_R`` at ``f_L(x)`` (Cohen et al.). On
+    ``E ∩ B_ε``: a certified ε_j has ``p_lower ≥ p_j``, hence ``R ≥ R_j = ε_j L(x, ε_j)``, and Theorem 1 at
+    ``γ = ε_j`` gives radius ``min(R / L(x, ε_j), ε_j) = ε_j``. On ``E ∩ B_γ``: the search's radius is Theorem 1's
+    at its best γ. Both radii rest on the same ``E``, so their maximum fails with probability at most
+    ``α + δ_ε + δ_γ`` — the ``failure_prob`` reported (a global bound used by both is counted twice: conservative).
+    ``REFUTED``/``UNREACHABLE`` decisions only stop sampling; they never create a certificate.
+
+    Args:
+        smoother: supplies the model, σ, the sampling engine, the bound options and the γ search.
+        radii: the ε_j (raw input units, each finite and > 0), in any order. Empty: no early stop — the budget is
+            spent and the γ search gives the largest radius within it.
+        first, growth, give_up, prior: the driver's look schedule, give-up level and confidence-sequence prior,
+            see :func:`certify_sequential` (``multiple`` is 1: the engine batches the draws of any look itself).
+    """
+
+    def __init__(self, smoother: Smoother, radii: Sequence[float], *, first: int = 256, growth: float = 1.3,
+                 give_up: float = 0.3, prior: tuple[float, float] = (0.5, 0.5)):
+        if not isinstance(smoother, Smoother):
+            raise TypeError(f"smoother must be a splitz_fast.Smoother, got {type(smoother).__name__}")
+        radii = tuple(radii)
+        if any(isinstance(r, bool) or not isinstance(r, (int, float)) for r in radii):
+            raise TypeError(f"radii must be numbers, got {list(radii)}")
+        if not all(math.isfinite(r) and r > 0 for r in radii):
+            raise ValueError(f"radii must be finite and > 0 (raw input units), got {list(radii)}")
+        checkpoints(1, first, growth)  # validates first and growth
+        BetaBinomialCS(check_probability("give_up", give_up), *prior)  # validates the prior
+        self.smoother = smoother
+        self.radii = tuple(float(r) for r in radii)
+        self.first, self.growth, self.give_up, self.prior = first, growth, give_up, tuple(prior)
+
+    @property
+    def sigma(self) -> float:
+        return self.smoother.sigma
+
+    def certify(self, x: torch.Tensor, n0: int, budget: int, alpha: float, batch_size: int | None = None,
+                seed: int | None = None) -> SequentialCertifyResult:
+        """Sequential CERTIFY of one input ``x: [*input_shape]`` (class docstring): ``n0`` selection draws, then at
+        most ``budget`` estimation draws; ``alpha`` is the confidence sequence's level. ``batch_size``: ``f_R``'s batch
+        (``None``: the smoother's measured one); it does not change the noise the input sees."""
+        with contextlib.closing(self.certify_many([x], n0, budget, alpha, batch_size=batch_size,
+                                                  seeds=[seed])) as results:
+            return next(results)
+
+    def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor], n0: int, budget: int, alpha: float,
+                     batch_size: int | None = None, seeds: Iterable[int | None] | None = None
+                     ) -> Iterator[SequentialCertifyResult]:
+        """:meth:`certify` for every input (a ``[M, *input_shape]`` tensor or an iterable, consumed lazily), one seed
+        per input (``None``: fresh random seeds); results in order. Same call shape as ``Smoother.certify_many`` with
+        ``n = budget``, so :func:`~splitz_fast.runs.run_over_dataset` takes this object in place of a Smoother."""
+        check_count("n0", n0)
+        check_count("budget", budget)
+        if n0 > budget:
+            raise ValueError(f"n0 ({n0}) must not exceed the budget ({budget}); n0 only selects the class")
+        check_probability("alpha", alpha)
+        if batch_size is not None:
+            check_count("batch_size", batch_size)
+        return self._certify_stream(inputs_of(inputs), n0, budget, alpha, batch_size, seeds_for(seeds))
+
+    def _certify_stream(self, inputs, n0, budget, alpha, batch_size, seeds) -> Iterator[SequentialCertifyResult]:
+        with evaluating(self.smoother.model):
+            engine = self.smoother.engine()
+            for x, seed in zip(inputs, seeds):
+                yield self._certify_one(engine, x, n0, budget, alpha, batch_size, resolve_seed(seed))
+
+    def _certify_one(self, engine, x, n0, budget, alpha, batch_size, seed) -> SequentialCertifyResult:
+        start = time.perf_counter()
+        smoother = self.smoother
+        x = prepare_input(smoother.model, x)
+        stream = NoiseStream(seed, smoother.device)
+        latent = smoother.latent(x)
+        batch = batch_size if batch_size is not None else engine.batch_size(latent.shape, smoother.max_batch_size)
+        bounds = self._radius_bounds(x, seed)
+        thresholds = latent_thresholds(np.asarray(self.radii) * bounds.values, smoother.sigma)
+        thresholds = np.maximum(np.minimum(1.0, thresholds + 4 * np.spacing(thresholds)), np.nextafter(0.5, 1.0))
+
+        def votes(num: int) -> torch.Tensor:
+            job = SamplingJob(latent, stream, num, torch.zeros(smoother.model.num_classes, dtype=torch.int64,
+                                                               device=smoother.device))
+            engine.run([job], batch)
+            return job.counts
+
+        candidate = int(votes(n0).argmax())  # ties go to the lowest class index
+        found = certify_sequential(lambda num: int(votes(num)[candidate]), thresholds, alpha=alpha, budget=budget,
+                                   first=self.first, growth=self.growth, prior=self.prior, give_up=self.give_up)
+        spent = alpha + bounds.failure
+        common = dict(count_a=found.hits, n=found.samples, seed=seed, noise_source=stream.source, radii=self.radii,
+                      decisions=found.decisions, stop_reason=found.stop_reason)
+        if found.p_lower <= 0.5:
+            return SequentialCertifyResult(
+                prediction=ABSTAIN, radius=0.0, p_a_lower=found.p_lower, latent_radius=0.0, lipschitz=math.nan,
+                gamma=math.nan, bound_kind="none", failure_prob=spent, gamma_evaluations=bounds.evaluations,
+                seconds=time.perf_counter() - start, **common)
+        radius_latent = found.latent_radius(smoother.sigma)
+        best = smoother.radius_search.search(x, radius_latent, stream.generator)
+        radius, gamma, lipschitz, kind = best.radius, best.gamma, best.lipschitz, best.kind
+        certified = [j for j, d in enumerate(found.decisions) if d is Decision.CERTIFIED]
+        if certified:
+            j = max(certified, key=lambda i: self.radii[i])
+            if self.radii[j] > radius:
+                radius, gamma, lipschitz, kind = self.radii[j], self.radii[j], float(bounds.values[j]), bounds.kinds[j]
+        return SequentialCertifyResult(
+            prediction=candidate, radius=radius, p_a_lower=found.p_lower, latent_radius=radius_latent,
+            lipschitz=lipschitz, gamma=gamma, bound_kind=kind, failure_prob=spent + best.failure,
+            gamma_evaluations=bounds.evaluations + best.evaluations, seconds=time.perf_counter() - start, **common)
+
+    def _radius_bounds(self, x: torch.Tensor, seed: int) -> _RadiusBounds:
+        """``L(x, ε_j)`` for every requested ε, in one batched bound call (module docstring of
+        :mod:`splitz_fast.radius` for the kinds). Probabilistic bounds draw their random starts from a generator
+        of their own, derived from the input's seed, so the noise stream is the same whatever the bound method."""
+        left, opts, k = self.smoother.model.left, self.smoother.options, len(self.radii)
+        if k == 0:
+            return _RadiusBounds(np.zeros(0), [], 0.0, 0)
+        if opts.bound == "global" and left.depth > 0:
+            g = self.smoother.radius_search.global_bound()
+            return _RadiusBounds(np.full(k, float(g.value[0])), [f"global-{g.kind[0]}"] * k, g.failure_prob[0], 0)
+        generator = torch.Generator(device=x.device)
+        generator.manual_seed(int(np.random.SeedSequence([seed, 1]).generate_state(1, np.uint64)[0]))
+        bound = lipschitz_bound(
+            left, x.unsqueeze(0).expand(k, *x.shape).contiguous(), torch.tensor(self.radii, dtype=torch.float64),
+            method=opts.method, delta=opts.delta / (k * max(1, left.depth)), n_iter=opts.power_iters,
+            exact_max_dim=opts.exact_max_dim, generator=generator,
+        )
+        kinds = ["identity" if kind == "identity" else f"local-{kind}" for kind in bound.kind]
+        return _RadiusBounds(bound.value.numpy(), kinds, float(sum(bound.failure_prob)), k if left.depth else 0)
+
+
 __all__ = [
     "BetaBinomialCS",
     "Decision",
+    "SequentialCertifier",
+    "SequentialCertifyResult",
     "SequentialResult",
     "certify_sequential",
     "checkpoints",

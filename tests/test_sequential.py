@@ -16,6 +16,7 @@ from scipy.stats import beta, binom, binomtest, norm
 from splitz_fast.sequential import (
     BetaBinomialCS,
     Decision,
+    SequentialCertifier,
     SequentialResult,
     certify_sequential,
     checkpoints,
@@ -313,7 +314,7 @@ def test_driver_accepts_numpy_integer_counts():
         (dict(alpha=1.0), ValueError),
         (dict(budget=0), ValueError),
         (dict(budget=10.5), TypeError),
-        (dict(thresholds=[0.5, 1.0]), ValueError),
+        (dict(thresholds=[0.5, 1.5]), ValueError),
         (dict(thresholds=[0.0]), ValueError),
         (dict(thresholds=[float("nan")]), ValueError),
         (dict(growth=1.0), ValueError),
@@ -352,3 +353,252 @@ def test_confidence_sequence_rejects_bad_arguments():
         latent_thresholds([-0.1], 0.5)
     with pytest.raises(ValueError):
         latent_thresholds([1.0], 0.0)
+
+
+# ------------------------------------------------------------------ with a Smoother (SequentialCertifier)
+import json  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+import splitz_fast as sz  # noqa: E402
+import splitz_fast.datasets as datasets  # noqa: E402
+from splitz_fast import ABSTAIN, ClippedReLU, LeftHalf, Smoother, SplitModel  # noqa: E402
+from splitz_fast.analysis import load_runs  # noqa: E402
+from splitz_fast.cli import main  # noqa: E402
+from splitz_fast.datasets import DatasetInfo  # noqa: E402
+
+
+class LinearBinary(nn.Module):
+    """Class 1 iff ``w·u + b > 0``: under ``N(0, σ² I)`` noise, ``P[class 1] = Φ((w·u + b) / (σ‖w‖))``."""
+
+    def __init__(self, w: torch.Tensor, b: float):
+        super().__init__()
+        self.register_buffer("w", w.flatten().float())
+        self.b = float(b)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        s = u.flatten(1) @ self.w + self.b
+        return torch.stack([torch.zeros_like(s), s], dim=1)
+
+
+SIGMA = 0.5
+SHAPE = (1, 6, 6)
+
+
+def rs_model_with_p(p_a: float) -> tuple[SplitModel, torch.Tensor]:
+    """Plain RS (split 0) of a linear f_R and an input ``x = 0`` at which class 1 has probability ``p_a``."""
+    w = torch.zeros(SHAPE)
+    w[0, 0, 0] = 1.0
+    model = SplitModel(LeftHalf([], [], input_shape=SHAPE), LinearBinary(w, SIGMA * norm.ppf(p_a)), 2)
+    return model, torch.zeros(SHAPE)
+
+
+def splitz_model() -> SplitModel:
+    """f_L = conv 1→3 (3×3, padding 1) + clipped ReLU on 6×6; f_R votes class 1 iff the latent mean exceeds −0.13,
+    which under the noise holds with probability ≈ Φ(3) ≈ 0.9987 on the inputs below (L(x, ε) ≈ 0.4)."""
+    torch.manual_seed(0)
+    left = LeftHalf([nn.Conv2d(1, 3, 3, padding=1)], [ClippedReLU(1.0)], input_shape=SHAPE)
+    with torch.no_grad():
+        left.layers[0].weight.mul_(0.5)
+    return SplitModel(left, LinearBinary(torch.full((3, 6, 6), 1 / 108), 0.13), 2)
+
+
+def without_seconds(result) -> dict:
+    d = result.as_dict()
+    d.pop("seconds")
+    return d
+
+
+def test_split0_decisions_match_the_thresholds_of_a_known_p_a():
+    # p_A = 0.995: Φ(ε/σ) = 0.69, 0.84, 0.977 below it (certified), 0.99865, 0.99997 above it (refuted or given up).
+    model, x = rs_model_with_p(0.995)
+    radii = [0.25, 0.5, 1.0, 1.5, 2.0]
+    result = SequentialCertifier(Smoother(model, SIGMA), radii).certify(x, 100, 100_000, 0.001, seed=0)
+    assert result.prediction == 1
+    certified = [r for r, d in zip(radii, result.decisions) if d is Decision.CERTIFIED]
+    assert certified == [0.25, 0.5, 1.0]
+    assert all(d in (Decision.REFUTED, Decision.UNREACHABLE) for d in result.decisions[3:])
+    for r, d in zip(radii, result.decisions):
+        if d is Decision.CERTIFIED:
+            assert result.p_a_lower >= norm.cdf(r / SIGMA)
+    assert result.p_a_lower <= 0.995  # the CS event (seeded, so this is a fixed check)
+    # Split 0: L = 1 and the radius is Cohen's σ Φ⁻¹(p_lower), at least every certified ε, below the refuted ones.
+    assert result.bound_kind == "identity" and result.lipschitz == 1.0
+    assert result.radius == pytest.approx(SIGMA * norm.ppf(result.p_a_lower), rel=1e-12)
+    assert 1.0 <= result.radius < 1.5
+    assert result.n < 100_000 and result.stop_reason == "decided" and result.failure_prob == 0.001
+
+
+def test_easy_input_stops_far_below_the_budget_and_counts_its_samples():
+    model, x = rs_model_with_p(1 - 1e-12)  # every draw votes class 1
+    result = SequentialCertifier(Smoother(model, SIGMA), [0.5, 1.0]).certify(x, 100, 100_000, 0.001, seed=1)
+    assert result.decisions == (Decision.CERTIFIED, Decision.CERTIFIED)
+    assert result.count_a == result.n < 5_000
+    assert result.n == next(int(t) for t in checkpoints(100_000) if BetaBinomialCS(0.001).lower(int(t), int(t))
+                            >= norm.cdf(1.0 / SIGMA))
+
+
+def test_abstains_when_the_lower_bound_stays_at_most_one_half():
+    model, x = rs_model_with_p(0.5)
+    result = SequentialCertifier(Smoother(model, SIGMA), [0.5]).certify(x, 100, 20_000, 0.001, seed=2)
+    assert result.prediction == ABSTAIN and result.radius == 0.0 and result.p_a_lower <= 0.5
+    assert result.decisions == (Decision.REFUTED,) and result.n < 20_000
+
+
+def test_reproducible_for_a_seed_whatever_the_batch_size():
+    model = splitz_model()
+    certifier = SequentialCertifier(Smoother(model, SIGMA, gamma_steps=3), [0.5, 1.0, 2.0])
+    x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(3))
+    first = certifier.certify(x, 100, 20_000, 0.001, batch_size=512, seed=7)
+    again = certifier.certify(x, 100, 20_000, 0.001, batch_size=333, seed=7)
+    assert without_seconds(first) == without_seconds(again)
+
+
+@pytest.mark.slow
+def test_splitz_certified_radii_are_consistent_with_the_reported_radius():
+    model = splitz_model()
+    smoother = Smoother(model, SIGMA, bound_method="exact", gamma_steps=3)
+    radii = [0.5, 1.0, 2.0, 3.0, 5.0]
+    certifier = SequentialCertifier(smoother, radii)
+    xs = torch.rand(2, *SHAPE, generator=torch.Generator().manual_seed(4))
+    results = list(certifier.certify_many(xs, 100, 20_000, 0.001, seeds=[10, 11]))
+    assert without_seconds(results[1]) == without_seconds(certifier.certify(xs[1], 100, 20_000, 0.001, seed=11))
+    seen = set()
+    for x, r in zip(xs, results):
+        # Exact bounds are deterministic: the same L(x, ε) the certifier computed.
+        lips = sz.lipschitz_bound(model.left, x.expand(len(radii), *SHAPE), torch.tensor(radii, dtype=torch.float64),
+                                  method="exact").value.numpy()
+        thresholds = norm.cdf(np.asarray(radii) * lips / SIGMA)
+        for eps, p_j, d in zip(radii, thresholds, r.decisions):
+            seen.add(d)
+            if d is Decision.CERTIFIED:
+                assert r.p_a_lower >= p_j and r.radius >= eps
+            elif d is Decision.REFUTED:
+                assert r.p_a_lower < p_j
+        if r.prediction == ABSTAIN:
+            assert r.radius == 0.0 and Decision.CERTIFIED not in r.decisions
+            continue
+        # The radius is the better of the largest certified ε and the γ search from p_lower.
+        search = smoother.radius_search.search(x, SIGMA * norm.ppf(r.p_a_lower), None)
+        best_eps = max([e for e, d in zip(radii, r.decisions) if d is Decision.CERTIFIED], default=0.0)
+        assert r.radius == pytest.approx(max(best_eps, search.radius), rel=1e-12)
+        assert r.bound_kind == "local-exact" and r.failure_prob == 0.001
+        assert r.latent_radius == pytest.approx(SIGMA * norm.ppf(r.p_a_lower), rel=1e-12)
+        assert r.gamma_evaluations == len(radii) + search.evaluations
+    assert Decision.CERTIFIED in seen and len(seen) >= 2
+
+
+def test_probabilistic_bounds_add_their_delta_to_alpha():
+    smoother = Smoother(splitz_model(), SIGMA, bound_method="probabilistic", bound_delta=1e-4, power_iters=16)
+    x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(5))
+    result = SequentialCertifier(smoother, [0.5, 1.0]).certify(x, 100, 5_000, 0.001, seed=0)
+    assert result.prediction != ABSTAIN
+    assert 0.001 < result.failure_prob <= 0.001 + 2e-4 + 1e-12  # ≤ δ for the ε's plus ≤ δ for the γ search
+
+
+def test_global_bound_thresholds():
+    model = splitz_model()
+    smoother = Smoother(model, SIGMA, bound="global", bound_method="exact")
+    x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(6))
+    result = SequentialCertifier(smoother, [0.5, 1.0]).certify(x, 100, 10_000, 0.001, seed=0)
+    lip = float(smoother.radius_search.global_bound().value[0])
+    assert result.prediction != ABSTAIN and result.decisions[0] is Decision.CERTIFIED
+    for eps, d in zip([0.5, 1.0], result.decisions):
+        if d is Decision.CERTIFIED:
+            assert result.p_a_lower >= norm.cdf(eps * lip / SIGMA) and result.radius >= eps
+    assert result.bound_kind == "global-exact"
+    assert result.radius == pytest.approx(SIGMA * norm.ppf(result.p_a_lower) / lip, rel=1e-12)
+
+
+def test_a_radius_whose_threshold_rounds_to_one_is_given_up_not_refused():
+    model, x = rs_model_with_p(1 - 1e-12)
+    result = SequentialCertifier(Smoother(model, SIGMA), [0.5, 10.0]).certify(x, 100, 100_000, 0.001, seed=0)
+    assert result.decisions == (Decision.CERTIFIED, Decision.UNREACHABLE) and result.n < 5_000
+
+
+@pytest.mark.parametrize("radii, kwargs, error, match", [
+    ([0.0], {}, ValueError, "radii"),
+    ([-1.0], {}, ValueError, "radii"),
+    ([float("nan")], {}, ValueError, "radii"),
+    (["1"], {}, TypeError, "radii"),
+    ([1.0], dict(growth=1.0), ValueError, "growth"),
+    ([1.0], dict(give_up=0.0), ValueError, "give_up"),
+    ([1.0], dict(prior=(0.0, 1.0)), ValueError, "a"),
+])
+def test_certifier_rejects_bad_settings(radii, kwargs, error, match):
+    model, _ = rs_model_with_p(0.9)
+    with pytest.raises(error, match=match):
+        SequentialCertifier(Smoother(model, SIGMA), radii, **kwargs)
+
+
+def test_certifier_rejects_bad_calls():
+    model, x = rs_model_with_p(0.9)
+    certifier = SequentialCertifier(Smoother(model, SIGMA), [1.0])
+    with pytest.raises(ValueError, match="budget"):
+        certifier.certify(x, 100, 50, 0.001)
+    with pytest.raises(ValueError, match="alpha"):
+        certifier.certify(x, 10, 50, 1.0)
+    with pytest.raises(TypeError, match="Smoother"):
+        SequentialCertifier(model, [1.0])
+
+
+# ------------------------------------------------------------------ the command line
+@pytest.fixture
+def tiny_checkpoint(tmp_path, monkeypatch, capsys):
+    """A 4-feature, 2-class dataset under any name and an MLP (split 1) trained on it for two tiny epochs."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, generator=gen)
+    info = DatasetInfo(TensorDataset(x, (x[:, 0] > 0).long()), (4,), 2, None, None, "tiny test data")
+    monkeypatch.setattr(datasets, "get_dataset", lambda name, split, root=None: info)
+    assert main(["train", "tiny", "mlp", str(tmp_path / "run"), "--sigma", "0.5", "--epochs", "1", "--batch", "8",
+                 "--val-fraction", "0.25", "--lr-schedule", "none"]) == 0
+    capsys.readouterr()
+    return tmp_path / "run" / "best.pt"
+
+
+def _certify(ckpt, out, *extra):
+    return main(["certify", "tiny", str(ckpt), "0.5", str(out), "--skip", "8", "--N0", "10", "--N", "2000",
+                 "--gamma-batch", "4", *extra])
+
+
+@pytest.mark.slow
+def test_cli_sequential_writes_a_tsv_that_analyze_reads(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "seq.tsv"
+    assert _certify(tiny_checkpoint, out, "--sequential", "--radii", "0.1", "0.25", "--budget", "3000") == 0
+    settings = json.loads((tmp_path / "seq.tsv.json").read_text())
+    assert settings["sequential"] is True and settings["radii"] == [0.1, 0.25] and settings["budget"] == 3000
+    assert settings["n"] == 3000
+    rows = load_runs([out])
+    table = next(iter(rows.values()))
+    assert len(table.radius) == 5
+    capsys.readouterr()
+    assert main(["analyze", str(out), "--radii", "0.1", "0.25"]) == 0
+    assert "seq" in capsys.readouterr().out
+    # The rows are Cohen's columns plus SPLITZ's; resuming with the same arguments adds nothing.
+    text = out.read_text()
+    assert _certify(tiny_checkpoint, out, "--sequential", "--radii", "0.1", "0.25", "--budget", "3000",
+                    "--resume") == 0
+    assert out.read_text() == text
+    # Without --budget the budget is --N.
+    out2 = tmp_path / "seq2.tsv"
+    assert _certify(tiny_checkpoint, out2, "--sequential", "--radii", "0.1", "--max", "2") == 0
+    assert json.loads((tmp_path / "seq2.tsv.json").read_text())["budget"] == 2000
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--sequential"], "--sequential needs --radii"),
+    (["--sequential", "--radii", "0", "1"], "--radii must be finite and > 0"),
+    (["--sequential", "--radii", "-0.5"], "--radii must be finite and > 0"),
+    (["--sequential", "--radii", "1", "--budget", "5"], "--N0 (10) must not exceed --budget (5)"),
+    (["--sequential", "--radii", "1", "--budget", "0"], "--budget must be >= 1"),
+    (["--radii", "1"], "add --sequential"),
+    (["--budget", "100"], "add --sequential"),
+])
+def test_cli_sequential_bad_arguments_are_one_clear_line(tmp_path, capsys, extra, message):
+    out = tmp_path / "bad.tsv"  # refused before the (missing) checkpoint is read
+    assert _certify(tmp_path / "missing.pt", out, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not out.exists()
