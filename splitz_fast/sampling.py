@@ -9,8 +9,8 @@ idle; each job's votes are counted separately.
 
 **The noise an input sees depends only on its seed and the sample index** — not on the batch size, on how its samples
 are packed with other inputs', or on whether it is certified alone: with the Triton kernel by construction (Philox
-counter = sample index), on the reference path because :class:`NoiseStream` draws ``torch.randn`` in fixed blocks of
-:data:`NOISE_BLOCK` samples and hands them out in order. So a certificate is reproducible whatever batch size the
+counter = sample index), on the reference path because :class:`NoiseStream` draws standard normals (``Tensor.normal_``) in fixed
+blocks of :data:`NOISE_BLOCK` samples and hands them out in order. So a certificate is reproducible whatever batch size the
 engine picks, and certifying a stream of inputs gives the results of certifying them one by one (on the CPU exactly up
 to ``f_R``'s batch-dependent float rounding, which the tests show does not move a vote in practice; likewise on GPU).
 Selection and estimation draws are consecutive, disjoint index ranges of one stream, hence independent.
@@ -33,11 +33,13 @@ from .modules import ModuleSnapshot
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
 # it as long as the same precision is used for PREDICT and CERTIFY (a Smoother applies it to both).
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Samples per torch.randn call on the reference path (the unit that makes the stream batch-size independent).
+# Samples per normal_ call on the reference path (the unit that makes the stream batch-size independent).
 NOISE_BLOCK = 64
 # Batch sizes tried by the tuner (powers of two up to the cap), and its time budget per configuration.
 TUNE_MIN_BATCH = 32
-TUNE_BUDGET_S = 4.0
+TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can look slow on a noisy machine)
+TUNE_MIN_TIME_S = 0.15
+TUNE_BUDGET_S = 8.0
 # Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
 # precision, compile) -> batch size.
 _TUNED_BATCH: dict[tuple, int] = {}
@@ -48,8 +50,8 @@ class NoiseStream:
 
     ``offset`` is the index of the next unused sample; every draw advances it, so no sample is used twice (selection
     draws ``[0, n0)``, estimation draws ``[n0, n0 + n)``). The Triton path passes ``(seed, offset)`` to the Philox
-    kernel; the reference path draws blocks of :data:`NOISE_BLOCK` samples from a ``torch.Generator`` seeded with
-    ``seed`` and keeps the unused rest of the last block for the next draw.
+    kernel; the reference path fills blocks of :data:`NOISE_BLOCK` samples with ``normal_`` from one
+    ``torch.Generator`` seeded with ``seed`` and keeps the unused rest of the last block for the next draw.
     """
 
     def __init__(self, seed: int, device: torch.device):
@@ -75,7 +77,7 @@ class NoiseStream:
                                    channels_last=channels_last, out=out)
         else:
             z = self._standard_normal(num, latent32.shape, channels_last)
-            noisy = z.mul_(sigma).add_(latent32)
+            noisy = torch.add(latent32, z, alpha=sigma, out=z)  # latent + σz in float32, one pass
             if out is None:
                 fmt = torch.channels_last if channels_last else torch.contiguous_format
                 result = noisy.to(dtype=out_dtype, memory_format=fmt)
@@ -93,8 +95,7 @@ class NoiseStream:
             rows[:have].copy_(self._spare)
         for b in range(blocks):
             start = have + b * NOISE_BLOCK
-            torch.randn(rows[start:start + NOISE_BLOCK].shape, generator=self.generator, dtype=torch.float32,
-                        device=self.device, out=rows[start:start + NOISE_BLOCK])
+            rows[start:start + NOISE_BLOCK].normal_(generator=self.generator)  # in place: 1.6x randn(out=) here
         self._spare = rows[num:] if rows.shape[0] > num else None
         z = rows[:num]
         return z.permute(0, 3, 1, 2) if channels_last and len(shape) == 3 else z
@@ -218,24 +219,29 @@ class SamplingEngine:
         deadline = time.perf_counter() + TUNE_BUDGET_S
         while b <= cap and time.perf_counter() < deadline:
             try:
-                rates = []
-                for _ in range(2):  # the first pass warms up (allocations, cudnn/oneDNN algorithm choice)
-                    _synchronize(self.device)
-                    start = time.perf_counter()
-                    self._count(net, SamplingJob(latent, stream, b, counts), b, channels_last)
-                    _synchronize(self.device)
-                    rates.append(b / (time.perf_counter() - start))
+                rate = self._samples_per_second(net, SamplingJob(latent, stream, b, counts), channels_last)
             except torch.OutOfMemoryError:
                 break
-            rate = rates[-1]
             if rate > best_rate:
-                best_rate, best, worse = rate, b, 0
-            else:
-                worse += 1
-                if worse == 2:
-                    break
+                best_rate, best = rate, b
+            # Stop after two sizes clearly (> 10 %) slower than the best, once past the cache-sized batches.
+            worse = worse + 1 if rate < 0.9 * best_rate else 0
+            if worse == 2 and b >= TUNE_MIN_SEARCH:
+                break
             b = cap if b < cap < 2 * b else 2 * b
         return best
+
+    def _samples_per_second(self, net, job: SamplingJob, channels_last: bool) -> float:
+        """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
+        passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU)."""
+        self._count(net, job, job.num, channels_last)
+        _synchronize(self.device)
+        passes, start = 0, time.perf_counter()
+        while passes < 2 or time.perf_counter() - start < TUNE_MIN_TIME_S:
+            self._count(net, job, job.num, channels_last)
+            _synchronize(self.device)
+            passes += 1
+        return passes * job.num / (time.perf_counter() - start)
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()

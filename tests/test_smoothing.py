@@ -84,13 +84,13 @@ def result_fields(r) -> dict:
 # ====================================================================== Cohen's CERTIFY, reimplemented
 def block_stream(g: torch.Generator, shape):
     """The reference path's noise contract (splitz_fast.sampling): sample k of a seed is row k of consecutive
-    ``torch.randn((NOISE_BLOCK, *shape))`` blocks, whatever the batch sizes that consume it."""
+    ``normal_`` blocks of ``NOISE_BLOCK`` samples, whatever the batch sizes that consume it."""
     buffer = torch.empty((0, *shape))
 
     def take(num: int) -> torch.Tensor:
         nonlocal buffer
         while buffer.shape[0] < num:
-            buffer = torch.cat([buffer, torch.randn((NOISE_BLOCK, *shape), generator=g, dtype=torch.float32)])
+            buffer = torch.cat([buffer, torch.empty((NOISE_BLOCK, *shape)).normal_(generator=g)])
         rows, buffer = buffer[:num], buffer[num:]
         return rows
 
