@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -75,7 +75,7 @@ class PredictResult:
     count_second: int
     p_value: float
     seed: int
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, compare=False)  # timing, not part of the outcome
 
 
 # ---------------------------------------------------------------------------------------------- shared by certifiers
