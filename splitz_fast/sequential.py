@@ -235,9 +235,9 @@ def certify_sequential(
     ``draw(num)`` must return the number of hits (samples classified as ``ĉ_A``) among ``num`` *fresh* noise samples;
     the caller owns noise and seeds. ``thresholds`` are probabilities ``p_j ∈ (0, 1]`` — for radii use
     :func:`latent_thresholds`; ``p_j = 1`` (a radius whose ``Φ(R_j/σ)`` rounds to 1) is never certified, because
-    the lower bound stays below 1 after finitely many draws, and is given up at the first look. The driver draws up to each of :func:`checkpoints` ``(budget, first, growth,
-    multiple)``; after each draw it updates the bounds of :class:`BetaBinomialCS` ``(alpha, *prior)`` and decides
-    every open threshold it can:
+    the lower bound stays below 1 after finitely many draws, and is given up at the first look. The driver draws up
+    to each of :func:`checkpoints` ``(budget, first, growth, multiple)``; after each draw it updates the bounds of
+    :class:`BetaBinomialCS` ``(alpha, *prior)`` and decides every open threshold it can:
 
     - ``CERTIFIED`` when ``p_lower ≥ p_j``; ``REFUTED`` when ``p_upper < p_j``;
     - ``UNREACHABLE`` (a give-up rule) when, even if the rest of the budget hit at rate ``p_hope`` — the upper end
