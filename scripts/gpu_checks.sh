@@ -2,7 +2,8 @@
 # The device checks as one short run (for a session that is lent a GPU; about 5–8 minutes on an H100/H200):
 #   1. the CUDA variants of the kernel and backend tests (marked `gpu`; compiled Triton vs the float64 references),
 #   2. each Triton op against its PyTorch/cuDNN reference (benchmarks/test_bench_kernels.py),
-#   3. the sampling/bound/training-step suites on the GPU, the training step again with SPLITZ_BACKEND=reference,
+#   3. the dataset-level certify benchmark (eager, then compiled LeNet), bounds and training step on the GPU, the
+#      training step again with SPLITZ_BACKEND=reference,
 #   4. SPEC §5's GPU targets end to end (benchmarks/test_bench_targets.py).
 # Logs and pytest-benchmark JSON go to $OUT (the device tool's output folder; ./gpu-out elsewhere); every stage has
 # its own time limit so that a slow stage cannot take the later ones' results with it.
@@ -20,18 +21,21 @@ echo "== kernel tests"; date
 timeout 180 $PY -m pytest -q $XDIST -p no:cacheprovider tests/test_kernels_noise_votes.py \
     tests/test_kernels_bounds.py tests/test_kernels_first_layer.py tests/test_kernels_masked_conv2d.py \
     tests/test_backend_integration.py tests/test_kernel_dispatch.py \
-    tests/test_lipschitz.py::test_exact_bound_on_cuda_matches_the_cpu_certificate > "$OUT/gpu-tests.log" 2>&1
+    tests/test_lipschitz.py::test_exact_bound_on_cuda_matches_the_cpu_certificate tests/test_thresholds.py \
+    tests/test_engine.py > "$OUT/gpu-tests.log" 2>&1
 tail -3 "$OUT/gpu-tests.log"
 echo "== triton vs reference per op"; date
 timeout 60 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_kernels.py --benchmark-only \
     --benchmark-json "$OUT/bench-kernels.json" > "$OUT/bench-kernels.log" 2>&1
 grep -E "speedup|passed|failed|rror" "$OUT/bench-kernels.log"
 echo "== sampling, bounds, training step"; date
-timeout 130 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py benchmarks/test_bench_bounds.py \
-    --benchmark-only --benchmark-json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+timeout 150 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py benchmarks/test_bench_bounds.py \
+    -k "not compiled" --benchmark-only --benchmark-json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+timeout 120 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py -k "compiled and lenet" \
+    --benchmark-only --benchmark-json "$OUT/bench-compiled.json" >> "$OUT/bench.log" 2>&1
 SPLITZ_BACKEND=reference timeout 40 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py \
     -k training --benchmark-only >> "$OUT/bench.log" 2>&1
-grep -E "samples/s|ms per bound|ratio|passed|failed|rror" "$OUT/bench.log"
+grep -E "samples/s|s/image|ms per bound|ratio|passed|failed|rror" "$OUT/bench.log"
 echo "== SPEC targets"; date
 timeout 200 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_targets.py --benchmark-only \
     --benchmark-json "$OUT/bench-targets.json" > "$OUT/bench-targets.log" 2>&1

@@ -250,3 +250,19 @@ def test_margin_certifier_follows_every_change_of_f_l(edit):
     fresh = sz.MarginCertifier(model, bound="global").certify(x, seed=0)
     assert (after.prediction, after.latent_radius, after.lipschitz, after.radius) == \
            (fresh.prediction, fresh.latent_radius, fresh.lipschitz, fresh.radius)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding():
+    """On CUDA the noise is the Triton Philox stream (a function of seed and sample index); only f_R's
+    batch-dependent rounding can move a vote between packed and one-by-one runs."""
+    model, xs = _small_splitz()
+    model = model.cuda()
+    smoother = Smoother(model, 0.4)
+    seeds = list(range(len(xs)))
+    alone = [smoother.certify(x.cuda(), 20, 500, 0.01, batch_size=128, seed=s) for x, s in zip(xs, seeds)]
+    many = list(smoother.certify_many(xs.cuda(), 20, 500, 0.01, batch_size=96, seeds=seeds))
+    assert all(r.noise_source == "philox-triton" for r in many)
+    for a, m in zip(alone, many):
+        assert a.prediction == m.prediction and abs(a.count_a - m.count_a) <= 2
