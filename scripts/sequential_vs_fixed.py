@@ -7,9 +7,11 @@ For one checkpoint, certifies the selected test images twice into ``OUTDIR``:
   --radii ... --budget B``), plus ``sequential-B.samples.tsv`` with the estimation samples each image used (the
   certification TSV has no sample-count column).
 
-Both go through :func:`splitz_fast.run_over_dataset` (resumable: rerun the same command to continue), then the script
-prints certified accuracy at every radius (``mean(correct ∧ radius ≥ ε)``, abstentions count as wrong) and the mean
-estimation samples per image of each run. Selection draws (``n0``) are the same in both modes and not counted.
+Both go through :func:`splitz_fast.run_over_dataset` (resumable: rerun the same command to continue; ``--no-fixed``
+runs only the sequential part, e.g. in a second process), then the script prints certified accuracy at every radius
+(``mean(correct ∧ radius ≥ ε)``, abstentions count as wrong) and the mean estimation samples per image of each run,
+over the images present in every file found (so a fixed run stopped early is compared on its finished images).
+Selection draws (``n0``) are the same in both modes and not counted.
 Usage::
 
     python scripts/sequential_vs_fixed.py runs/seq-rs/best.pt 0.5 docs/results/sequential/rs --skip 100 --max 50
@@ -48,11 +50,13 @@ def certify(certifier, dataset, out: Path, args, settings: dict, indices: list[i
     print(f"{out.name}: {time.perf_counter() - started:.0f} s this call", flush=True)
 
 
-def summary(name: str, tsv: Path, radii: list[float]) -> str:
+def summary(name: str, tsv: Path, radii: list[float], images: set[int]) -> str:
     table = read_certification(tsv)
-    samples = np.loadtxt(tsv.with_suffix(".samples.tsv"), delimiter="\t", skiprows=1, usecols=1, ndmin=1)
-    accuracy = [100 * np.mean(table.correct & (table.radius >= r)) for r in radii]
-    return (f"| {name} | {len(table.radius)} | " + " | ".join(f"{a:.1f}" for a in accuracy)
+    keep = np.isin(table.idx, sorted(images))
+    counts = np.loadtxt(tsv.with_suffix(".samples.tsv"), delimiter="\t", skiprows=1, usecols=(0, 1), ndmin=2)
+    samples = counts[np.isin(counts[:, 0], sorted(images)), 1]
+    accuracy = [100 * np.mean(table.correct[keep] & (table.radius[keep] >= r)) for r in radii]
+    return (f"| {name} | {int(keep.sum())} | " + " | ".join(f"{a:.1f}" for a in accuracy)
             + f" | {samples.mean():,.0f} | {np.median(samples):,.0f} |")
 
 
@@ -71,6 +75,8 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.001)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fixed", action=argparse.BooleanOptionalAction, default=True,
+                        help="run (or continue) the fixed-n certification; its file is summarised whenever present")
     args = parser.parse_args()
 
     model, ckpt = load_model(args.checkpoint, "cpu")
@@ -85,7 +91,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; "
           f"{len(indices)} images (skip {args.skip}), n0={args.n0}, α={args.alpha}, σ={args.sigma}", flush=True)
     runs = {f"fixed n={args.n:,}": out / "fixed.tsv"}
-    certify(smoother, dataset, runs[f"fixed n={args.n:,}"], args, settings, indices, args.n)
+    if args.fixed:
+        certify(smoother, dataset, runs[f"fixed n={args.n:,}"], args, settings, indices, args.n)
     for budget in args.budgets:
         name = f"sequential budget={budget:,}"
         runs[name] = out / f"sequential-{budget}.tsv"
@@ -94,8 +101,10 @@ def main() -> None:
                 dict(settings, sequential=True, radii=args.radii, budget=budget), indices, budget)
     print("| run | images | " + " | ".join(f"ε={r:g}" for r in args.radii) + " | mean samples | median samples |")
     print("|---|---|" + "---|" * len(args.radii) + "---|---|")
+    runs = {name: tsv for name, tsv in runs.items() if tsv.exists()}
+    images = set.intersection(*(set(read_certification(tsv).idx.tolist()) for tsv in runs.values()))
     for name, tsv in runs.items():
-        print(summary(name, tsv, args.radii))
+        print(summary(name, tsv, args.radii, images))
 
 
 if __name__ == "__main__":

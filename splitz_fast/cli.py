@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--radii", type=float, nargs="+", default=None,
                            help="with --sequential: input-space l2 radii to decide, e.g. 0.5 1 1.5 2")
             c.add_argument("--budget", type=int, default=None,
-                           help="with --sequential: most estimation samples per image (default: --N)")
+                           help="with --sequential: most estimation samples per image; --N when unset")
         c.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="dtype of f_R while sampling (noise stays float32)")
         c.add_argument("--compile", action="store_true",
