@@ -18,7 +18,7 @@ from typing import Any, Callable
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from ._checks import check_count, check_output_file, check_probability
+from ._checks import check_certify_counts, check_count, check_output_file
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .smoothing import Smoother
@@ -104,14 +104,7 @@ def run_over_dataset(
     if kind not in ("certify", "predict"):
         raise ValueError(f"kind must be 'certify' or 'predict', got {kind!r}")
     # Check every argument before the output file is created, so a typo leaves nothing behind.
-    check_count("n", n)
-    if kind == "certify":
-        check_count("n0", n0)
-        if n0 > n:
-            raise ValueError(f"n0 ({n0}) must not exceed n ({n})")
-    check_probability("alpha", alpha)
-    if batch_size is not None:
-        check_count("batch_size", batch_size)
+    check_certify_counts(n0 if kind == "certify" else None, n, alpha, batch_size)
     check_count("seed", seed, 0)
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")

@@ -43,7 +43,7 @@ from scipy.optimize import brentq
 from scipy.special import betaln, xlog1py, xlogy
 from scipy.stats import norm
 
-from ._checks import check_count, check_positive, check_probability
+from ._checks import check_certify_counts, check_count, check_positive, check_probability
 from .lipschitz import lipschitz_bound
 from .sampling import NoiseStream, SamplingJob
 from .smoothing import (ABSTAIN, CertifyResult, Smoother, evaluating, inputs_of, prepare_input, resolve_seed,
@@ -397,13 +397,7 @@ class SequentialCertifier:
         """:meth:`certify` for every input (a ``[M, *input_shape]`` tensor or an iterable, consumed lazily), one seed
         per input (``None``: fresh random seeds); results in order. Same call shape as ``Smoother.certify_many`` with
         ``n = budget``, so :func:`~splitz_fast.runs.run_over_dataset` takes this object in place of a Smoother."""
-        check_count("n0", n0)
-        check_count("budget", budget)
-        if n0 > budget:
-            raise ValueError(f"n0 ({n0}) must not exceed the budget ({budget}); n0 only selects the class")
-        check_probability("alpha", alpha)
-        if batch_size is not None:
-            check_count("batch_size", batch_size)
+        check_certify_counts(n0, budget, alpha, batch_size, n_name="budget")
         return self._certify_stream(inputs_of(inputs), n0, budget, alpha, batch_size, seeds_for(seeds))
 
     def _certify_stream(self, inputs, n0, budget, alpha, batch_size, seeds) -> Iterator[SequentialCertifyResult]:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ._checks import check_count, check_positive, check_probability, check_tensor
+from ._checks import check_certify_counts, check_count, check_positive, check_tensor
 from .lipschitz import DEFAULT_EXACT_MAX_DIM, DEFAULT_PROBABILISTIC_ITERS
 from .modules import SplitModel
 from .radius import RadiusResult, RadiusSearch, bound_options
@@ -255,13 +255,7 @@ class Smoother:
         CUDA the radius search of one group overlaps the sampling of the next (``overlap_bounds``).
         ``seeds``: one per input (``None``: fresh random seeds).
         """
-        check_count("n0", n0)
-        check_count("n", n)
-        if n0 > n:
-            raise ValueError(f"n0 ({n0}) must not exceed n ({n}); n0 only selects the class, n estimates p_A")
-        check_probability("alpha", alpha)
-        if batch_size is not None:
-            check_count("batch_size", batch_size)
+        check_certify_counts(n0, n, alpha, batch_size)
         return self._certify_stream(inputs_of(inputs), n0, n, alpha, batch_size, seeds_for(seeds))
 
     def _certify_stream(self, inputs, n0, n, alpha, batch_size, seeds) -> Iterator[CertifyResult]:
@@ -351,10 +345,7 @@ class Smoother:
                      batch_size: int | None = None, seeds: Iterable[int | None] | None = None
                      ) -> Iterator[PredictResult]:
         """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed)."""
-        check_count("n", n)
-        check_probability("alpha", alpha)
-        if batch_size is not None:
-            check_count("batch_size", batch_size)
+        check_certify_counts(None, n, alpha, batch_size)
         return self._predict_stream(inputs_of(inputs), n, alpha, batch_size, seeds_for(seeds))
 
     def _predict_stream(self, inputs, n, alpha, batch_size, seeds) -> Iterator[PredictResult]:
