@@ -266,3 +266,17 @@ def test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding():
     assert all(r.noise_source == "philox-triton" for r in many)
     for a, m in zip(alone, many):
         assert a.prediction == m.prediction and abs(a.count_a - m.count_a) <= 2
+
+
+def test_bound_options_say_what_is_wrong():
+    from splitz_fast.radius import BoundOptions, bound_options
+
+    with pytest.raises(ValueError, match="gamma_batch"):
+        BoundOptions(gamma_batch=1)
+    with pytest.raises(ValueError, match="gamma_search"):
+        BoundOptions(gamma_search="grid")
+    with pytest.raises(TypeError, match="unknown bound option"):
+        bound_options(gamma_stpes=3)
+    assert BoundOptions(gamma_steps=8, gamma_batch=2).max_evaluations == 10  # L(x, 0), the ceiling, 8 midpoints
+    assert BoundOptions(gamma_steps=8, gamma_batch=4).passes == 4
+    assert BoundOptions(gamma_search="one-step").max_evaluations == 3
