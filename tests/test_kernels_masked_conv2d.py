@@ -24,6 +24,9 @@ GEOMETRIES = {
     "4x4-s3-p2": (dict(in_channels=2, out_channels=3, kernel_size=4, stride=3, padding=2), (2, 10, 5)),
 }
 MASKS = ["none", "sample-bool", "shared-float", "sample-float-channels-last"]
+# The 7x7 stride-2 geometry costs 10–16 s per case in Triton's interpreter on the 2-core CI machine: `-m slow` only
+# there (every geometry runs where the kernels are compiled, scripts/gpu_checks.sh runs without -m).
+GEOMETRY_PARAMS = [pytest.param(n, marks=pytest.mark.slow) if n == "7x7-s2-p3" else n for n in GEOMETRIES]
 
 
 def _operands(name, dtype, mask_kind, device, batch=3, seed=0):
@@ -52,7 +55,7 @@ def _tol(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(GEOMETRIES))
+@pytest.mark.parametrize("name", GEOMETRY_PARAMS)
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("transpose", [False, True], ids=["matvec", "rmatvec"])
 def test_masked_conv2d_matches_reference(poisoned, device, dtype, name, mask_kind, transpose):
@@ -66,7 +69,7 @@ def test_masked_conv2d_matches_reference(poisoned, device, dtype, name, mask_kin
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(GEOMETRIES))
+@pytest.mark.parametrize("name", GEOMETRY_PARAMS)
 def test_rmatvec_is_the_adjoint_of_matvec(device, name):
     """⟨A v, u⟩ = ⟨v, Aᵀ u⟩ in float64 for per-sample masks."""
     layer, in_shape, out_shape, out_mask, in_factor, gen = _operands(name, torch.float64, "sample-float", device)
@@ -80,7 +83,7 @@ def test_rmatvec_is_the_adjoint_of_matvec(device, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(GEOMETRIES))
+@pytest.mark.parametrize("name", GEOMETRY_PARAMS)
 @pytest.mark.parametrize("transpose", [False, True], ids=["matvec", "rmatvec"])
 def test_gradients_match_reference_autograd(device, name, transpose):
     layer, in_shape, out_shape, out_mask, in_factor, gen = _operands(name, torch.float64, "sample-bool", device)
