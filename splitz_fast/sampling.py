@@ -210,6 +210,10 @@ class SamplingEngine:
     def _measure_batch_size(self, shape: tuple[int, ...], cap: int) -> int:
         channels_last = len(shape) == 3
         net = self.classifier(channels_last)
+        if isinstance(net, _CompiledOrEager):
+            # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
+            # it is compiled once, for the size chosen here.
+            net = net.net
         if net is self.source:
             net = copy.deepcopy(net)  # timing runs must not touch the user's module (it may keep state)
         latent = torch.zeros(shape, device=self.device)
