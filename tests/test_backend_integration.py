@@ -45,7 +45,7 @@ def _conv() -> sz.LeftHalf:
                        standardize=sz.Standardize([0.4, 0.5], [0.3, 0.2]), input_shape=(2, 5, 5))
 
 
-@pytest.mark.parametrize("make_left", [_mlp, _conv])
+@pytest.mark.parametrize("make_left", [_mlp, pytest.param(_conv, marks=pytest.mark.slow)])  # _conv: ~12 s, 2 cores
 def test_ball_bounds_and_certificates_agree_across_backends(backend, make_left):
     left = make_left().to(DEVICE)
     x = _rand(3, *left.input_shape, seed=2)
@@ -75,7 +75,7 @@ def _two_convs() -> sz.LeftHalf:
                        [sz.ClippedReLU(1.0), sz.ClippedReLU(0.7)], input_shape=(1, 7, 6))
 
 
-@pytest.mark.parametrize("make_left", [_mlp, _two_convs])
+@pytest.mark.parametrize("make_left", [_mlp, pytest.param(_two_convs, marks=pytest.mark.slow)])  # ~1 min, 2 cores
 def test_training_estimate_and_gradient_agree_across_backends(backend, make_left):
     left = make_left().to(DEVICE)
     x = _rand(4, *left.input_shape, seed=3)
@@ -101,6 +101,7 @@ class _Linear2(nn.Module):
         return torch.stack([-s, s], dim=1)
 
 
+@pytest.mark.slow  # ~18 s on 2 CPU cores in Triton's interpreter
 def test_smoother_on_the_triton_noise_path_is_reproducible_batch_invariant_and_calibrated(backend):
     backend("triton")
     left = sz.LeftHalf([nn.Conv2d(1, 2, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 4, 4)).to(DEVICE)

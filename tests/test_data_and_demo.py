@@ -41,6 +41,7 @@ def test_missing_dataset_package_says_how_to_install():
         package_file("surely-not-installed-dist", "x/y.bin", "some-dist==1.0")
 
 
+@pytest.mark.slow  # the whole MNIST test set through LeNet-5: ~10 s on 2 CPU cores
 @pytest.mark.data
 @needs_mnist
 @needs_lenet
@@ -57,6 +58,7 @@ def test_pretrained_lenet5_clean_accuracy():
         assert torch.allclose(model(images[:100]), net(images[:100]), atol=1e-5)
 
 
+@pytest.mark.slow  # ~30 s on 2 CPU cores
 @pytest.mark.data
 @needs_mnist
 def test_demo_command_end_to_end_and_resume(tmp_path, capsys):

@@ -58,7 +58,9 @@ def test_noise_stream_writes_into_a_given_buffer_and_casts_after_the_float32_sum
 
 
 # ---------------------------------------------------------------------------------------------------- certify_many
-@pytest.mark.parametrize("n0,n,batch", [(10, 50, 64), (20, 300, 128), (30, 1000, 4096), (5, 40, 7)])
+@pytest.mark.parametrize("n0,n,batch", [  # ~20 s per case on 2 CPU cores: the odd batch size by default
+    pytest.param(10, 50, 64, marks=pytest.mark.slow), pytest.param(20, 300, 128, marks=pytest.mark.slow),
+    pytest.param(30, 1000, 4096, marks=pytest.mark.slow), (5, 40, 7)])
 def test_certify_many_equals_one_by_one(n0, n, batch):
     """Packed batches (several inputs per f_R batch, one sync per group) give the one-by-one results."""
     model, xs = _small_splitz()
@@ -180,7 +182,7 @@ def test_batch_size_is_measured_once_and_never_changes_results():
 
 
 # ---------------------------------------------------------------------------------------------------- γ search
-@pytest.mark.parametrize("name", ["lenet", "lenet-splitz"])
+@pytest.mark.parametrize("name", [pytest.param("lenet", marks=pytest.mark.slow), "lenet-splitz"])  # ~9 s each, 2 cores
 def test_batched_gamma_passes_never_lose_radius_against_bisection(name):
     """gamma_batch = 4 evaluates a superset of the bisection's points (in half the passes): never a smaller radius
     with exact bounds, and every reported radius is min(R/L(x, γ), γ) at its γ."""

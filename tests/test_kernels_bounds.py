@@ -528,6 +528,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # ~13 s on 2 CPU cores
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernels_compile_for_sm90_without_fma_in_the_float64_interval_step(tmp_path):
     try:

