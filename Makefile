@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-slow bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,15 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/splitz demo
 
-# The unit tests, then the benchmark suite in quick mode (tiny sizes, ~20 s) so it cannot rot; its timings are not results.
+# The unit tests without the long ones (marker `slow`), then the benchmark suite in quick mode (tiny sizes) so it cannot
+# rot; its timings are not results.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not slow" tests
 	SPLITZ_BENCH_QUICK=1 $(BIN)/python -m pytest -q -p no:cacheprovider benchmarks --benchmark-only
+
+# The long statistical and end-to-end checks (marker `slow`); CI runs them after `make test` (.ci/run).
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow tests
 
 # The real benchmark run (numbers for benchmarks/RESULTS.md).
 bench: install
