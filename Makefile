@@ -21,14 +21,15 @@ demo: install
 	$(BIN)/splitz demo
 
 # The unit tests without the long ones (marker `slow`), then the benchmark suite in quick mode (tiny sizes) so it cannot
-# rot; its timings are not results.
+# rot; its timings are not results. One OpenMP thread unless OMP_NUM_THREADS is set: on the 2-core machine shared with
+# other jobs, torch's 2 spin-waiting threads made the small dense ops of these tests up to ~40x slower.
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m "not slow" tests
 	SPLITZ_BENCH_QUICK=1 $(BIN)/python -m pytest -q -p no:cacheprovider benchmarks --benchmark-only
 
-# The long statistical and end-to-end checks (marker `slow`); CI runs them after `make test` (.ci/run).
+# The long statistical and end-to-end checks (marker `slow`); CI runs them after `make test` (.ci/run). Threads as above.
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m slow tests
 
 # The real benchmark run (numbers for benchmarks/RESULTS.md).
 bench: install
