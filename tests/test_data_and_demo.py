@@ -81,9 +81,9 @@ def test_demo_command_end_to_end_and_resume(tmp_path, capsys):
     assert (tmp_path / "splitz.tsv").read_text() == before
 
 
-def test_demo_command_rejects_bad_arguments():
-    with pytest.raises(SystemExit):
-        main(["demo", "--num-images", "-1"])
+def test_demo_command_rejects_bad_arguments(capsys):
+    assert main(["demo", "--num-images", "-1"]) == 2  # one line on stderr, exit status 2, nothing written
+    assert "--num-images" in capsys.readouterr().err
 
 
 @pytest.mark.data
