@@ -140,7 +140,8 @@ class SamplingEngine:
     """Votes of ``f_R`` over noisy copies of latents, for one input or a stream of them.
 
     Args:
-        right: ``f_R`` (not modified: the engine samples through a prepared copy, see :func:`fold_batchnorm`).
+        right: ``f_R``, never modified: the engine samples through a prepared copy where preparing changes something
+            (:meth:`classifier`), else through ``f_R`` itself.
         num_classes: length of ``f_R``'s score vector.
         sigma: noise level σ > 0 in latent units.
         device: where sampling runs (``f_R``'s device).
