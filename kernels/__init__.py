@@ -16,11 +16,18 @@ reference beside it — the reference is both the CPU path and the test oracle:
 * ``masked_conv2d``: ``m ⊙ W(f ⊙ v)`` and ``f ⊙ Wᵀ(m ⊙ u)`` for a convolution, an implicit GEMM with the masks
   inside, an ``autograd.Function`` — the ``Conv2d`` factors of the power iterations.
 
+Native (C++) kernels live in ``csrc/`` and are built and loaded by ``native`` (:mod:`splitz_fast.kernels.native`):
+
+* ``noisy_latents`` on CPU tensors (``csrc/noise_cpu.cpp``): the same Philox stream as the Triton kernel, 3-4x
+  ``torch.randn`` + add on 2 cores (benchmarks/RESULTS.md).
+
 Dispatch is explicit: Triton for CUDA tensors where an op has a kernel that beats its reference there
-(``AUTO_TRITON_OPS``), the reference elsewhere; ``SPLITZ_BACKEND``
-(``auto`` | ``reference`` | ``triton``) forces one, and forcing Triton for an op without a kernel is an error, never a
-silent fallback. On a machine without a GPU, ``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in
-Triton's interpreter on CPU tensors (slow; for tests).
+(``AUTO_TRITON_OPS``), the native kernel for CPU tensors where an op has one (``NATIVE_OPS``) and it could be built,
+the reference elsewhere; ``SPLITZ_BACKEND`` (``auto`` | ``reference`` | ``triton`` | ``native``) forces one. Forcing
+Triton for an op without a Triton kernel is an error, never a silent fallback; ``native`` runs the native kernel of the
+ops that have one (an error where it cannot be built) and the reference of the others. On a machine without a GPU,
+``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter on CPU tensors (slow;
+for tests).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import os
 import torch
 
 BACKEND_ENV = "SPLITZ_BACKEND"
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "native")
 # Ops with a Triton implementation.
 TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "first_layer_bounds", "interval_clip",
                                         "masked_linear", "masked_conv2d"})
@@ -40,19 +47,25 @@ AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
 
 
 def select_backend(op: str, device: torch.device) -> str:
-    """``"triton"`` or ``"reference"`` for ``op`` on ``device``; ``SPLITZ_BACKEND`` forces one (default ``auto``:
-    Triton on CUDA for the ops in ``AUTO_TRITON_OPS``, the reference elsewhere)."""
+    """``"triton"``, ``"native"`` or ``"reference"`` for ``op`` on ``device``; ``SPLITZ_BACKEND`` forces one (default
+    ``auto``: Triton on CUDA for the ops in ``AUTO_TRITON_OPS``, the native kernel on the CPU for the ops in
+    ``NATIVE_OPS`` where it could be built, the reference elsewhere)."""
+    from .native import NATIVE_OPS, native_available
+
     choice = os.environ.get(BACKEND_ENV, "auto").lower()
     if choice not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {choice!r}")
     if choice == "reference":
         return "reference"
-    has_kernel = op in TRITON_OPS
     if choice == "triton":
-        if not has_kernel:
+        if op not in TRITON_OPS:
             raise NotImplementedError(f"{BACKEND_ENV}=triton, but op {op!r} has no Triton kernel yet")
         return "triton"
-    return "triton" if op in AUTO_TRITON_OPS and device.type == "cuda" else "reference"
+    if choice == "native":
+        return "native" if op in NATIVE_OPS else "reference"
+    if device.type == "cuda":
+        return "triton" if op in AUTO_TRITON_OPS else "reference"
+    return "native" if op in NATIVE_OPS and device.type == "cpu" and native_available() else "reference"
 
 
 def interpreting() -> bool:

@@ -1,6 +1,7 @@
 """Noise draws and vote counting of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents`` and
 ``count_votes``, each a Triton kernel with its launcher, beside the pure-PyTorch references
-``noisy_latents_reference`` and ``count_votes_reference`` (the CPU path and the test oracle).
+``noisy_latents_reference`` and ``count_votes_reference`` (the test oracles and the fallback path), and
+``noisy_latents_native``, the launcher of the C++ kernel of ``csrc/noise_cpu.cpp`` (the CPU path).
 
 ``noisy_latents(latent, num, σ, seed, offset) -> [num, *latent.shape]``
     ``latent + σ z`` with ``z ~ N(0, I)`` drawn **in float32** from a counter-based Philox4x32-10 stream
@@ -13,21 +14,31 @@
     ``counts += bincount(argmax(logits, 1), minlength=C)`` in place, on the device, without a host sync: ties go to
     the lowest index and a NaN counts as the maximum (the first NaN of a row wins), both as ``torch.argmax``.
 
-The Philox stream (the contract that makes selection and estimation draws independent)
---------------------------------------------------------------------------------------
-Element ``j`` (row-major index into ``latent``, ``0 <= j < D = latent.numel()``) of sample ``k`` (``0 <= k < num``) of a
-call uses the 64-bit Philox counter ``(offset + k) * D + j`` under the 64-bit key ``seed``, and nothing else uses
-it. So samples drawn under one seed are independent as long as the **caller** never reuses a sample index
-``offset + k``: start a seed at ``offset = 0`` and advance ``offset += num`` after every call (selection draws
+The Philox stream (the contract that makes selection and estimation draws independent; csrc/philox.h has the same)
+--------------------------------------------------------------------------------------------------------------------
+The noise of one seed is a sequence of N(0, 1) numbers ``z_t``, ``t = 0, 1, 2, ...``. Element ``j`` (row-major index
+into ``latent``, ``0 <= j < D = latent.numel()``) of sample ``k`` (``0 <= k < num``) of a call is ``z_t`` with
+``t = (offset + k) * D + j``, and nothing else uses it. The pair ``(z_2i, z_2i+1)`` is one Box–Muller transform of
+one Philox4x32-10 call at counter ``i`` (``tl.randint4x``: counter words ``(lo32(i), hi32(i), 0, 0)``, key
+``(lo32(seed), hi32(seed))``): with its words ``w0, w1, w2``,
+
+    u1 = w0 2^-32 + (w1 + 1/2) 2^-64 in (0, 1],   u2 = w2 2^-32 - 1/2 in [-1/2, 1/2),
+    z_2i = sqrt(-2 ln u1) cos(2π u2),   z_2i+1 = sqrt(-2 ln u1) sin(2π u2),
+
+two independent standard normals. ``u1`` has **64** random bits, so ``|z|`` reaches 9.4 instead of the 5.7 that
+``tl.randn`` allows (it clamps ``u1 >= 1e-7``; a latent of 8·10⁵ coordinates would then miss ``|z| > 5.7`` in about
+1 % of the samples). Samples drawn under one seed are independent as long as the **caller** never reuses a sample
+index ``offset + k``: start a seed at ``offset = 0`` and advance ``offset += num`` after every call (selection draws
 ``[0, n0)``, estimation draws ``[n0, n0 + n)``, and so on). Consequences:
 
 * the draws are a pure function of ``(latent, σ, seed, sample index)``: splitting ``num`` samples into batches of any
   size gives bitwise the same samples (tested), and so do channels_last and contiguous outputs;
-* ``(offset + num) * D`` must stay below ``2**64`` (checked).
+* every backend draws the same stream: the Philox words are bit-identical (Triton, the native CPU kernel of
+  ``csrc/``, and the PyTorch reference here), the normals agree up to the rounding of ln, cos and sin (float32 ulps);
+* ``(offset + num) * D`` must stay at most ``2**64`` (checked).
 
-Each element costs one Philox call; ``z = sqrt(-2 ln u1) cos(2π u2)`` (Box–Muller) with ``u1`` built from **64**
-random bits, so ``|z|`` reaches 9.4 instead of the 5.7 that ``tl.randn`` allows (it clamps ``u1 >= 1e-7``; a latent
-of 8·10⁵ coordinates would then miss ``|z| > 5.7`` in about 1 % of the samples). ``u2`` has 32 random bits.
+The Triton kernel computes one element per lane and so runs each Philox call twice (once for ``z_2i``, once for
+``z_2i+1``), which keeps its stores coalesced in either memory format; the CPU kernel runs it once per pair.
 
 Where the kernels run: CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before the first launch (the
 kernels are jitted lazily at their first launch, so importing this module never imports Triton and never fails
@@ -61,7 +72,8 @@ def _noisy_latents_kernel(
 ):
     """A ``[BLOCK_S samples, BLOCK_E storage positions]`` tile of the output ``[num, numel]`` (per-sample storage
     order). For channels_last outputs ``channels = C`` and ``spatial = H * W`` of the latent ``[C, H, W]``. Seed and
-    counter base arrive as signed 32-bit halves so that one compiled variant serves every value."""
+    the stream index of the launch's first element arrive as signed 32-bit halves so that one compiled variant serves
+    every value."""
     q = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # storage position within a sample (int32)
     k = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # sample index within the launch
     emask = q < numel
@@ -73,15 +85,16 @@ def _noisy_latents_kernel(
     seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
     base = (base_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | base_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
     row = k.to(tl.int64)[:, None] * numel
-    counter = base + (row + j.to(tl.int64)[None, :]).to(tl.uint64)  # = (offset + k) * numel + j
-    w0, w1, w2, _ = tl.randint4x(seed, counter)
-    # u1 in (0, 1] from 64 bits: (w0 + (w1 + 1/2) 2^-32) 2^-32; u2 in [-1/2, 1/2) from 32 bits (cos is even in θ,
-    # and |θ| <= π keeps fast cosine approximations in their accurate range).
+    t = base + (row + j.to(tl.int64)[None, :]).to(tl.uint64)  # stream index (offset + k) * numel + j
+    w0, w1, w2, _ = tl.randint4x(seed, t >> 1)  # one Philox call per pair (z_2i, z_2i+1)
+    # u1 in (0, 1] from 64 bits: (w0 + (w1 + 1/2) 2^-32) 2^-32; u2 in [-1/2, 1/2) from 32 bits.
     u1 = w0.to(tl.float32) * 2.3283064365386963e-10 + (w1.to(tl.float32) + 0.5) * 5.421010862427522e-20
     u1 = tl.minimum(u1, 1.0)
     u2 = w2.to(tl.float32) * 2.3283064365386963e-10 - 0.5
     # max(., 0): an approximate log may return a tiny positive value just below u1 = 1 (sqrt would give NaN)
-    z = tl.sqrt(tl.maximum(-2.0 * tl.log(u1), 0.0)) * tl.cos(6.283185307179586 * u2)
+    radius = tl.sqrt(tl.maximum(-2.0 * tl.log(u1), 0.0))
+    angle = 6.283185307179586 * u2
+    z = radius * tl.where((t & 1) == 1, tl.sin(angle), tl.cos(angle))
     lat = tl.load(latent_ptr + j, mask=emask, other=0.0).to(tl.float32)[None, :]
     value = lat + sigma * z  # float32; the cast below is the only rounding to a narrower type
     if BF16:
@@ -186,6 +199,36 @@ def _memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
+def _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last) -> float:
+    """The checks shared by every backend of :func:`noisy_latents`; returns σ as a float."""
+    sigma = _check_noise_args(latent, num, sigma, out_dtype, channels_last)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an integer >= 0 (the index of the first sample in the stream), got {offset!r}")
+    numel = latent.numel()
+    if numel >= 2**31:
+        raise ValueError(f"latent has {numel} elements; the kernels index one sample with 32-bit integers (< 2**31)")
+    if (offset + num) * numel > _U64:
+        raise ValueError(f"offset + num = {offset + num} samples of {numel} elements exceed the 2**64 numbers of one "
+                         "seed's stream; start a new seed")
+    return sigma
+
+
+def _output(latent, num, out_dtype, channels_last, out) -> torch.Tensor:
+    """``out`` checked against the output contract, or a new output tensor."""
+    fmt = _memory_format(channels_last)
+    shape = (num, *latent.shape)
+    if out is None:
+        return torch.empty(shape, dtype=out_dtype, device=latent.device, memory_format=fmt)
+    if (tuple(out.shape) != shape or out.dtype != out_dtype or out.device != latent.device
+            or not out.is_contiguous(memory_format=fmt)):
+        raise ValueError(f"out must be a dense {'channels_last' if channels_last else 'contiguous'} tensor of shape "
+                         f"{shape}, dtype {out_dtype} on {latent.device}; got {tuple(out.shape)}, {out.dtype} on "
+                         f"{out.device}")
+    return out
+
+
 def noisy_latents(
     latent: torch.Tensor,
     num: int,
@@ -204,9 +247,9 @@ def noisy_latents(
         num: number of samples ``>= 1``.
         sigma: noise level σ, finite ``> 0``, in latent units.
         seed: Philox key, an integer in ``[0, 2**64)``.
-        offset: index of the first sample in the seed's stream, ``>= 0``; sample ``k`` uses the Philox counters
-            ``(offset + k) * D + j`` (``D = latent.numel()``). Advance it by ``num`` after each call (see the module
-            docstring): reusing an index reuses its noise.
+        offset: index of the first sample in the seed's stream, ``>= 0``; element ``j`` of sample ``k`` is the stream's
+            number ``z_t``, ``t = (offset + k) * D + j`` (``D = latent.numel()``). Advance it by ``num`` after each call
+            (see the module docstring): reusing an index reuses its noise.
         out_dtype: float32 (default), bfloat16 or float16. The noise and the sum are float32 whatever this is.
         channels_last: write the ``[num, C, H, W]`` output in channels_last memory format (3-D latents only).
         out: optional preallocated output (e.g. a static buffer reused across batches) of shape ``[num, *S]``,
@@ -216,26 +259,9 @@ def noisy_latents(
         ``[num, *S]`` tensor of dtype ``out_dtype`` on the latent's device. Non-finite latents are not checked
         (that would need a host sync); they propagate.
     """
-    sigma = _check_noise_args(latent, num, sigma, out_dtype, channels_last)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"offset must be an integer >= 0 (the index of the first sample in the stream), got {offset!r}")
+    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
+    out = _output(latent, num, out_dtype, channels_last, out)
     numel = latent.numel()
-    if numel >= 2**31:
-        raise ValueError(f"latent has {numel} elements; the kernel indexes one sample with 32-bit integers (< 2**31)")
-    if (offset + num) * numel > _U64:
-        raise ValueError(f"offset + num = {offset + num} samples of {numel} elements exceed the 2**64 Philox counters "
-                         "of one seed; start a new seed")
-    fmt = _memory_format(channels_last)
-    shape = (num, *latent.shape)
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=latent.device, memory_format=fmt)
-    elif (tuple(out.shape) != shape or out.dtype != out_dtype or out.device != latent.device
-          or not out.is_contiguous(memory_format=fmt)):
-        raise ValueError(f"out must be a dense {'channels_last' if channels_last else 'contiguous'} tensor of shape "
-                         f"{shape}, dtype {out_dtype} on {latent.device}; got {tuple(out.shape)}, {out.dtype} on "
-                         f"{out.device}")
     _check_launch_device("latent", latent)
     triton, kernel, _ = _kernels()
     source = latent.detach().contiguous()
@@ -247,7 +273,7 @@ def noisy_latents(
     flat = out.as_strided((num, numel), (numel, 1))  # the dense storage, one row per sample, whatever the layout
     for start in range(0, num, chunk):
         rows = min(chunk, num - start)
-        base_lo, base_hi = _split32(((offset + start) * numel) % _U64)
+        base_lo, base_hi = _split32(((offset + start) * numel) % _U64)  # the stream index of the launch's first element
         kernel[(triton.cdiv(numel, block_e), triton.cdiv(rows, block_s))](
             source, flat[start:], rows, numel, channels, spatial, sigma, seed_lo, seed_hi, base_lo, base_hi,
             CHANNELS_LAST=channels_last, BF16=out_dtype == torch.bfloat16, BLOCK_S=block_s, BLOCK_E=block_e,
@@ -255,22 +281,97 @@ def noisy_latents(
     return out
 
 
+def noisy_latents_native(
+    latent: torch.Tensor,
+    num: int,
+    sigma: float,
+    seed: int,
+    offset: int,
+    out_dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`noisy_latents` by the C++ kernel of ``csrc/noise_cpu.cpp`` (CPU tensors; multi-threaded with torch's
+    intra-op threads): same arguments, same stream, same output contract. Raises ``RuntimeError`` where the extension
+    could not be built (see :mod:`splitz_fast.kernels.native`)."""
+    from .native import native_module
+
+    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
+    if latent.device.type != "cpu":
+        raise ValueError(f"latent is on {latent.device}: the native noise kernel runs on CPU tensors")
+    out = _output(latent, num, out_dtype, channels_last, out)
+    module = native_module()
+    if module is None:
+        raise RuntimeError("the native kernels of splitz_fast (csrc/) are not available on this machine (see the "
+                           "warning above); use noisy_latents_reference (SPLITZ_BACKEND=reference)")
+    module.noisy_latents(latent.detach().float().contiguous(), out, sigma, seed, offset, channels_last)
+    return out
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul_hi_lo(constant: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of ``constant * x`` for uint32 values held in int64 tensors, without overflowing
+    int64: ``x`` is split into 16-bit halves, every partial product stays below 2**49."""
+    low = constant * (x & 0xFFFF)
+    mid = constant * (x >> 16) + (low >> 16)
+    return mid >> 16, ((mid & 0xFFFF) << 16) | (low & 0xFFFF)
+
+
+def philox_words_reference(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Words ``w0, w1, w2`` of Philox4x32-10 (Salmon et al. 2011) at the 64-bit ``counters`` (an int64 tensor read as
+    uint64, two's complement) under the 64-bit key ``seed``, as int64 tensors with values in ``[0, 2**32)``: counter
+    words ``(lo32, hi32, 0, 0)``, key words ``(lo32(seed), hi32(seed))`` — ``tl.randint4x``'s arrangement."""
+    c0, c1 = counters & _MASK32, (counters >> 32) & _MASK32
+    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, seed >> 32
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(0xCD9E8D57, c2)
+        hi_a, lo_a = _mul_hi_lo(0xD2511F53, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2
+
+
+def stream_normals_reference(seed: int, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The stream's numbers ``z_t`` for ``t`` in ``[first, first + count)`` (float32, ``[count]``), in PyTorch: the
+    oracle of the Triton and native kernels (module docstring)."""
+    first_pair, last_pair = first >> 1, (first + count - 1) >> 1
+    start = first_pair - 2**64 if first_pair >= 2**63 else first_pair  # the same 64 bits as a signed int64
+    counters = torch.arange(last_pair - first_pair + 1, dtype=torch.int64, device=device) + start
+    w0, w1, w2 = philox_words_reference(counters, seed)
+    u1 = w0.float() * 2.3283064365386963e-10 + (w1.float() + 0.5) * 5.421010862427522e-20
+    u1 = u1.clamp(max=1.0)
+    u2 = w2.float() * 2.3283064365386963e-10 - 0.5
+    radius = (-2.0 * torch.log(u1)).clamp(min=0.0).sqrt()
+    angle = 6.283185307179586 * u2
+    pairs = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=1).flatten()
+    skip = first & 1
+    return pairs[skip:skip + count]
+
+
 def noisy_latents_reference(
     latent: torch.Tensor,
     num: int,
     sigma: float,
-    generator: torch.Generator | None,
+    seed: int,
+    offset: int,
     out_dtype: torch.dtype = torch.float32,
     channels_last: bool = False,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The PyTorch path of :func:`noisy_latents`: ``torch.randn`` in float32 from ``generator`` (on the latent's
-    device), ``latent.float() + σ z`` in float32, then the cast to ``out_dtype`` / channels_last. Same output contract;
-    the draws come from torch's generator, so they differ from the Philox stream of the kernel (same distribution).
-    """
-    sigma = _check_noise_args(latent, num, sigma, out_dtype, channels_last)
-    noise = standard_normal(num, latent.shape, generator, latent.device, channels_last)
-    noisy = noise.mul_(sigma).add_(latent.detach().float())
-    return noisy.to(dtype=out_dtype, memory_format=_memory_format(channels_last))
+    """:func:`noisy_latents` in PyTorch on any device: the same stream (:func:`stream_normals_reference`), the sum in
+    float32, then the cast to ``out_dtype`` / channels_last. The test oracle, and the fallback where neither Triton nor
+    the native kernels run (about 10x slower than the native CPU kernel; it materialises int64 temporaries)."""
+    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
+    out = _output(latent, num, out_dtype, channels_last, out)
+    numel = latent.numel()
+    z = stream_normals_reference(seed, offset * numel, num * numel, latent.device).view(num, *latent.shape)
+    noisy = torch.add(latent.detach().float(), z, alpha=sigma)  # σz rounded to float32, then the float32 sum
+    return out.copy_(noisy)
 
 
 def standard_normal(

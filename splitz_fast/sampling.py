@@ -8,11 +8,13 @@ input with fewer samples than a batch (the n0 selection draws, the tail of n, sm
 idle; each job's votes are counted separately.
 
 **The noise an input sees depends only on its seed and the sample index** — not on the batch size, on how its samples
-are packed with other inputs', or on whether it is certified alone: with the Triton kernel by construction (Philox
-counter = sample index), on the reference path because :class:`NoiseStream` draws standard normals (``Tensor.normal_``) in fixed
-blocks of :data:`NOISE_BLOCK` samples and hands them out in order. So a certificate is reproducible whatever batch size the
-engine picks, and certifying a stream of inputs gives the results of certifying them one by one (on the CPU exactly up
-to ``f_R``'s batch-dependent float rounding, which the tests show does not move a vote in practice; likewise on GPU).
+are packed with other inputs', or on whether it is certified alone: on the Philox stream (the Triton kernel on CUDA,
+the native C++ kernel of ``csrc/`` on the CPU — one stream, kernels/noise_votes.py) by construction (stream index =
+sample index × D + element), and on the fallback path (``SPLITZ_BACKEND=reference``, or no Triton / no C++ compiler)
+because :class:`NoiseStream` draws standard normals (``Tensor.normal_``) in fixed blocks of :data:`NOISE_BLOCK`
+samples and hands them out in order. So a certificate is reproducible whatever batch size the engine picks, and
+certifying a stream of inputs gives the results of certifying them one by one (on the CPU exactly up to ``f_R``'s
+batch-dependent float rounding, which the tests show does not move a vote in practice; likewise on GPU).
 Selection and estimation draws are consecutive, disjoint index ranges of one stream, hence independent.
 """
 from __future__ import annotations
@@ -26,14 +28,14 @@ import torch
 import torch.nn as nn
 
 from .kernels import select_backend
-from .kernels.noise_votes import count_votes, count_votes_reference, noisy_latents
+from .kernels.noise_votes import count_votes, count_votes_reference, noisy_latents, noisy_latents_native
 from .modules import ModuleSnapshot
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
 # it as long as the same precision is used for PREDICT and CERTIFY (a Smoother applies it to both).
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Samples per normal_ call on the reference path (the unit that makes the stream batch-size independent).
+# Samples per normal_ call on the fallback path (the unit that makes its stream batch-size independent).
 NOISE_BLOCK = 64
 # Batch sizes tried by the tuner (powers of two up to the cap), and its time budget per configuration.
 TUNE_MIN_BATCH = 32
@@ -49,32 +51,35 @@ class NoiseStream:
     """The noise of one input: sample ``k`` of the stream is a pure function of ``(seed, k)``.
 
     ``offset`` is the index of the next unused sample; every draw advances it, so no sample is used twice (selection
-    draws ``[0, n0)``, estimation draws ``[n0, n0 + n)``). The Triton path passes ``(seed, offset)`` to the Philox
-    kernel; the reference path fills blocks of :data:`NOISE_BLOCK` samples with ``normal_`` from one
-    ``torch.Generator`` seeded with ``seed`` and keeps the unused rest of the last block for the next draw.
+    draws ``[0, n0)``, estimation draws ``[n0, n0 + n)``). The Philox path (Triton on CUDA, the native kernel on the
+    CPU) passes ``(seed, offset)`` to the kernel; the fallback path fills blocks of :data:`NOISE_BLOCK` samples with
+    ``normal_`` from one ``torch.Generator`` seeded with ``seed`` and keeps the unused rest of the last block for the
+    next draw. ``generator`` (seeded with ``seed``) also serves the radius search's random starts.
     """
 
     def __init__(self, seed: int, device: torch.device):
         self.seed = seed
         self.device = torch.device(device)
         self.offset = 0
-        self.triton = select_backend("noisy_latents", self.device) == "triton"
+        backend = select_backend("noisy_latents", self.device)
+        self._philox = {"triton": noisy_latents, "native": noisy_latents_native}.get(backend)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self._spare: torch.Tensor | None = None  # reference path: drawn, not yet used N(0, 1) rows
+        self._spare: torch.Tensor | None = None  # fallback path: drawn, not yet used N(0, 1) rows
 
     @property
     def source(self) -> str:
-        """``philox-triton`` or ``torch-<device>``: with the seed, what a rerun needs to reproduce the draws."""
-        return "philox-triton" if self.triton else f"torch-{self.device.type}"
+        """``philox4x32-10`` (the stream of kernels/noise_votes.py, any device) or ``torch-<device>`` (the fallback's
+        generator): with the seed, what a rerun needs to reproduce the draws."""
+        return "philox4x32-10" if self._philox is not None else f"torch-{self.device.type}"
 
     def noisy(self, latent32: torch.Tensor, num: int, sigma: float, out_dtype: torch.dtype, channels_last: bool,
               out: torch.Tensor | None = None) -> torch.Tensor:
         """The next ``num`` samples ``latent + σ z`` (``z`` float32, the sum float32, then cast to ``out_dtype``),
         written into ``out`` when given (``[num, *latent.shape]``, dense in the requested memory format)."""
-        if self.triton:
-            result = noisy_latents(latent32, num, sigma, self.seed, self.offset, out_dtype=out_dtype,
-                                   channels_last=channels_last, out=out)
+        if self._philox is not None:
+            result = self._philox(latent32, num, sigma, self.seed, self.offset, out_dtype=out_dtype,
+                                  channels_last=channels_last, out=out)
         else:
             z = self._standard_normal(num, latent32.shape, channels_last)
             noisy = torch.add(latent32, z, alpha=sigma, out=z)  # latent + σz in float32, one pass

@@ -34,8 +34,10 @@ def _small_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------- noise streams
+@pytest.mark.parametrize("backend", ["auto", "reference"])  # the Philox stream (native kernel), the fallback
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_noise_stream_is_a_function_of_the_sample_index_only(channels_last):
+def test_noise_stream_is_a_function_of_the_sample_index_only(channels_last, backend, monkeypatch):
+    monkeypatch.setenv("SPLITZ_BACKEND", backend)
     latent = torch.rand(3, 4, 5, generator=_gen(1))
     whole = NoiseStream(7, torch.device("cpu")).noisy(latent, 300, 0.5, torch.float32, channels_last)
     for sizes in ([1, 63, 64, 65, 107], [300], [NOISE_BLOCK] * 4 + [44], [17] * 17 + [11]):

@@ -16,7 +16,8 @@ from scipy.stats import beta, binom, binomtest, norm
 
 import splitz_fast as sz
 from splitz_fast import ABSTAIN, ClippedReLU, LeftHalf, Smoother, SplitModel
-from splitz_fast.sampling import NOISE_BLOCK
+from splitz_fast.kernels.noise_votes import noisy_latents_native
+from splitz_fast.sampling import NOISE_BLOCK, NoiseStream
 
 
 # ====================================================================== small models
@@ -82,16 +83,27 @@ def result_fields(r) -> dict:
 
 
 # ====================================================================== Cohen's CERTIFY, reimplemented
-def block_stream(g: torch.Generator, shape):
-    """The reference path's noise contract (splitz_fast.sampling): sample k of a seed is row k of consecutive
-    ``normal_`` blocks of ``NOISE_BLOCK`` samples, whatever the batch sizes that consume it."""
-    buffer = torch.empty((0, *shape))
+def engine_stream(seed: int, shape):
+    """The engine's noise contract (splitz_fast.sampling): sample k of a seed is a fixed function of (seed, k),
+    whatever the batch sizes that consume it — on the Philox stream (native kernel) z_t with t = k D + j, on the
+    fallback path row k of consecutive ``normal_`` blocks of ``NOISE_BLOCK`` samples of a generator seeded with seed."""
+    if NoiseStream(seed, torch.device("cpu")).source == "torch-cpu":
+        g, buffer = gen(seed), torch.empty((0, *shape))
+
+        def take(num: int) -> torch.Tensor:
+            nonlocal buffer
+            while buffer.shape[0] < num:
+                buffer = torch.cat([buffer, torch.empty((NOISE_BLOCK, *shape)).normal_(generator=g)])
+            rows, buffer = buffer[:num], buffer[num:]
+            return rows
+
+        return take
+    offset = 0
 
     def take(num: int) -> torch.Tensor:
-        nonlocal buffer
-        while buffer.shape[0] < num:
-            buffer = torch.cat([buffer, torch.empty((NOISE_BLOCK, *shape)).normal_(generator=g)])
-        rows, buffer = buffer[:num], buffer[num:]
+        nonlocal offset
+        rows = noisy_latents_native(torch.zeros(shape), num, 1.0, seed, offset)
+        offset += num
         return rows
 
     return take
@@ -100,7 +112,7 @@ def block_stream(g: torch.Generator, shape):
 def cohen_certify(f, x, sigma, n0, n, alpha, batch, seed, num_classes):
     """Reference CERTIFY (Cohen et al. 2019, locuslab/smoothing core.py), with Python-side vote counting, drawing its
     noise by the documented stream contract."""
-    draw = block_stream(gen(seed), x.shape)
+    draw = engine_stream(seed, x.shape)
 
     def sample_noise(num):
         counts = np.zeros(num_classes, dtype=np.int64)
@@ -443,7 +455,7 @@ def test_predict_p_value_and_decision_match_binomtest():
             assert p.p_value == pytest.approx(pv, rel=1e-12)
             if pv <= alpha:
                 # The top class of the same noise draws (reference count with the same generator stream).
-                draw = block_stream(gen(i), (3,))
+                draw = engine_stream(i, (3,))
                 counts = torch.zeros(4, dtype=torch.int64)
                 remaining = 300
                 while remaining:

@@ -1,0 +1,91 @@
+"""The native (C++) kernels of csrc/: they build where a compiler exists, do not depend on the thread count, and
+their absence degrades to the reference path with one clear warning — never a crash. Their values are checked
+against the references in tests/test_kernels_noise_votes.py (every noise test runs on the native kernel too)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from splitz_fast.kernels import select_backend
+from splitz_fast.kernels.native import NATIVE_ENV, native_available
+from splitz_fast.kernels.noise_votes import noisy_latents_native, noisy_latents_reference
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_native_kernels_build_where_a_compiler_exists():
+    if os.environ.get(NATIVE_ENV) == "0":
+        pytest.skip(f"{NATIVE_ENV}=0 turns the native kernels off")
+    assert native_available(), "csrc/ did not build although a C++ compiler exists (see the warning)"
+    assert select_backend("noisy_latents", torch.device("cpu")) == "native"
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_draws_do_not_depend_on_the_thread_count():
+    if not native_available():
+        pytest.skip("native kernels unavailable")
+    latent = torch.randn(8, 10, 10)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(noisy_latents_native(latent, 37, 0.5, 9, 5, channels_last=True))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_native_launcher_refuses_non_cpu_tensors_and_bad_arguments():
+    if not native_available():
+        pytest.skip("native kernels unavailable")
+    latent = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="sigma"):
+        noisy_latents_native(latent, 2, float("nan"), 1, 0)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        noisy_latents_native(latent, 2, 1.0, 1, 2**64 // 12 - 1)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CPU"):
+            noisy_latents_native(latent.cuda(), 2, 1.0, 1, 0)
+
+
+def test_without_a_compiler_the_reference_path_runs_after_one_warning(tmp_path):
+    """A fresh process with the compiler hidden (CXX points nowhere, empty extension cache): one RuntimeWarning that
+    says what to install, the reference dispatch, and certification still works (torch generator stream)."""
+    script = textwrap.dedent("""
+        import warnings, torch
+        import splitz_fast as sz
+        from splitz_fast.kernels import select_backend
+        from splitz_fast.sampling import NoiseStream
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert select_backend("noisy_latents", torch.device("cpu")) == "reference"
+            assert select_backend("noisy_latents", torch.device("cpu")) == "reference"
+            assert NoiseStream(0, "cpu").source == "torch-cpu"
+        messages = [str(w.message) for w in caught if "native CPU kernels" in str(w.message)]
+        assert len(messages) == 1, messages
+        assert "C++ compiler" in messages[0] and "reference" in messages[0], messages[0]
+        print("OK")
+    """)
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop(NATIVE_ENV, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_native_matches_reference_on_a_lenet_sized_latent():
+    """The shape the engine draws most (LeNet split 1, 32 x 28 x 28, channels_last): native = reference stream."""
+    if not native_available():
+        pytest.skip("native kernels unavailable")
+    latent = torch.randn(32, 28, 28)
+    native = noisy_latents_native(latent, 3, 0.25, 2**63 + 5, 7, channels_last=True)
+    reference = noisy_latents_reference(latent, 3, 0.25, 2**63 + 5, 7, channels_last=True)
+    assert native.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(native, reference, rtol=0, atol=2e-6)
