@@ -194,6 +194,95 @@ void noisy_latents(const torch::Tensor& latent, torch::Tensor& out, double sigma
   }
 }
 
+// out[c] = cast(max of the four latent[q] + sigma z over one 2x2 window), per channel c: the values of row 2ho
+// (q0: w = 2wo from z_even, q0 + C: w = 2wo + 1 from z_odd) and of row 2ho + 1 (q1 likewise). NaN propagates as in
+// torch's max_pool2d (a NaN element wins its window).
+template <typename Out>
+SPLITZ_CLONES void store_pooled(const float* __restrict latent_row0, const float* __restrict latent_row1,
+                                const float* __restrict even0, const float* __restrict odd0,
+                                const float* __restrict even1, const float* __restrict odd1, float sigma,
+                                int64_t channels, Out* __restrict out) {
+  for (int64_t c = 0; c < channels; ++c) {
+    const float a = latent_row0[c] + sigma * even0[c];
+    const float b = latent_row0[channels + c] + sigma * odd0[c];
+    const float d = latent_row1[c] + sigma * even1[c];
+    const float e = latent_row1[channels + c] + sigma * odd1[c];
+    float m = (b > a || b != b) && a == a ? b : a;
+    m = (d > m || d != d) && m == m ? d : m;
+    m = (e > m || e != e) && m == m ? e : m;
+    out[c] = to_storage<Out>(m);
+  }
+}
+
+// max_pool2d(latent + sigma z, 2) for num samples, channels_last [num, C, H/2, W/2] output (H, W even): the same
+// numbers as noisy_latents followed by a 2x2 max pool of stride 2 (the max of float32 values commutes with the final
+// rounding to bf16/fp16, which is monotone), in one pass that never writes the full-size batch.
+template <typename Out>
+void fill_pooled(const float* latent_storage, const int32_t* pair_offset, int64_t channels, int64_t height,
+                 int64_t width, int64_t num, float sigma, uint64_t seed, uint64_t offset, Out* out) {
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const int64_t numel = channels * height * width, pooled = numel / 4, half_width = width / 2;
+  const int64_t grain = std::max<int64_t>(1, 32768 / numel);
+  at::parallel_for(0, num, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(numel);
+    float* z_even = row.data();
+    float* z_odd = row.data() + numel / 2;
+    for (int64_t k = begin; k < end; ++k) {
+      const uint64_t first = (offset + static_cast<uint64_t>(k)) * static_cast<uint64_t>(numel);  // even: W is even
+      table_pairs(first >> 1, pair_offset, numel / 2, k0, k1, z_even, z_odd);
+      Out* out_row = out + k * pooled;
+      for (int64_t ho = 0; ho < height / 2; ++ho) {
+        for (int64_t wo = 0; wo < half_width; ++wo) {
+          const int64_t u0 = 2 * ho * half_width + wo, u1 = u0 + half_width;  // pair rows (h, w/2) of the window
+          store_pooled(latent_storage + 2 * u0 * channels, latent_storage + 2 * u1 * channels,
+                       z_even + u0 * channels, z_odd + u0 * channels, z_even + u1 * channels, z_odd + u1 * channels,
+                       sigma, channels, out_row + (ho * half_width + wo) * channels);
+        }
+      }
+    }
+  });
+}
+
+void noisy_latents_maxpool2(const torch::Tensor& latent, torch::Tensor& out, double sigma, uint64_t seed,
+                            uint64_t offset) {
+  TORCH_CHECK(latent.device().is_cpu() && out.device().is_cpu(),
+              "noisy_latents_maxpool2 (native CPU): tensors must be on the CPU");
+  TORCH_CHECK(latent.scalar_type() == torch::kFloat32 && latent.is_contiguous() && latent.dim() == 3,
+              "noisy_latents_maxpool2 (native CPU): latent must be a contiguous float32 [C, H, W] tensor");
+  const int64_t channels = latent.size(0), height = latent.size(1), width = latent.size(2);
+  TORCH_CHECK(height % 2 == 0 && width % 2 == 0 && latent.numel() < (int64_t{1} << 31),
+              "noisy_latents_maxpool2 (native CPU): H and W must be even");
+  TORCH_CHECK(out.dim() == 4 && out.size(1) == channels && out.size(2) == height / 2 && out.size(3) == width / 2 &&
+                  out.is_contiguous(at::MemoryFormat::ChannelsLast),
+              "noisy_latents_maxpool2 (native CPU): out must be a channels_last [num, C, H/2, W/2] tensor");
+  const int64_t spatial = height * width, numel = latent.numel();
+  const float* lat = latent.data_ptr<float>();
+  std::vector<float> latent_storage(numel);
+  for (int64_t s = 0, q = 0; s < spatial; ++s)
+    for (int64_t c = 0; c < channels; ++c, ++q) latent_storage[q] = lat[c * spatial + s];
+  std::vector<int32_t> pair_offset(numel / 2);
+  for (int64_t u = 0, p = 0; u < spatial / 2; ++u)
+    for (int64_t c = 0; c < channels; ++c, ++p) pair_offset[p] = static_cast<int32_t>(c * (spatial / 2) + u);
+  const int64_t num = out.size(0);
+  const float sig = static_cast<float>(sigma);
+  switch (out.scalar_type()) {
+    case torch::kFloat32:
+      fill_pooled(latent_storage.data(), pair_offset.data(), channels, height, width, num, sig, seed, offset,
+                  out.data_ptr<float>());
+      break;
+    case torch::kBFloat16:
+      fill_pooled(latent_storage.data(), pair_offset.data(), channels, height, width, num, sig, seed, offset,
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+      break;
+    case torch::kFloat16:
+      fill_pooled(latent_storage.data(), pair_offset.data(), channels, height, width, num, sig, seed, offset,
+                  out.data_ptr<at::Half>());
+      break;
+    default:
+      TORCH_CHECK(false, "noisy_latents_maxpool2 (native CPU): out must be float32, bfloat16 or float16");
+  }
+}
+
 // The words (w0, w1, w2) of the Philox calls at int64 counters (read as uint64), as an int64 [n, 3] tensor: the integer
 // half of the contract, for tests against the PyTorch reference and the Triton kernel.
 torch::Tensor philox_words(const torch::Tensor& counters, uint64_t seed) {
@@ -220,5 +309,7 @@ torch::Tensor philox_words(const torch::Tensor& counters, uint64_t seed) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "splitz_fast native CPU kernels (csrc/)";
   m.def("noisy_latents", &noisy_latents, "num noisy copies of a latent from the Philox stream, into out");
+  m.def("noisy_latents_maxpool2", &noisy_latents_maxpool2,
+        "max_pool2d(noisy latents, 2) in one pass, channels_last, into out");
   m.def("philox_words", &philox_words, "Philox4x32-10 words (w0, w1, w2) at int64 counters");
 }

@@ -309,6 +309,50 @@ def noisy_latents_native(
     return out
 
 
+def _pooled_output(latent, num, out_dtype, out) -> torch.Tensor:
+    if latent.ndim != 3 or latent.shape[1] % 2 or latent.shape[2] % 2:
+        raise ValueError(f"the fused 2x2 max pool needs a [C, H, W] latent with H and W even, got {tuple(latent.shape)}")
+    shape = (num, latent.shape[0], latent.shape[1] // 2, latent.shape[2] // 2)
+    if out is None:
+        return torch.empty(shape, dtype=out_dtype, device=latent.device, memory_format=torch.channels_last)
+    if (tuple(out.shape) != shape or out.dtype != out_dtype or out.device != latent.device
+            or not out.is_contiguous(memory_format=torch.channels_last)):
+        raise ValueError(f"out must be a dense channels_last tensor of shape {shape}, dtype {out_dtype} on "
+                         f"{latent.device}; got {tuple(out.shape)}, {out.dtype} on {out.device}")
+    return out
+
+
+def noisy_latents_maxpool2_native(
+    latent: torch.Tensor, num: int, sigma: float, seed: int, offset: int, out_dtype: torch.dtype = torch.float32,
+    *, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``max_pool2d(noisy_latents(latent, num, σ, seed, offset, out_dtype, channels_last=True), 2)`` in one pass of the
+    C++ kernel, which never writes the full-size batch: for an ``f_R`` that starts with a 2x2 max pool of stride 2
+    (LeNet's split 1), the sampling engine draws this and runs the rest of ``f_R``. The same numbers: the 2x2 windows
+    take the max of the same float32 sums, and that max commutes with the final (monotone) cast. ``[C, H, W]`` latents
+    with ``H``, ``W`` even; the output is ``[num, C, H/2, W/2]`` channels_last."""
+    from .native import native_module
+
+    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, True)
+    if latent.device.type != "cpu":
+        raise ValueError(f"latent is on {latent.device}: the native noise kernel runs on CPU tensors")
+    out = _pooled_output(latent, num, out_dtype, out)
+    module = native_module()
+    if module is None:
+        raise RuntimeError("the native kernels of splitz_fast (csrc/) are not available on this machine (see the "
+                           "warning above)")
+    module.noisy_latents_maxpool2(latent.detach().float().contiguous(), out, sigma, seed, offset)
+    return out
+
+
+def noisy_latents_maxpool2_reference(
+    latent: torch.Tensor, num: int, sigma: float, seed: int, offset: int, out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:func:`noisy_latents_maxpool2_native` in PyTorch: the reference noisy latents, then ``F.max_pool2d(., 2)``."""
+    noisy = noisy_latents_reference(latent, num, sigma, seed, offset, out_dtype, channels_last=True)
+    return torch.nn.functional.max_pool2d(noisy, 2)
+
+
 _MASK32 = 0xFFFFFFFF
 
 

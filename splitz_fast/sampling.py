@@ -28,7 +28,13 @@ import torch
 import torch.nn as nn
 
 from .kernels import select_backend
-from .kernels.noise_votes import count_votes, count_votes_reference, noisy_latents, noisy_latents_native
+from .kernels.noise_votes import (
+    count_votes,
+    count_votes_reference,
+    noisy_latents,
+    noisy_latents_maxpool2_native,
+    noisy_latents_native,
+)
 from .modules import ModuleSnapshot
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
@@ -63,6 +69,7 @@ class NoiseStream:
         self.offset = 0
         backend = select_backend("noisy_latents", self.device)
         self._philox = {"triton": noisy_latents, "native": noisy_latents_native}.get(backend)
+        self.pools = backend == "native"  # can draw max_pool2d(latent + σz, 2) in one pass (noisy(..., pool2=True))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._spare: torch.Tensor | None = None  # fallback path: drawn, not yet used N(0, 1) rows
@@ -74,10 +81,16 @@ class NoiseStream:
         return "philox4x32-10" if self._philox is not None else f"torch-{self.device.type}"
 
     def noisy(self, latent32: torch.Tensor, num: int, sigma: float, out_dtype: torch.dtype, channels_last: bool,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, pool2: bool = False) -> torch.Tensor:
         """The next ``num`` samples ``latent + σ z`` (``z`` float32, the sum float32, then cast to ``out_dtype``),
-        written into ``out`` when given (``[num, *latent.shape]``, dense in the requested memory format)."""
-        if self._philox is not None:
+        written into ``out`` when given (``[num, *latent.shape]``, dense in the requested memory format). With
+        ``pool2`` (only where :attr:`pools`; channels_last ``[C, H, W]`` latents, H and W even) the same samples after
+        a 2x2 max pool of stride 2, ``[num, C, H/2, W/2]``, drawn in one pass."""
+        if pool2:
+            if not self.pools:
+                raise ValueError("this noise stream cannot fuse the max pool (native CPU kernel only)")
+            result = noisy_latents_maxpool2_native(latent32, num, sigma, self.seed, self.offset, out_dtype, out=out)
+        elif self._philox is not None:
             result = self._philox(latent32, num, sigma, self.seed, self.offset, out_dtype=out_dtype,
                                   channels_last=channels_last, out=out)
         else:
@@ -166,7 +179,7 @@ class SamplingEngine:
         self.dtype = PRECISIONS[precision]
         self.source = right
         self.compile = compile
-        self._prepared: dict[bool, nn.Module] = {}  # keyed by channels_last
+        self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
         self._snapshot: ModuleSnapshot | None = None
 
     # ------------------------------------------------------------------ the prepared f_R
@@ -177,21 +190,33 @@ class SamplingEngine:
             self._prepared.clear()
             self._snapshot = ModuleSnapshot(self.source)
 
-    def classifier(self, channels_last: bool) -> nn.Module:
-        """``f_R`` as sampled: a prepared copy (eval mode, BatchNorm folded, on the device, channels_last for image
-        latents, compiled if asked) where preparing changes something, else the user's module itself."""
-        if channels_last not in self._prepared:
-            needs_copy = self.compile or (channels_last and _has_conv(self.source)) or any(
-                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.source.modules())
-            prepared = self.source
+    def pools_in_noise(self, latent_shape: torch.Size) -> bool:
+        """Whether ``f_R``'s leading 2x2 max pool is drawn by the noise kernel (:meth:`NoiseStream.noisy` with
+        ``pool2``): ``f_R`` is an ``nn.Sequential`` that starts with ``MaxPool2d(2)`` (stride 2, no padding or
+        dilation, floor mode), the latent is ``[C, H, W]`` with H and W even, and the noise comes from the native CPU
+        kernel. The same base classifier (bitwise the same pooled values, tested); on LeNet split 1 it removes the
+        largest single cost of a sample (the full-size noisy batch and its pooling pass)."""
+        return (len(latent_shape) == 3 and latent_shape[1] % 2 == 0 and latent_shape[2] % 2 == 0
+                and _starts_with_maxpool2(self.source) and select_backend("noisy_latents", self.device) == "native")
+
+    def classifier(self, channels_last: bool, pooled: bool = False) -> nn.Module:
+        """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
+        folded, on the device, channels_last for image latents, compiled if asked) where preparing changes something,
+        else the user's module itself (or its ``[1:]`` slice, which shares the user's layers)."""
+        key = (channels_last, pooled)
+        if key not in self._prepared:
+            source = self.source[1:] if pooled else self.source
+            needs_copy = self.compile or (channels_last and _has_conv(source)) or any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
+            prepared = source
             if needs_copy:
-                prepared = fold_batchnorm(self.source).to(self.device)
+                prepared = _relu_in_place(fold_batchnorm(source).to(self.device))
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
                 if self.compile:
                     prepared = _CompiledOrEager(prepared)
-            self._prepared[channels_last] = prepared
-        return self._prepared[channels_last]
+            self._prepared[key] = prepared
+        return self._prepared[key]
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -207,7 +232,8 @@ class SamplingEngine:
         """The batch size with the most samples/s for latents of this shape, at most ``cap``: measured once per
         process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when throughput falls
         twice in a row, memory runs out or the time budget is spent)."""
-        key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile)
+        key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile,
+               self.pools_in_noise(latent_shape))
         if key not in _TUNED_BATCH:
             _TUNED_BATCH[key] = self._measure_batch_size(tuple(latent_shape), cap)
         return _TUNED_BATCH[key]
@@ -215,13 +241,14 @@ class SamplingEngine:
     @torch.inference_mode()
     def _measure_batch_size(self, shape: tuple[int, ...], cap: int) -> int:
         channels_last = len(shape) == 3
-        net = self.classifier(channels_last)
+        pooled = self.pools_in_noise(torch.Size(shape))
+        net = self.classifier(channels_last, pooled)
         if isinstance(net, _CompiledOrEager):
             # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
             # it is compiled once, for the size chosen here.
             net = net.net
-        if net is self.source:
-            net = copy.deepcopy(net)  # timing runs must not touch the user's module (it may keep state)
+        if net is self.source or pooled and not self._prepared_is_copy(net):
+            net = copy.deepcopy(net)  # timing runs must not touch the user's modules (they may keep state)
         latent = torch.zeros(shape, device=self.device)
         stream = NoiseStream(0, self.device)
         counts = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device)
@@ -229,7 +256,7 @@ class SamplingEngine:
         deadline = time.perf_counter() + TUNE_BUDGET_S
         while b <= cap and time.perf_counter() < deadline:
             try:
-                rate = self._samples_per_second(net, SamplingJob(latent, stream, b, counts), channels_last)
+                rate = self._samples_per_second(net, SamplingJob(latent, stream, b, counts), channels_last, pooled)
             except torch.OutOfMemoryError:
                 break
             if rate > best_rate:
@@ -241,14 +268,14 @@ class SamplingEngine:
             b = cap if b < cap < 2 * b else 2 * b
         return best
 
-    def _samples_per_second(self, net, job: SamplingJob, channels_last: bool) -> float:
+    def _samples_per_second(self, net, job: SamplingJob, channels_last: bool, pooled: bool) -> float:
         """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
         passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU)."""
-        self._count(net, job, job.num, channels_last)
+        self._count(net, job, job.num, channels_last, pooled)
         _synchronize(self.device)
         passes, start = 0, time.perf_counter()
         while passes < 2 or time.perf_counter() - start < TUNE_MIN_TIME_S:
-            self._count(net, job, job.num, channels_last)
+            self._count(net, job, job.num, channels_last, pooled)
             _synchronize(self.device)
             passes += 1
         return passes * job.num / (time.perf_counter() - start)
@@ -265,7 +292,8 @@ class SamplingEngine:
         if any(job.latent.shape != shape for job in jobs):
             raise ValueError("all jobs of one run must have latents of the same shape")
         channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
-        net = self.classifier(channels_last)
+        pooled = self.pools_in_noise(shape)
+        net = self.classifier(channels_last, pooled)
         pending = [(job, job.num) for job in jobs if job.num > 0]
         while pending:
             size = min(batch_size, sum(left for _, left in pending))
@@ -279,28 +307,35 @@ class SamplingEngine:
                     pending.pop(0)
                 else:
                     pending[0] = (job, left - take)
-            self._count_segments(net, segments, channels_last, batch_size)
+            self._count_segments(net, segments, channels_last, pooled, batch_size)
 
-    def _count(self, net, job: SamplingJob, num: int, channels_last: bool) -> None:
-        self._count_segments(net, [(job, num)], channels_last, num)
+    def _count(self, net, job: SamplingJob, num: int, channels_last: bool, pooled: bool) -> None:
+        self._count_segments(net, [(job, num)], channels_last, pooled, num)
 
-    def _count_segments(self, net, segments: list[tuple[SamplingJob, int]], channels_last: bool,
+    def _prepared_is_copy(self, net: nn.Module) -> bool:
+        """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
+        return not any(p is q for p in net.parameters() for q in self.source.parameters())
+
+    def _count_segments(self, net, segments: list[tuple[SamplingJob, int]], channels_last: bool, pooled: bool,
                         batch_size: int) -> None:
         total = sum(take for _, take in segments)
         # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
         rows = batch_size if self.compile else total
         if len(segments) == 1 and rows == total:
             job, take = segments[0]
-            batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last)
+            batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, pool2=pooled)
         else:
             fmt = torch.channels_last if channels_last else torch.contiguous_format
-            batch = torch.empty((rows, *segments[0][0].latent.shape), dtype=self.dtype, device=self.device,
-                                memory_format=fmt)
+            shape = segments[0][0].latent.shape
+            if pooled:
+                shape = (shape[0], shape[1] // 2, shape[2] // 2)
+            batch = torch.empty((rows, *shape), dtype=self.dtype, device=self.device, memory_format=fmt)
             if rows > total:
                 batch[total:].zero_()  # padding rows: scored, never counted
             start = 0
             for job, take in segments:
-                job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, out=batch[start:start + take])
+                job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last,
+                                 out=batch[start:start + take], pool2=pooled)
                 start += take
         logits = self._scores(net, batch)
         count = count_votes if select_backend("count_votes", self.device) == "triton" else count_votes_reference
@@ -308,6 +343,40 @@ class SamplingEngine:
         for job, take in segments:
             count(logits[start:start + take], job.counts)
             start += take
+
+
+# Layers whose output is a fresh tensor or a view of their input only: in an nn.Sequential of these, the input of a
+# ReLU is used by nothing else, so the ReLU may overwrite it.
+_CHAIN_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.ReLU,
+                 nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def _relu_in_place(module: nn.Module) -> nn.Module:
+    """The prepared copy with the ReLUs of a plain layer chain switched to in-place (the same values, one large
+    allocation less per layer: on LeNet split 1 the eager ReLU after conv2 cost more than the pooling around it).
+    Only for an ``nn.Sequential`` whose layers are all exactly of the types in :data:`_CHAIN_LAYERS` (subclasses may
+    return aliases), where no ReLU input is reused; the first layer is never a ReLU's victim (its input is the noisy
+    batch, which the engine does not reuse either)."""
+    if isinstance(module, nn.Sequential) and all(type(m) in _CHAIN_LAYERS for m in module):
+        for layer in module:
+            if isinstance(layer, nn.ReLU):
+                layer.inplace = True
+    return module
+
+
+def _starts_with_maxpool2(module: nn.Module) -> bool:
+    """``module`` is an ``nn.Sequential`` whose first layer is ``MaxPool2d(2)``: kernel 2, stride 2, no padding,
+    no dilation, floor mode, no indices."""
+    if not isinstance(module, nn.Sequential) or len(module) < 2 or type(module[0]) is not nn.MaxPool2d:
+        return False
+    pool = module[0]
+
+    def pair(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+    return (pair(pool.kernel_size) == (2, 2) and pair(pool.stride if pool.stride is not None else 2) == (2, 2)
+            and pair(pool.padding) == (0, 0) and pair(pool.dilation) == (1, 1) and not pool.ceil_mode
+            and not pool.return_indices)
 
 
 def _has_conv(module: nn.Module) -> bool:

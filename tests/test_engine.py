@@ -128,6 +128,49 @@ def test_prepared_f_r_folds_batchnorm_and_leaves_the_user_model_unchanged():
     assert fold_batchnorm(nn.Linear(3, 2)).weight is not None  # nothing to fold: still a working copy
 
 
+def _pooling_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
+    """LeNet's shape in miniature: f_R starts with MaxPool2d(2), so the engine draws the pooled noise in one pass."""
+    torch.manual_seed(seed)
+    left = LeftHalf([nn.Conv2d(1, 4, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 8, 8))
+    right = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Linear(24, 12), nn.ReLU(), nn.Linear(12, 5))
+    return SplitModel(left, right, 5), torch.rand(4, 1, 8, 8, generator=_gen(seed + 7))
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_pool_fused_into_the_noise_gives_the_same_votes(precision, monkeypatch):
+    """The fused draw max_pool2d(latent + σz, 2) followed by f_R[1:] is the same base classifier as f_R on the
+    full-size noisy batch: the same counts for every input (the pooled values are bitwise equal, tested in
+    test_kernels_noise_votes), and the user's f_R keeps its layers and ReLU flags."""
+    model, xs = _pooling_splitz()
+    smoother = Smoother(model, 0.6, precision=precision)
+    engine = smoother.engine()
+    if not engine.pools_in_noise(torch.Size((4, 8, 8))):
+        pytest.skip("the fused pool needs the native noise kernel")
+    fused = list(smoother.certify_many(xs, 20, 400, 0.01, batch_size=96, seeds=range(4)))
+    monkeypatch.setattr(SamplingEngine, "pools_in_noise", lambda self, shape: False)
+    plain = list(Smoother(model, 0.6, precision=precision).certify_many(xs, 20, 400, 0.01, batch_size=96,
+                                                                        seeds=range(4)))
+    assert [(r.prediction, r.count_a) for r in fused] == [(r.prediction, r.count_a) for r in plain]
+    assert isinstance(model.right[0], nn.MaxPool2d) and len(model.right) == 8
+    assert not any(m.inplace for m in model.right if isinstance(m, nn.ReLU))
+
+
+def test_only_a_plain_leading_2x2_max_pool_is_fused():
+    from splitz_fast.sampling import _starts_with_maxpool2
+
+    rest = [nn.Flatten(), nn.Linear(4, 2)]
+    assert _starts_with_maxpool2(nn.Sequential(nn.MaxPool2d(2), *rest))
+    assert _starts_with_maxpool2(nn.Sequential(nn.MaxPool2d((2, 2), stride=2), *rest))
+    for pool in (nn.MaxPool2d(3), nn.MaxPool2d(2, stride=1), nn.MaxPool2d(2, padding=1), nn.MaxPool2d(2, ceil_mode=True),
+                 nn.MaxPool2d(2, dilation=2), nn.AvgPool2d(2)):
+        assert not _starts_with_maxpool2(nn.Sequential(pool, *rest)), pool
+    assert not _starts_with_maxpool2(nn.MaxPool2d(2))  # not a Sequential: nothing to run after it
+    model, _ = _pooling_splitz()
+    assert not model.right is None and not SamplingEngine(model.right, 5, 0.5, torch.device("cpu")).pools_in_noise(
+        torch.Size((4, 7, 8)))  # odd H
+
+
 def test_engine_rebuilds_the_prepared_copy_when_f_r_changes():
     model, xs = _small_splitz()
     smoother = Smoother(model, 0.4)

@@ -89,3 +89,36 @@ def test_native_matches_reference_on_a_lenet_sized_latent():
     reference = noisy_latents_reference(latent, 3, 0.25, 2**63 + 5, 7, channels_last=True)
     assert native.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(native, reference, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(32, 28, 28), (3, 4, 6), (1, 2, 2)])
+def test_fused_max_pool_equals_pooling_the_noisy_batch(shape, dtype):
+    """max_pool2d(noisy_latents(...), 2) drawn in one pass: bitwise the same values (same float32 sums, the max
+    commutes with the monotone cast), channels_last, and the PyTorch reference within float32 rounding."""
+    if not native_available():
+        pytest.skip("native kernels unavailable")
+    from splitz_fast.kernels.noise_votes import noisy_latents_maxpool2_native, noisy_latents_maxpool2_reference
+
+    latent = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    fused = noisy_latents_maxpool2_native(latent, 5, 0.5, 2**40 + 3, 11, dtype)
+    pooled = torch.nn.functional.max_pool2d(noisy_latents_native(latent, 5, 0.5, 2**40 + 3, 11, dtype,
+                                                                 channels_last=True), 2)
+    assert fused.is_contiguous(memory_format=torch.channels_last) and fused.dtype == dtype
+    assert torch.equal(fused, pooled)
+    reference = noisy_latents_maxpool2_reference(latent, 5, 0.5, 2**40 + 3, 11, dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(fused.float(), reference.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_fused_max_pool_propagates_nan_and_refuses_odd_sizes():
+    if not native_available():
+        pytest.skip("native kernels unavailable")
+    from splitz_fast.kernels.noise_votes import noisy_latents_maxpool2_native
+
+    latent = torch.randn(4, 6, 6)
+    latent[1, 2, 3] = float("nan")
+    fused = noisy_latents_maxpool2_native(latent, 3, 0.5, 1, 0)
+    assert fused[:, 1, 1, 1].isnan().all() and fused.isnan().sum() == 3  # the window (rows 2-3, cols 2-3) of channel 1
+    with pytest.raises(ValueError, match="even"):
+        noisy_latents_maxpool2_native(torch.randn(4, 5, 6), 3, 0.5, 1, 0)
