@@ -29,7 +29,7 @@ from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_
 from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
 from .datasets import DATASETS, DatasetInfo, get_dataset
 from .training import TrainConfig, splitz_loss, train
-from .runs import run_over_dataset
+from .runs import ShardSpec, merge_shards, run_over_dataset
 from . import analysis
 
 __version__ = "0.1.0"
@@ -47,6 +47,8 @@ __all__ = [
     "imagenet_resnet50",
     "lenet",
     "run_over_dataset",
+    "ShardSpec",
+    "merge_shards",
     "splitz_loss",
     "tabular_mlp",
     "train",

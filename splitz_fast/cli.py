@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -205,6 +206,7 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
     check_probability("--alpha", args.alpha)
     check_count("--seed", args.seed, 0)
     check_output_file("OUTFILE", args.outfile)
+    env, shard = _sharding(args)
     model, ckpt, info = _model_and_dataset(args)
     smoother = Smoother(model, args.sigma, bound=getattr(args, "bound", "local"),
                         bound_method=getattr(args, "bound_method", "auto"),
@@ -224,11 +226,54 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
     if sequential:  # recorded only when set, so files written before the option still resume
         certifier, n = SequentialCertifier(smoother, args.radii), budget
         settings.update(sequential=True, radii=list(args.radii), budget=budget)
-    run_over_dataset(kind, certifier, info.dataset, args.outfile, settings=settings, indices=indices, n0=n0,
-                     n=n, alpha=args.alpha, batch_size=args.batch, seed=args.seed, resume=args.resume,
-                     checkpoint=args.checkpoint)
-    print(f"{kind}: {len(indices)} images → {args.outfile}")
+
+    def run(shard_spec, progress):
+        return run_over_dataset(kind, certifier, info.dataset, args.outfile, settings=settings, indices=indices,
+                                n0=n0, n=n, alpha=args.alpha, batch_size=args.batch, seed=args.seed,
+                                resume=args.resume, checkpoint=args.checkpoint, shard=shard_spec, progress=progress)
+
+    _run_whole_or_sharded(args, kind, env, shard, indices, run)
     return 0
+
+
+def _run_whole_or_sharded(args: argparse.Namespace, kind: str, env, shard, indices: list[int], run) -> None:
+    """The one dispatch of certify / predict / certify-margin: ``run(shard_spec, progress)`` (``run_over_dataset``)
+    for the whole selection, for ``--shard K/N``, or for this torchrun rank's shard followed by rank 0's merge."""
+    what = "inputs" if kind == "certify-margin" else "images"
+    if env is not None:
+        from .distributed import run_sharded
+
+        merged = run_sharded(env, args.device, args.outfile, lambda spec: run(spec, env.rank == 0))
+        if merged is not None:
+            print(f"{kind}: {len(indices)} {what} on {env.world_size} ranks → {merged} (merged from "
+                  f"{Path(args.outfile).name}.shard-*-of-{env.world_size})")
+    elif shard is not None:
+        path = run(shard, True)
+        print(f"{kind}: shard {shard}, {len(shard.select(indices))} of {len(indices)} {what} → {path}; when all "
+              f"{shard.count} shards are done: splitz merge {shlex.quote(str(args.outfile))}")
+    else:
+        run(None, True)
+        print(f"{kind}: {len(indices)} {what} → {args.outfile}")
+
+
+def _sharding(args: argparse.Namespace):
+    """``(torchrun ranks or None, ShardSpec or None)`` of a certify/predict run; sets ``args.device`` to the device
+    this process uses (under torchrun: its local rank's GPU, see :meth:`TorchrunEnv.device`)."""
+    from .distributed import TorchrunEnv
+    from .runs import ShardSpec
+
+    env = TorchrunEnv.from_environ()
+    shard = None if args.shard is None else ShardSpec.parse(args.shard)
+    if env is None:
+        args.device = check_device("--device", args.device or "cpu")
+        return None, shard
+    if shard is not None:
+        raise ValueError(f"--shard splits a run into separate jobs; under torchrun (WORLD_SIZE={env.world_size}) the "
+                         "ranks already are the shards: drop --shard, or run each shard without torchrun")
+    args.device = check_device("--device", env.device(args.device))
+    if Path(args.outfile).exists() and not args.resume:
+        raise FileExistsError(f"{args.outfile} exists; pass --resume to continue it, or choose another OUTFILE")
+    return env, None
 
 
 def _sequential_budget(args: argparse.Namespace) -> int:
@@ -256,6 +301,7 @@ def certify_margin_command(args: argparse.Namespace) -> int:
 
     check_count("--seed", args.seed, 0)
     check_output_file("OUTFILE", args.outfile)
+    env, shard = _sharding(args)
     model, ckpt, info = _model_and_dataset(args)
     certifier = MarginCertifier(model, bound=args.bound, bound_method=args.bound_method,
                                 gamma_search=args.gamma_search)
@@ -264,14 +310,33 @@ def certify_margin_command(args: argparse.Namespace) -> int:
                 "model_spec": ckpt.get("model_spec"), "certifier": "margin", "bound": certifier.bound,
                 "bound_method": certifier.bound_method, "gamma_search": certifier.gamma_search}
     # No sampling: n0 = n = batch = 1 are placeholders for the run machinery (the TSV's count columns stay 0).
-    run_over_dataset("certify", certifier, info.dataset, args.outfile, settings=settings, indices=indices, n0=1, n=1,
-                     alpha=0.5, batch_size=1, seed=args.seed, resume=args.resume, checkpoint=args.checkpoint)
-    print(f"certify-margin: {len(indices)} inputs → {args.outfile}")
+    def run(shard_spec, progress):
+        return run_over_dataset("certify", certifier, info.dataset, args.outfile, settings=settings, indices=indices,
+                                n0=1, n=1, alpha=0.5, batch_size=1, seed=args.seed, resume=args.resume,
+                                checkpoint=args.checkpoint, shard=shard_spec, progress=progress)
+
+    _run_whole_or_sharded(args, "certify-margin", env, shard, indices, run)
     return 0
 
 
 def predict_command(args: argparse.Namespace) -> int:
     return _smoothing_run(args, "predict")
+
+
+def merge_command(args: argparse.Namespace) -> int:
+    """Join the shards of one certify/predict run (``--shard K/N``) into OUTFILE, sorted by idx."""
+    from .runs import ShardData, merge_shards, shard_files
+
+    out = check_output_file("OUTFILE", args.outfile)
+    paths = [Path(p) for p in args.shards] if args.shards else shard_files(out)
+    given = {str(p) for p in paths}  # `OUTFILE.shard-*` also matches the sidecars: they come with their shards
+    paths = [p for p in paths if not (p.suffix == ".json" and str(p.with_suffix("")) in given)]
+    if out.resolve() in {p.resolve() for p in paths}:
+        raise ValueError(f"OUTFILE {str(out)!r} is also given as a shard; name the merged file first")
+    merged = merge_shards(out, [ShardData.read(p) for p in paths])
+    rows = merged.read_text().count("\n") - 1
+    print(f"merge: {len(paths)} shards, {rows} rows → {merged}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- analyze
@@ -292,6 +357,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.required:
             return action.help
         return super()._get_help_string(action)
+
+
+def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--shard`` of the commands that run over a dataset (certify, predict, certify-margin)."""
+    parser.add_argument("--device", default=None,
+                        help="cpu, or cuda / cuda:N where a GPU is present; unset, cpu (under torchrun: each rank's "
+                             "cuda:LOCAL_RANK when CUDA is available)")
+    parser.add_argument("--shard", default=None, metavar="K/N",
+                        help="run only shard K of N (0 <= K < N: every N-th selected input from the K-th) into "
+                             "OUTFILE.shard-K-of-N, e.g. --shard $SLURM_ARRAY_TASK_ID/8; then `splitz merge OUTFILE`. "
+                             "Under torchrun the ranks are the shards and rank 0 merges")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,9 +473,17 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--compile", action="store_true",
                        help="sample through torch.compile(f_R) with static batch shapes (eager if compiling fails)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
-        c.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+        _add_sharding_options(c)
         c.set_defaults(func=func)
+
+    g = sub.add_parser("merge", help="join the shards of a certify/predict run (--shard K/N) into one TSV",
+                       formatter_class=_HelpFormatter)
+    g.add_argument("outfile", help="merged TSV (rows sorted by idx) and its sidecar OUTFILE.json")
+    g.add_argument("shards", nargs="*",
+                   help="shard files; default: every OUTFILE.shard-K-of-N beside OUTFILE. Refused: shards of other "
+                        "settings or checkpoints, missing, duplicated or incomplete shards")
+    g.set_defaults(func=merge_command)
 
     m = sub.add_parser("certify-margin", help="deterministic logit-margin certificates (no smoothing) for a model "
                                               "whose whole classifier is in f_L (the Lipschitz-only baseline)",
@@ -418,8 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
                    help="exact (deterministic) or probabilistic; auto picks by size")
     m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
-    m.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
     m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+    _add_sharding_options(m)
     m.set_defaults(func=certify_margin_command)
 
     a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
@@ -441,17 +525,34 @@ def _stopped_at(args: argparse.Namespace) -> str:
         return f"{epochs} of {args.epochs} epochs finished in {args.outdir}"
     if args.command == "demo":
         return f"finished parts are kept in {args.out}"
-    if args.command == "analyze":
+    if args.command in ("analyze", "merge"):
         return "nothing to keep"
     out = Path(args.outfile)
+    shard = _shard_being_written(args)
+    if shard is not None:
+        out = shard.path(out)
     rows = max(0, out.read_text().count("\n") - 1) if out.is_file() else 0  # complete lines after the header
     return f"{rows} rows in {out}"
+
+
+def _shard_being_written(args: argparse.Namespace):
+    """The shard a certify/predict process writes (``--shard``, or its torchrun rank), else ``None``."""
+    from .distributed import TorchrunEnv
+    from .runs import ShardSpec
+
+    try:
+        env = TorchrunEnv.from_environ()
+        return env.shard if env is not None else ShardSpec.parse(args.shard) if getattr(args, "shard", None) else None
+    except ValueError:
+        return None
 
 
 def _continue_command(args: argparse.Namespace, argv: list[str]) -> str:
     words = list(argv)
     if getattr(args, "resume", None) is False:  # demo resumes by itself and analyze has nothing to resume
         words.append("--resume")
+    if os.environ.get("WORLD_SIZE") and os.environ.get("RANK"):
+        return f"the same torchrun command with: -m splitz_fast {shlex.join(words)}"
     return "splitz " + shlex.join(words)
 
 
@@ -460,8 +561,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        if hasattr(args, "device"):
-            check_device("--device", args.device)
+        if args.command in ("train", "demo") and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise ValueError(f"`splitz {args.command}` runs as one process; under torchrun (WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']}) every rank would write the same files. Only certify, "
+                             "predict and certify-margin are sharded over ranks")
+        if getattr(args, "device", None) is not None and not hasattr(args, "shard"):
+            check_device("--device", args.device)  # certify/predict check theirs once torchrun's ranks are known
         return args.func(args)
     except KeyboardInterrupt:
         print(f"interrupted: {_stopped_at(args)}; to continue, run: {_continue_command(args, argv)}", file=sys.stderr)

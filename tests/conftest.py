@@ -23,3 +23,19 @@ def poisoned():
     yield
     torch.use_deterministic_algorithms(old[0])
     torch.utils.deterministic.fill_uninitialized_memory = old[1]
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """A 40-row, 4-feature, 2-class dataset under any dataset name (in this process only: subprocesses see the real
+    datasets), so every command runs in well under a second."""
+    from torch.utils.data import TensorDataset
+
+    import splitz_fast.datasets as datasets
+    from splitz_fast.datasets import DatasetInfo
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, generator=gen)
+    info = DatasetInfo(TensorDataset(x, (x[:, 0] > 0).long()), (4,), 2, None, None, "tiny test data")
+    monkeypatch.setattr(datasets, "get_dataset", lambda name, split, root=None: info)
+    return info

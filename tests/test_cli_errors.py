@@ -8,24 +8,12 @@ import shlex
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-import splitz_fast.datasets as datasets
 import splitz_fast.training as training
 from splitz_fast.cli import build_parser, main
-from splitz_fast.datasets import DATASETS, DatasetInfo
+from splitz_fast.datasets import DATASETS
 import splitz_fast.smoothing as smoothing
 from splitz_fast.training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
-
-
-@pytest.fixture
-def tiny(monkeypatch):
-    """A 40-row, 4-feature, 2-class dataset under any dataset name, so every command runs in well under a second."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(40, 4, generator=gen)
-    info = DatasetInfo(TensorDataset(x, (x[:, 0] > 0).long()), (4,), 2, None, None, "tiny test data")
-    monkeypatch.setattr(datasets, "get_dataset", lambda name, split, root=None: info)
-    return info
 
 
 TRAIN = ["--sigma", "0.5", "--epochs", "2", "--batch", "8", "--val-fraction", "0.25", "--lr-schedule", "none"]
