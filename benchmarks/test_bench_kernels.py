@@ -1,5 +1,6 @@
-"""Each Triton op against its PyTorch reference (cuDNN/cuBLAS/torch.randn underneath), timed in the same process on
-the same inputs — the numbers that decide whether ``select_backend`` should send an op to Triton on CUDA.
+"""Each Triton op against its PyTorch reference (cuDNN/cuBLAS/torch.randn underneath), and the CUDA kernels of csrc/
+against both, timed in the same process on the same inputs — the numbers that decide whether ``select_backend`` should
+send an op to Triton (or to the CUDA kernel) on CUDA.
 
 Shapes are the ones the library runs: the LeNet/MNIST first convolution (1→32, 3×3, pad 1, 28×28) and the CIFAR
 ResNet stem (3→16, 3×3, pad 1, 32×32); a training batch of 256 for the masked products (forward, adjoint, and
@@ -115,3 +116,50 @@ def test_noise_and_votes_triton_vs_reference(benchmark, record_env):
         count_votes_reference(logits, counts)
 
     _compare(benchmark, record_env, "noisy_latents + count_votes, 10,000 LeNet latents", ours, reference)
+
+
+CUDA_KERNEL_CASES = ["noise fp32 channels_last", "noise fp32 contiguous", "noise bf16 channels_last",
+                     "votes 10 classes", "votes 1000 classes"]
+
+
+@pytest.mark.parametrize("case", CUDA_KERNEL_CASES)
+def test_cuda_kernels_vs_triton_vs_reference(benchmark, record_env, case):
+    """The CUDA kernels of csrc/noise_votes_cuda.cu (``SPLITZ_BACKEND=native``) against the Triton kernels (the
+    ``auto`` default on CUDA) and eager PyTorch, same inputs, same process: 10,000 noisy LeNet split-1 latents into a
+    preallocated batch, or the vote count of 10,000 rows. Both ratios are recorded; ``auto`` should switch to the CUDA
+    kernel (kernels/__init__.py: AUTO_CUDA_NATIVE_OPS) only where ``cuda_vs_triton`` > 1 on the GPU that matters."""
+    from splitz_fast.kernels.native_cuda import cuda_native_available
+    from splitz_fast.kernels.noise_votes import count_votes_cuda, noisy_latents_cuda
+
+    assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build here (see the warning)"
+    torch.manual_seed(0)
+    samples = 1000 if QUICK else 10_000
+    if case.startswith("noise"):
+        dtype = torch.bfloat16 if "bf16" in case else torch.float32
+        channels_last = "channels_last" in case
+        latent = torch.rand(32, 28, 28, device=DEVICE)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        out = torch.empty((samples, 32, 28, 28), dtype=dtype, device=DEVICE, memory_format=fmt)
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+        def run(fn):
+            return lambda: fn(latent, samples, 0.5, 0, 0, out_dtype=dtype, channels_last=channels_last, out=out)
+
+        def reference():  # eager: torch.randn in float32, the add, the cast into the batch
+            out.copy_(torch.add(latent, torch.randn((samples, 32, 28, 28), generator=gen, device=DEVICE), alpha=0.5))
+
+        cuda_fn, triton_fn = run(noisy_latents_cuda), run(noisy_latents)
+    else:
+        classes = int(case.split()[1])
+        logits = torch.randn(samples, classes, device=DEVICE)
+        counts = torch.zeros(classes, dtype=torch.int64, device=DEVICE)
+        cuda_fn = lambda: count_votes_cuda(logits, counts)  # noqa: E731
+        triton_fn = lambda: count_votes(logits, counts)  # noqa: E731
+        reference = lambda: count_votes_reference(logits, counts)  # noqa: E731
+    cuda_ms, triton_ms, reference_ms = _cuda_ms(cuda_fn), _cuda_ms(triton_fn), _cuda_ms(reference)
+    benchmark.pedantic(cuda_fn, rounds=1, iterations=1)
+    record_env.update(op=f"{case}, {samples} rows", cuda_ms=cuda_ms, triton_ms=triton_ms, reference_ms=reference_ms,
+                      cuda_vs_triton=triton_ms / cuda_ms, cuda_vs_reference=reference_ms / cuda_ms)
+    print(f"\n{case}, {samples} rows on {torch.cuda.get_device_name(0)}: cuda {cuda_ms:.3f} ms, triton "
+          f"{triton_ms:.3f} ms, reference {reference_ms:.3f} ms; cuda speedup {triton_ms / cuda_ms:.2f}x vs triton, "
+          f"{reference_ms / cuda_ms:.2f}x vs reference")

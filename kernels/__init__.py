@@ -25,7 +25,10 @@ Dispatch is explicit: Triton for CUDA tensors where an op has a kernel that beat
 (``AUTO_TRITON_OPS``), the native kernel for CPU tensors where an op has one (``NATIVE_OPS``) and it could be built,
 the reference elsewhere; ``SPLITZ_BACKEND`` (``auto`` | ``reference`` | ``triton`` | ``native``) forces one. Forcing
 Triton for an op without a Triton kernel is an error, never a silent fallback; ``native`` runs the native kernel of the
-ops that have one (an error where it cannot be built) and the reference of the others. On a machine without a GPU,
+ops that have one (an error where it cannot be built) and the reference of the others — on CUDA tensors the CUDA
+kernels of ``csrc/noise_votes_cuda.cu`` (``noisy_latents``, ``count_votes``; :mod:`splitz_fast.kernels.native_cuda`),
+which ``auto`` leaves to Triton until a GPU measurement puts them in ``AUTO_CUDA_NATIVE_OPS``.
+On a machine without a GPU,
 ``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter on CPU tensors (slow;
 for tests).
 """
@@ -44,6 +47,10 @@ TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "first_l
 # (benchmarks/test_bench_kernels.py, H200, batch 256). masked_conv2d is not: its implicit GEMM ran at 0.04–0.39x
 # cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
 AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
+# Ops that ``auto`` sends to the CUDA kernels of csrc/ (kernels/native_cuda.py: CUDA_OPS) on CUDA instead of Triton:
+# none until benchmarks/test_bench_kernels.py measures them faster than Triton on a GPU (not yet run). Until then
+# ``SPLITZ_BACKEND=native`` reaches them on CUDA tensors.
+AUTO_CUDA_NATIVE_OPS: frozenset[str] = frozenset()
 
 
 def select_backend(op: str, device: torch.device) -> str:
@@ -51,6 +58,7 @@ def select_backend(op: str, device: torch.device) -> str:
     ``auto``: Triton on CUDA for the ops in ``AUTO_TRITON_OPS``, the native kernel on the CPU for the ops in
     ``NATIVE_OPS`` where it could be built, the reference elsewhere)."""
     from .native import NATIVE_OPS, native_available
+    from .native_cuda import CUDA_OPS, cuda_native_available
 
     choice = os.environ.get(BACKEND_ENV, "auto").lower()
     if choice not in BACKENDS:
@@ -62,8 +70,12 @@ def select_backend(op: str, device: torch.device) -> str:
             raise NotImplementedError(f"{BACKEND_ENV}=triton, but op {op!r} has no Triton kernel yet")
         return "triton"
     if choice == "native":
+        if device.type == "cuda":  # the CUDA kernels of csrc/noise_votes_cuda.cu
+            return "native" if op in CUDA_OPS else "reference"
         return "native" if op in NATIVE_OPS else "reference"
     if device.type == "cuda":
+        if op in AUTO_CUDA_NATIVE_OPS and op in CUDA_OPS and cuda_native_available():
+            return "native"
         return "triton" if op in AUTO_TRITON_OPS else "reference"
     return "native" if op in NATIVE_OPS and device.type == "cpu" and native_available() else "reference"
 

@@ -1,7 +1,9 @@
 """Noise draws and vote counting of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents`` and
 ``count_votes``, each a Triton kernel with its launcher, beside the pure-PyTorch references
 ``noisy_latents_reference`` and ``count_votes_reference`` (the test oracles and the fallback path), and
-``noisy_latents_native``, the launcher of the C++ kernel of ``csrc/noise_cpu.cpp`` (the CPU path).
+``noisy_latents_native``, the launcher of the C++ kernel of ``csrc/noise_cpu.cpp`` (the CPU path), and
+``noisy_latents_cuda`` / ``count_votes_cuda``, the launchers of the CUDA kernels of ``csrc/noise_votes_cuda.cu``
+(``SPLITZ_BACKEND=native`` on CUDA tensors; ``auto`` uses the Triton kernels there until measured otherwise).
 
 ``noisy_latents(latent, num, σ, seed, offset) -> [num, *latent.shape]``
     ``latent + σ z`` with ``z ~ N(0, I)`` drawn **in float32** from a counter-based Philox4x32-10 stream
@@ -33,8 +35,9 @@ index ``offset + k``: start a seed at ``offset = 0`` and advance ``offset += num
 
 * the draws are a pure function of ``(latent, σ, seed, sample index)``: splitting ``num`` samples into batches of any
   size gives bitwise the same samples (tested), and so do channels_last and contiguous outputs;
-* every backend draws the same stream: the Philox words are bit-identical (Triton, the native CPU kernel of
-  ``csrc/``, and the PyTorch reference here), the normals agree up to the rounding of ln, cos and sin (float32 ulps);
+* every backend draws the same stream: the Philox words are bit-identical (Triton, the native CPU and CUDA
+  kernels of ``csrc/``, and the PyTorch reference here), the normals agree up to the rounding of ln, cos and sin
+  (float32 ulps);
 * ``(offset + num) * D`` must stay at most ``2**64`` (checked).
 
 The Triton kernel computes one element per lane and so runs each Philox call twice (once for ``z_2i``, once for
@@ -309,6 +312,36 @@ def noisy_latents_native(
     return out
 
 
+def noisy_latents_cuda(
+    latent: torch.Tensor,
+    num: int,
+    sigma: float,
+    seed: int,
+    offset: int,
+    out_dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`noisy_latents` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, same
+    stream, same output contract (``out=``, float32/bfloat16/float16, channels_last). One thread per Philox call (both
+    normals of the pair used, where the Triton kernel runs each call twice). Selected by ``SPLITZ_BACKEND=native`` on
+    CUDA tensors; ``auto`` keeps the Triton kernel until a GPU measurement says otherwise. Raises ``RuntimeError``
+    where the extension could not be built (see :mod:`splitz_fast.kernels.native_cuda`)."""
+    from .native_cuda import cuda_module
+
+    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
+    if latent.device.type != "cuda":
+        raise ValueError(f"latent is on {latent.device}: the CUDA noise kernel runs on CUDA tensors")
+    out = _output(latent, num, out_dtype, channels_last, out)
+    module = cuda_module()
+    if module is None:
+        raise RuntimeError("the CUDA kernels of splitz_fast (csrc/noise_votes_cuda.cu) are not available here (see "
+                           "the warning above); use noisy_latents (Triton) or noisy_latents_reference")
+    module.noisy_latents(latent.detach().float().contiguous(), out, sigma, seed, offset, channels_last)
+    return out
+
+
 def _pooled_output(latent, num, out_dtype, out) -> torch.Tensor:
     if latent.ndim != 3 or latent.shape[1] % 2 or latent.shape[2] % 2:
         raise ValueError(f"the fused 2x2 max pool needs a [C, H, W] latent with H and W even, got {tuple(latent.shape)}")
@@ -472,6 +505,25 @@ def count_votes(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         logits, counts, rows, classes, logits.stride(0), logits.stride(1),
         VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h, LOCAL_HIST=block_r * block_h <= 8192,
     )
+    return counts
+
+
+def count_votes_cuda(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`count_votes` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, ties,
+    NaN rule and in-place contract, no host sync. One thread per row up to 32 classes, one warp per row above; a
+    shared-memory histogram per block. Selected by ``SPLITZ_BACKEND=native`` on CUDA tensors (``auto``: Triton)."""
+    from .native_cuda import cuda_module
+
+    _check_votes_args(logits, counts)
+    if logits.device.type != "cuda":
+        raise ValueError(f"logits are on {logits.device}: the CUDA vote kernel runs on CUDA tensors")
+    if logits.shape[0] == 0:
+        return counts
+    module = cuda_module()
+    if module is None:
+        raise RuntimeError("the CUDA kernels of splitz_fast (csrc/noise_votes_cuda.cu) are not available here (see "
+                           "the warning above); use count_votes (Triton) or count_votes_reference")
+    module.count_votes(logits.detach(), counts)
     return counts
 
 

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The device checks as one short run (for a session that is lent a GPU; about 5–8 minutes on an H100/H200):
+# The device checks as one short run (for a session that is lent a GPU; about 6–9 minutes on an H100/H200):
+#   0. the CUDA kernels of csrc/noise_votes_cuda.cu: JIT build (nvcc, ninja), their tests (tests/test_native_cuda.py
+#      and the `native-cuda` cases of tests/test_kernels_noise_votes.py) and their benchmark against Triton and eager
+#      PyTorch (both ratios recorded; AUTO_CUDA_NATIVE_OPS in kernels/__init__.py switches `auto` where they win),
 #   1. the CUDA variants of the kernel and backend tests (marked `gpu`; compiled Triton vs the float64 references),
 #   2. each Triton op against its PyTorch/cuDNN reference (benchmarks/test_bench_kernels.py),
 #   3. the dataset-level certify benchmark (eager, then compiled LeNet), bounds and training step on the GPU, the
@@ -17,6 +20,15 @@ XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5; } > "$OUT/gpu.txt" 2>&1
+echo "== CUDA kernels of csrc/ (build, tests, vs Triton)"; date
+timeout 240 $PY -m splitz_fast.kernels.native_cuda > "$OUT/cuda.log" 2>&1  # the JIT build (cached for later stages)
+tail -2 "$OUT/cuda.log"
+timeout 120 $PY -m pytest -q $XDIST -p no:cacheprovider tests/test_native_cuda.py >> "$OUT/cuda.log" 2>&1
+timeout 120 $PY -m pytest -q $XDIST -p no:cacheprovider tests/test_kernels_noise_votes.py -k "native-cuda or philox" \
+    >> "$OUT/cuda.log" 2>&1
+timeout 90 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_kernels.py -k cuda_kernels --benchmark-only \
+    --benchmark-json "$OUT/bench-cuda.json" >> "$OUT/cuda.log" 2>&1
+grep -E "speedup|passed|failed|rror" "$OUT/cuda.log"
 echo "== kernel tests"; date
 timeout 180 $PY -m pytest -q $XDIST -p no:cacheprovider tests/test_kernels_noise_votes.py \
     tests/test_kernels_bounds.py tests/test_kernels_first_layer.py tests/test_kernels_masked_conv2d.py \
@@ -25,8 +37,8 @@ timeout 180 $PY -m pytest -q $XDIST -p no:cacheprovider tests/test_kernels_noise
     tests/test_engine.py > "$OUT/gpu-tests.log" 2>&1
 tail -3 "$OUT/gpu-tests.log"
 echo "== triton vs reference per op"; date
-timeout 60 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_kernels.py --benchmark-only \
-    --benchmark-json "$OUT/bench-kernels.json" > "$OUT/bench-kernels.log" 2>&1
+timeout 60 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_kernels.py -k "not cuda_kernels" \
+    --benchmark-only --benchmark-json "$OUT/bench-kernels.json" > "$OUT/bench-kernels.log" 2>&1
 grep -E "speedup|passed|failed|rror" "$OUT/bench-kernels.log"
 echo "== sampling, bounds, training step"; date
 timeout 150 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_certify.py benchmarks/test_bench_bounds.py \

@@ -30,8 +30,10 @@ import torch.nn as nn
 from .kernels import select_backend
 from .kernels.noise_votes import (
     count_votes,
+    count_votes_cuda,
     count_votes_reference,
     noisy_latents,
+    noisy_latents_cuda,
     noisy_latents_maxpool2_native,
     noisy_latents_native,
 )
@@ -68,8 +70,10 @@ class NoiseStream:
         self.device = torch.device(device)
         self.offset = 0
         backend = select_backend("noisy_latents", self.device)
-        self._philox = {"triton": noisy_latents, "native": noisy_latents_native}.get(backend)
-        self.pools = backend == "native"  # can draw max_pool2d(latent + σz, 2) in one pass (noisy(..., pool2=True))
+        native = noisy_latents_cuda if self.device.type == "cuda" else noisy_latents_native  # csrc/ kernels
+        self._philox = {"triton": noisy_latents, "native": native}.get(backend)
+        # the native CPU kernel can draw max_pool2d(latent + σz, 2) in one pass (noisy(..., pool2=True))
+        self.pools = backend == "native" and self.device.type == "cpu"
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._spare: torch.Tensor | None = None  # fallback path: drawn, not yet used N(0, 1) rows
@@ -197,7 +201,8 @@ class SamplingEngine:
         kernel. The same base classifier (bitwise the same pooled values, tested); on LeNet split 1 it removes the
         largest single cost of a sample (the full-size noisy batch and its pooling pass)."""
         return (len(latent_shape) == 3 and latent_shape[1] % 2 == 0 and latent_shape[2] % 2 == 0
-                and _starts_with_maxpool2(self.source) and select_backend("noisy_latents", self.device) == "native")
+                and _starts_with_maxpool2(self.source) and self.device.type == "cpu"
+                and select_backend("noisy_latents", self.device) == "native")
 
     def classifier(self, channels_last: bool, pooled: bool = False) -> nn.Module:
         """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
@@ -338,7 +343,8 @@ class SamplingEngine:
                                  out=batch[start:start + take], pool2=pooled)
                 start += take
         logits = self._scores(net, batch)
-        count = count_votes if select_backend("count_votes", self.device) == "triton" else count_votes_reference
+        count = {"triton": count_votes, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
+                                                                       count_votes_reference)
         start = 0
         for job, take in segments:
             count(logits[start:start + take], job.counts)

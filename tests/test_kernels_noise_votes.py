@@ -4,7 +4,7 @@ references. Every noise test runs on each implementation (the Triton kernel, the
 Without CUDA the kernels run on CPU tensors under Triton's interpreter, which must be switched on before anything
 wraps a Triton kernel: this file sets ``TRITON_INTERPRET=1`` first (a ``tests/conftest.py`` should do it for the
 whole suite). Shapes are tiny because the interpreter is slow. The same checks run on CUDA tensors where a GPU exists
-(``gpu`` marker).
+(``gpu`` marker), for the Triton kernels and for the CUDA kernels of csrc/noise_votes_cuda.cu (``native-cuda``).
 """
 from __future__ import annotations
 
@@ -27,10 +27,13 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from splitz_fast.kernels import noise_votes  # noqa: E402
 from splitz_fast.kernels.native import native_available, native_module  # noqa: E402
+from splitz_fast.kernels.native_cuda import cuda_module, cuda_native_available  # noqa: E402
 from splitz_fast.kernels.noise_votes import (  # noqa: E402
     count_votes,
+    count_votes_cuda,
     count_votes_reference,
     noisy_latents,
+    noisy_latents_cuda,
     noisy_latents_native,
     noisy_latents_reference,
     philox_words_reference,
@@ -38,17 +41,6 @@ from splitz_fast.kernels.noise_votes import (  # noqa: E402
 )
 
 CUDA = torch.cuda.is_available()
-DEVICES = [
-    "cpu" if not CUDA else pytest.param("cpu", marks=pytest.mark.skip(reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]),
-]
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return torch.device(request.param)
-
-
 def _latent(shape, device, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(device, dtype)
@@ -63,7 +55,7 @@ def _noise(draw, latent, num, sigma, seed, offset, **kw):
 @dataclass(frozen=True)
 class NoiseBackend:
     name: str
-    fn: object  # noisy_latents, noisy_latents_native or noisy_latents_reference
+    fn: object  # noisy_latents, noisy_latents_native, noisy_latents_cuda or noisy_latents_reference
     device: torch.device
 
 
@@ -73,6 +65,8 @@ NOISE_BACKENDS = [
     pytest.param(("triton", "cuda"), id="triton-cuda",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]),
     pytest.param(("native", "cpu"), id="native-cpu"),
+    pytest.param(("native", "cuda"), id="native-cuda",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]),
     pytest.param(("reference", "cpu"), id="reference-cpu"),
 ]
 
@@ -81,8 +75,11 @@ NOISE_BACKENDS = [
 def noise(request):
     """One implementation of the noise op: every test of the noise section runs on each (fla-style)."""
     name, device = request.param
-    if name == "native" and not native_available():
+    if name == "native" and device == "cpu" and not native_available():
         pytest.skip("the native kernels could not be built here (test_native_kernels_build says why)")
+    if name == "native" and device == "cuda":
+        assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build on this GPU machine (see the warning)"
+        return NoiseBackend("native-cuda", noisy_latents_cuda, torch.device(device))
     fn = {"triton": noisy_latents, "native": noisy_latents_native, "reference": noisy_latents_reference}[name]
     return NoiseBackend(name, fn, torch.device(device))
 
@@ -277,6 +274,8 @@ def test_philox_words_match_random123_known_answers():
         assert ((ref >= 0) & (ref < 2**32)).all()
         if native_available():
             assert torch.equal(native_module().philox_words(counters, seed), ref)
+        if CUDA:  # the device branch of philox.h (__umulhi), csrc/noise_votes_cuda.cu
+            assert torch.equal(cuda_module().philox_words(counters.cuda(), seed).cpu(), ref)
     # Random123's published answer for Philox4x32-10, counter = key = 0: out = 6627e8d5 e169c58d bc57ac4c 9b00dbd8
     w0, w1, w2 = philox_words_reference(torch.zeros(1, dtype=torch.int64), 0)
     assert (int(w0), int(w1), int(w2)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C)
@@ -304,6 +303,27 @@ def test_reference_path_output_contract():
 
 
 # ------------------------------------------------------------------------------------------------------ vote counts
+# The vote kernels: Triton (interpreter or CUDA) and the CUDA kernel of csrc/ (no CPU one; the reference is the oracle).
+VOTE_BACKENDS = [param for param in NOISE_BACKENDS if param.id in ("triton-interpreter", "triton-cuda", "native-cuda")]
+
+
+@dataclass(frozen=True)
+class VoteBackend:
+    name: str
+    fn: object  # count_votes (Triton) or count_votes_cuda
+    device: torch.device
+
+
+@pytest.fixture(params=VOTE_BACKENDS)
+def votes(request):
+    """One kernel of the vote count: every test of the vote section runs on each (the reference is the oracle)."""
+    name, device = request.param
+    if name == "native":
+        assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build on this GPU machine (see the warning)"
+        return VoteBackend("native-cuda", count_votes_cuda, torch.device(device))
+    return VoteBackend(name, count_votes, torch.device(device))
+
+
 def _logits_with_ties(rows, classes, device, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, 4, (rows, classes), generator=gen).float()  # few levels: many tied maxima
@@ -317,7 +337,8 @@ def _logits_with_ties(rows, classes, device, dtype, seed):
 @pytest.mark.parametrize("classes,rows", [(3, 37), (10, 130), (10, 1), (1000, 21), (5000, 9), (1, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("count_dtype", [torch.int64, torch.int32])
-def test_count_votes_matches_argmax_bincount(device, classes, rows, dtype, count_dtype):
+def test_count_votes_matches_argmax_bincount(votes, classes, rows, dtype, count_dtype):
+    count_votes, device = votes.fn, votes.device
     logits = _logits_with_ties(rows, classes, device, dtype, seed=classes + rows)
     counts = torch.zeros(classes, dtype=count_dtype, device=device)
     assert count_votes(logits, counts) is counts
@@ -328,7 +349,8 @@ def test_count_votes_matches_argmax_bincount(device, classes, rows, dtype, count
 
 
 @pytest.mark.parametrize("classes", [1000, 5000])
-def test_ties_across_column_chunks_go_to_the_lowest_index(device, classes):
+def test_ties_across_column_chunks_go_to_the_lowest_index(votes, classes):
+    count_votes, device = votes.fn, votes.device
     logits = torch.zeros(6, classes, device=device)
     pairs = [(100, 700), (511, 512), (0, classes - 1), (513, classes - 3), (2, 3), (classes - 2, classes - 1)]
     for row, (a, b) in enumerate(pairs):
@@ -341,7 +363,8 @@ def test_ties_across_column_chunks_go_to_the_lowest_index(device, classes):
 
 
 @pytest.mark.parametrize("classes", [7, 1000])
-def test_nan_and_infinite_scores_follow_torch_argmax(device, classes):
+def test_nan_and_infinite_scores_follow_torch_argmax(votes, classes):
+    count_votes, device = votes.fn, votes.device
     inf, nan = math.inf, math.nan
     logits = torch.randn(6, classes)
     logits[0] = -inf  # all -inf -> class 0
@@ -358,7 +381,8 @@ def test_nan_and_infinite_scores_follow_torch_argmax(device, classes):
     assert int(counts.sum()) == 6
 
 
-def test_count_votes_accumulates_across_calls(device):
+def test_count_votes_accumulates_across_calls(votes):
+    count_votes, device = votes.fn, votes.device
     counts = torch.tensor([5, 0, 2, 0, 1, 0, 0, 0, 0, 3], dtype=torch.int64, device=device)
     expected = counts.clone()
     for seed in range(3):
@@ -374,14 +398,16 @@ def test_count_votes_accumulates_across_calls(device):
     assert int(counts[3]) == before + 300 and int(counts.sum()) == 131 + 300
 
 
-def test_count_votes_on_strided_logits(device):
+def test_count_votes_on_strided_logits(votes):
+    count_votes, device = votes.fn, votes.device
     base = torch.randn(24, 30, device=device)
     for logits in (base.T, base[::3, 1:20:2], base[:, :7]):
         counts = count_votes(logits, torch.zeros(logits.shape[1], dtype=torch.int64, device=device))
         assert torch.equal(counts, torch.bincount(logits.argmax(1), minlength=logits.shape[1]))
 
 
-def test_count_votes_validation(device):
+def test_count_votes_validation(votes):
+    count_votes, device = votes.fn, votes.device
     logits = torch.randn(4, 10, device=device)
     empty = torch.zeros(0, 10, device=device)
     counts = torch.zeros(10, dtype=torch.int64, device=device)
