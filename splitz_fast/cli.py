@@ -245,7 +245,8 @@ def _run_whole_or_sharded(args: argparse.Namespace, kind: str, env, shard, indic
 
         merged = run_sharded(env, args.device, args.outfile, lambda spec: run(spec, env.rank == 0))
         if merged is not None:
-            print(f"{kind}: {len(indices)} {what} on {env.world_size} ranks → {merged} (merged from "
+            ranks = f"{env.world_size} rank{'s' * (env.world_size > 1)}"
+            print(f"{kind}: {len(indices)} {what} on {ranks} → {merged} (merged from "
                   f"{Path(args.outfile).name}.shard-*-of-{env.world_size})")
     elif shard is not None:
         path = run(shard, True)

@@ -198,7 +198,7 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
     counts = sorted({shard.settings["shard"]["count"] for shard in shards})
     if len(counts) > 1:
         raise ValueError(f"cannot merge: the shards split the run differently (into {' and '.join(map(str, counts))} "
-                         "shards); merge the shards of one split")
+                         "shards); give the shard files of one split explicitly")
     count = counts[0]
     by_index: dict[int, ShardData] = {}
     for shard in shards:

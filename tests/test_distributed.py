@@ -89,7 +89,7 @@ def test_shards_merged_equal_a_single_process_run(tmp_path, capsys, checkpoint, 
     assert main(["merge", str(out)]) == 0  # shards found beside OUTFILE
     assert "3 shards, 14 rows" in capsys.readouterr().out
     assert _rows(out) == _rows(single) and [int(r[0]) for r in _rows(out)] == list(range(0, 40, 3))
-    assert json.loads((tmp_path / "sharded.tsv.json").read_text()) == json.loads((tmp_path / "single.tsv.json").read_text())
+    assert json.loads(Path(f"{out}.json").read_text()) == json.loads(Path(f"{single}.json").read_text())
     # Given explicitly, shell-glob style (sidecars included); the earlier merge of the same run is replaced.
     shards = sorted(str(p) for p in tmp_path.glob("sharded.tsv.shard-*"))
     assert len(shards) == 6 and main(["merge", str(out), *shards]) == 0
@@ -280,8 +280,8 @@ def _worker_of_rank(parent: int, rank: int) -> int | None:
 
 
 def _complete_lines(path: Path) -> list[str]:
-    text = path.read_text() if path.exists() else ""
-    return text.split("\n")[1:-1] if text.endswith("\n") else text.split("\n")[1:-1][:-1] if "\n" in text else []
+    """The data rows of a TSV being written, without a torn last line."""
+    return path.read_text().split("\n")[1:-1] if path.exists() else []
 
 
 def needs_torchrun(test):
@@ -295,7 +295,8 @@ def test_torchrun_rank_killed_mid_run_resumes_and_merges_to_the_single_process_r
     """Two gloo ranks on the CPU; rank 1 is SIGKILLed after 5 rows (torchrun then stops rank 0); the same command
     (with --resume) continues both shards and rank 0 merges. Time bounded by the waits below (~25 s here)."""
     out = tmp_path / "dist.tsv"
-    args = _law_args("certify", law_checkpoint, out, 20, "--resume")  # 208 rows, 104 per rank  # --resume from the start: reruns continue
+    # 208 rows, 104 per rank; --resume from the start, as in a job script, so that a rerun continues.
+    args = _law_args("certify", law_checkpoint, out, 20, "--resume")
     shard0, shard1 = ShardSpec(0, 2).path(out), ShardSpec(1, 2).path(out)
     proc = _torchrun(args)
     deadline, victim = time.monotonic() + 120, None
