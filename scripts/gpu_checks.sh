@@ -14,6 +14,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+# The device tool returns at most 8 files from $OUT: the 6 logs, and the pytest-benchmark JSON files packed into one
+# archive when the script ends (also after a failed stage; not after a kill of the whole run).
+trap 'cd "$OUT" && compgen -G "*.json" > /dev/null && tar czf bench-json.tar.gz ./*.json && rm -f ./*.json' EXIT
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONUNBUFFERED=1
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
