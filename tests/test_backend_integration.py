@@ -115,7 +115,7 @@ def test_smoother_on_the_triton_noise_path_is_reproducible_batch_invariant_and_c
     smoother = sz.Smoother(model, sigma)
     r1 = smoother.certify(x, n0=16, n=256, alpha=0.01, batch_size=64, seed=11)
     r2 = smoother.certify(x, n0=16, n=256, alpha=0.01, batch_size=37, seed=11)
-    assert r1.noise_source == "philox-triton"
+    assert r1.noise_source == "philox4x32-10"
     assert (r1.prediction, r1.count_a, r1.radius) == (r2.prediction, r2.count_a, r2.radius)  # Philox: any batching
     r3 = smoother.certify(x, n0=16, n=256, alpha=0.01, batch_size=64, seed=12)
     assert r3.count_a != r1.count_a or r3.prediction != r1.prediction or r3.seed != r1.seed

@@ -310,7 +310,7 @@ def test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding():
     seeds = list(range(len(xs)))
     alone = [smoother.certify(x.cuda(), 20, 500, 0.01, batch_size=128, seed=s) for x, s in zip(xs, seeds)]
     many = list(smoother.certify_many(xs.cuda(), 20, 500, 0.01, batch_size=96, seeds=seeds))
-    assert all(r.noise_source == "philox-triton" for r in many)
+    assert all(r.noise_source == "philox4x32-10" for r in many)
     for a, m in zip(alone, many):
         assert a.prediction == m.prediction and abs(a.count_a - m.count_a) <= 2
 
