@@ -1,7 +1,9 @@
 """The ``splitz`` command line: ``train``, ``certify``, ``predict``, ``analyze`` and ``demo`` (``splitz CMD --help``).
 
 ``certify``/``predict`` take Cohen et al.'s positional arguments ``DATASET CHECKPOINT SIGMA OUTFILE`` and options
-(``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over.
+(``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over. They (and ``certify-margin``)
+run sharded with ``--shard K/N`` (then ``splitz merge OUTFILE``) or under ``torchrun -m splitz_fast`` (rank 0 merges;
+:mod:`splitz_fast.distributed`).
 """
 from __future__ import annotations
 
