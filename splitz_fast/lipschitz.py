@@ -80,6 +80,10 @@ SHIFT_ESTIMATORS = ("auto", "lanczos", "eigen")
 # H200 (whole exact bound, benchmarks/test_bench_bounds.py): LeNet conv1 (d = 784) 14 ms with eigvalsh vs 25 ms with
 # Lanczos (launch-bound Python loop); CIFAR stem (d = 3072) 27 ms with Lanczos vs 145 ms with a host copy + ARPACK.
 DEVICE_DENSE_MAX_DIM = 1024
+# A banded (convolution) Gram up to this dimension is certified densely: one LAPACK Cholesky beats the panel loop of
+# _BandedCholesky there (LeNet conv1 at split 1, d = 784: 0.20 s against 0.89 s per bound; d = 3,072: equal; 2-core
+# CPU, loaded). The dense certificate holds for any symmetric matrix, the densified one included.
+DENSE_CHOLESKY_MAX_DIM = 2048
 BAND_BLOCK_MIN = 64  # smallest panel of the banded Cholesky (fewer, larger BLAS calls on narrow bands)
 
 
@@ -236,6 +240,9 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     if d == 0:
         return 0.0
     sparse = gram.layout == torch.sparse_csr
+    if sparse and d <= DENSE_CHOLESKY_MAX_DIM:
+        upper = gram.to_dense()  # the upper triangle; the symmetric matrix it defines, exactly
+        gram, sparse = upper + torch.triu(upper, 1).mT, False
     u = UNIT_ROUNDOFF_64
     if sparse:
         host = scipy.sparse.csr_matrix(tuple(t.cpu().numpy() for t in (gram.values(), gram.col_indices(),

@@ -98,10 +98,15 @@ def _check(op: MaskedAffine, dense: torch.Tensor, sparse: bool | None):
     torch.testing.assert_close(ours, torch.linalg.eigvalsh(side), rtol=0, atol=1e-12 * (1 + top))
     # A proven, tight bound on ‖A‖₂².
     true_sq = float(torch.linalg.matrix_norm(dense, ord=2)) ** 2 if dense.numel() else 0.0
-    # Sparse: the banded Cholesky in one panel (the default here) and in many (BAND_BLOCK_MIN = 1 or 3: panels of
-    # max(BAND_BLOCK_MIN, band) rows, so each panel's update carries into the next).
-    for panel_min in [lipschitz.BAND_BLOCK_MIN] + ([1, 3] if sparse else []):
+    # Sparse: densified (the default at these sizes, DENSE_CHOLESKY_MAX_DIM), and the banded Cholesky in one panel and
+    # in many (BAND_BLOCK_MIN = 1 or 3: panels of max(BAND_BLOCK_MIN, band) rows, so each panel's update carries into
+    # the next).
+    variants = [(lipschitz.DENSE_CHOLESKY_MAX_DIM, lipschitz.BAND_BLOCK_MIN)]
+    if sparse:
+        variants += [(0, lipschitz.BAND_BLOCK_MIN), (0, 1), (0, 3)]
+    for dense_max, panel_min in variants:
         with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lipschitz, "DENSE_CHOLESKY_MAX_DIM", dense_max)
             patch.setattr(lipschitz, "BAND_BLOCK_MIN", panel_min)
             bound = certified_lambda_max(gram, terms)
         assert bound >= true_sq
@@ -159,6 +164,7 @@ def test_banded_cholesky_decides_positive_definiteness(name, panel_min, monkeypa
     assert cholesky.succeeds(top * (1 + 1e-6))
     assert not cholesky.succeeds(top * (1 - 1e-6))
     monkeypatch.setattr(lipschitz, "_upper_eigen_estimate", lambda upper: 0.95 * top)
+    monkeypatch.setattr(lipschitz, "DENSE_CHOLESKY_MAX_DIM", 0)  # the banded path at this small size
     assert top <= certified_lambda_max(gram, terms) <= top * 1.1
 
 
@@ -170,7 +176,10 @@ def test_banded_certificate_widens_the_shift_on_a_repeated_top_eigenvalue():
     op = MaskedAffine(conv, (1, 8, 8), out_mask=None, in_mask=None, in_scale=None, batch=1)
     gram, terms = op.gram(0, sparse=True)
     assert gram.shape == (64, 64)
-    assert 1.0 <= certified_lambda_max(gram, terms) <= 1.0 + 1e-9
+    assert 1.0 <= certified_lambda_max(gram, terms) <= 1.0 + 1e-9  # densified
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lipschitz, "DENSE_CHOLESKY_MAX_DIM", 0)  # banded
+        assert 1.0 <= certified_lambda_max(gram, terms) <= 1.0 + 1e-9
 
 
 def _lenet_splitz_conv2(gamma: float | None, seed: int = 0):
