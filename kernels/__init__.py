@@ -77,7 +77,7 @@ def select_backend(op: str, device: torch.device) -> str:
         if op in AUTO_CUDA_NATIVE_OPS and op in CUDA_OPS and cuda_native_available():
             return "native"
         return "triton" if op in AUTO_TRITON_OPS else "reference"
-    return "native" if op in NATIVE_OPS and device.type == "cpu" and native_available() else "reference"
+    return "native" if op in NATIVE_OPS and device.type == "cpu" and native_available(op) else "reference"
 
 
 def interpreting() -> bool:

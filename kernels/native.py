@@ -9,7 +9,12 @@ follows the same contract (the noise stream included), so results do not depend 
 only speed does. ``SPLITZ_NATIVE=0`` turns the extension off without a warning.
 
 Ops: ``noisy_latents`` (CPU; csrc/noise_cpu.cpp, contract in csrc/philox.h and kernels/noise_votes.py) and
-``philox_words`` (the integer half of the stream, for tests).
+``philox_words`` (the integer half of the stream, for tests) in the noise module (:func:`native_module`); the training
+step's ops in a second module built from csrc/train_cpu.cpp (:func:`train_module`): ``conv_power`` (the masked
+convolution Gram step and norm of the Lipschitz estimate, kernels/conv_power.py), ``clip_mask`` (the first layer's
+clipped ReLU and varying mask, kernels/clip_mask.py) and ``train_noise`` (the training noise,
+kernels/train_noise.py). Two modules, because ``load`` builds one module (one ``PYBIND11_MODULE``) per list of
+sources: each family keeps its own binding list, and a build failure in one leaves the other usable.
 """
 from __future__ import annotations
 
@@ -24,9 +29,13 @@ from types import ModuleType
 import torch
 
 NATIVE_ENV = "SPLITZ_NATIVE"
-NATIVE_OPS: frozenset[str] = frozenset({"noisy_latents"})  # ops with a native CPU kernel
 SOURCES = ("noise_cpu.cpp",)
 HEADERS = ("philox.h",)
+TRAIN_SOURCES = ("train_cpu.cpp",)  # the training step's module (train_module)
+# Ops with a native CPU kernel, and the sources of the module that holds each.
+OP_SOURCES: dict[str, tuple[str, ...]] = {"noisy_latents": SOURCES, "conv_power": TRAIN_SOURCES,
+                                          "train_noise": TRAIN_SOURCES, "clip_mask": TRAIN_SOURCES}
+NATIVE_OPS: frozenset[str] = frozenset(OP_SOURCES)
 # -ffp-contract=off: no FMA contraction, so the float32 roundings are the ones the contract writes down;
 # -fno-math-errno: sqrtf without errno, so the loops vectorise; target_clones in the source picks the ISA at load time.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
@@ -43,19 +52,31 @@ def csrc_dir() -> Path:
                             f"{here / 'csrc'}")
 
 
-def _build_name(directory: Path) -> str:
+def _build_name(directory: Path, sources: tuple[str, ...] = SOURCES) -> str:
     digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in sources + HEADERS:
         digest.update((directory / name).read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
-    return f"splitz_fast_native_{digest.hexdigest()[:16]}"
+    prefix = "splitz_fast_native" if sources == SOURCES else f"splitz_fast_{Path(sources[0]).stem}"
+    return f"{prefix}_{digest.hexdigest()[:16]}"
 
 
 @functools.cache
 def native_module() -> ModuleType | None:
-    """The compiled extension, built if needed; ``None`` (after one warning) where it cannot be built, or when
-    ``SPLITZ_NATIVE=0``."""
+    """The compiled noise extension (csrc/noise_cpu.cpp), built if needed; ``None`` (after one warning) where it
+    cannot be built, or when ``SPLITZ_NATIVE=0``."""
+    return _load(SOURCES)
+
+
+@functools.cache
+def train_module() -> ModuleType | None:
+    """The compiled training-step extension (csrc/train_cpu.cpp), built if needed; ``None`` (after one warning) where
+    it cannot be built, or when ``SPLITZ_NATIVE=0``."""
+    return _load(TRAIN_SOURCES)
+
+
+def _load(sources: tuple[str, ...]) -> ModuleType | None:
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
     try:
@@ -63,8 +84,8 @@ def native_module() -> ModuleType | None:
 
         directory = csrc_dir()
         return load(
-            name=_build_name(directory),
-            sources=[str(directory / name) for name in SOURCES],
+            name=_build_name(directory, sources),
+            sources=[str(directory / name) for name in sources],
             extra_include_paths=[str(directory)],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
@@ -77,23 +98,26 @@ def native_module() -> ModuleType | None:
             "path runs instead (same noise stream and results, slower). Install a C++ compiler (g++) and ninja to get "
             f"them, or set {NATIVE_ENV}=0 to silence this warning.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return None
 
 
-def native_available() -> bool:
-    """Whether the native kernels are built and loaded (builds them on the first call)."""
-    return native_module() is not None
+def native_available(op: str = "noisy_latents") -> bool:
+    """Whether the native module holding ``op`` is built and loaded (builds it on the first call)."""
+    if op not in OP_SOURCES:
+        raise ValueError(f"op {op!r} has no native kernel; native ops: {sorted(OP_SOURCES)}")
+    return (native_module() if OP_SOURCES[op] == SOURCES else train_module()) is not None
 
 
 def main() -> int:
     """``python -m splitz_fast.kernels.native``: build (or find) the extension and say where it stands."""
-    module = native_module()
-    if module is None:
-        print("splitz_fast native kernels: not available (see the warning above); the PyTorch reference path is used")
-        return 0
-    print(f"splitz_fast native kernels: ready ({Path(module.__file__).name})")
+    for label, module in (("noise", native_module()), ("training step", train_module())):
+        if module is None:
+            print(f"splitz_fast native {label} kernels: not available (see the warning above); the PyTorch reference "
+                  "path is used")
+        else:
+            print(f"splitz_fast native {label} kernels: ready ({Path(module.__file__).name})")
     return 0
 
 

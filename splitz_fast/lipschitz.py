@@ -37,6 +37,7 @@ import torch
 from .bounds import BallBounds, ball_bounds, input_scale
 from .modules import LeftHalf
 from .operators import MaskedAffine
+from .kernels import conv_power, select_backend
 
 UNIT_ROUNDOFF_64 = 2.0 ** -53
 DEFAULT_EXACT_MAX_DIM = 4096
@@ -483,8 +484,13 @@ def lipschitz_estimate(
     n_iter: int = 5,
     state: PowerIterationState | None = None,
     generator: torch.Generator | None = None,
+    bounds: BallBounds | None = None,
 ) -> torch.Tensor:
     """Training estimate of ``L(x, γ)``: masked power iteration, differentiable w.r.t. the weights of ``f_L``.
+
+    ``bounds``: the ball bounds of ``x`` if the caller has them already (only ``masks``, ``in_masks`` and
+    ``input_scale`` are read; the training step's fused first layer, :func:`splitz_fast.training.splitz_loss`, leaves
+    ``lower``/``upper`` empty); computed by :func:`~splitz_fast.bounds.ball_bounds` in the estimate's dtype otherwise.
 
     **Not an upper bound** (power iteration under-estimates spectral norms); never use it in a certificate.
     The masks are hard indicators without gradient; ``n_iter`` power steps run without gradient from the warm-start
@@ -495,22 +501,41 @@ def lipschitz_estimate(
     dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     if left.depth == 0:
         return torch.ones(batch, dtype=dtype, device=x.device)
-    bounds = ball_bounds(left, x, gamma, dtype=dtype)
+    if bounds is None:
+        bounds = ball_bounds(left, x, gamma, dtype=dtype)
     scale = bounds.input_scale
-    ops = masked_operators(left, bounds, tuple(x.shape[1:]), batch, scale, dtype=dtype)
+    shapes = _layer_shapes(left, tuple(x.shape[1:]))
+    # Convolution factors with few taps per output run fused per image on the CPU (kernels/conv_power.py: the power
+    # step and the norm without materialising the masked activation); the others through MaskedAffine.
+    conv_backend = select_backend(conv_power.OP_NAME, x.device)
     estimate = torch.ones(batch, dtype=dtype, device=x.device)
-    for k, op in enumerate(ops):
+    for k, layer in enumerate(left.layers):
+        in_shape = shapes[k]
         v0 = state.get(k) if state is not None else None
-        if v0 is None or tuple(v0.shape) != op.in_shape:
-            v0 = torch.randn(op.in_shape, dtype=dtype, device=x.device, generator=generator)
-        v = v0.to(dtype).expand(batch, *op.in_shape).clone()
-        with torch.no_grad():
-            frozen = copy.copy(op)  # the same operator on detached weights: the power steps carry no gradient
-            frozen.weight = op.weight.detach()
-            for _ in range(n_iter):
-                v = frozen.gram_matvec(v)
-                v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
-        estimate = estimate * op.matvec(v).flatten(1).norm(dim=1) / v.flatten(1).norm(dim=1).clamp_min(1e-30)
+        if v0 is None or tuple(v0.shape) != in_shape:
+            v0 = torch.randn(in_shape, dtype=dtype, device=x.device, generator=generator)
+        v = v0.to(dtype).expand(batch, *in_shape).clone()
+        if conv_backend == "native" and conv_power.native_conv_ok(layer):
+            weight = layer.weight.to(dtype)
+            out_mask = bounds.masks[k]
+            factor = conv_power.input_factor(bounds.in_mask(k), scale if k == 0 else None, in_shape, dtype)
+            with torch.no_grad():
+                for _ in range(n_iter):
+                    v = conv_power.masked_conv_gram(v, weight.detach(), layer, out_mask=out_mask, in_factor=factor,
+                                                    backend="native")
+                    v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
+            norm = conv_power.masked_conv_norm(v, weight, layer, out_mask=out_mask, in_factor=factor, backend="native")
+        else:
+            op = MaskedAffine(layer, in_shape, out_mask=bounds.masks[k], in_mask=bounds.in_mask(k),
+                              in_scale=scale if k == 0 else None, batch=batch, dtype=dtype)
+            with torch.no_grad():
+                frozen = copy.copy(op)  # the same operator on detached weights: the power steps carry no gradient
+                frozen.weight = op.weight.detach()
+                for _ in range(n_iter):
+                    v = frozen.gram_matvec(v)
+                    v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
+            norm = op.matvec(v).flatten(1).norm(dim=1)
+        estimate = estimate * norm / v.flatten(1).norm(dim=1).clamp_min(1e-30)
         if state is not None:
             mean = v.mean(0)
             state.set(k, mean / mean.norm().clamp_min(1e-30))

@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from ._checks import check_count, check_nonnegative, check_positive
+from ._checks import check_count, check_nonnegative, check_positive, check_tensor
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .modules import SplitModel
+from .bounds import BallBounds, first_layer_row_norms, input_scale
+from .kernels import clip_mask, select_backend, train_noise
 from .kernels.noise_votes import standard_normal
 
 CHECKPOINT_FORMAT = 1
@@ -133,24 +135,74 @@ def splitz_loss(
     lam: float,
     state: PowerIterationState | None,
     generator: torch.Generator | None = None,
+    *,
+    noise: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The SPLITZ objective on a batch ``x: [B, *input_shape]``, ``y: [B]``; returns ``(loss, parts)``.
 
     With ``model.split_index == 0`` or ``lam == 0`` it is the Gaussian-augmentation loss (no Lipschitz term).
+
+    ``noise`` picks the stream of the training noise, both reproducible from ``generator``: ``"torch"``
+    (``torch.randn``), ``"philox"`` (a 64-bit seed drawn from ``generator`` each step, then the Philox stream of
+    ``csrc/philox.h`` — :mod:`splitz_fast.kernels.train_noise`), or ``None`` (default): Philox where the native
+    training kernel runs (``select_backend("train_noise")``: CPU with the extension built), ``torch`` elsewhere.
+    Where the native kernels run, a one-layer clipped-ReLU ``f_L`` (split 1) is evaluated fused
+    (:func:`_fused_first_layer`): its affine layer once, then the clipped ReLU and the estimate's varying mask in one
+    pass; the values are those of the unfused path.
     """
     q = config.noise_samples
-    latent = model.left(x)  # f_L once per input; the Q noise draws are added after it
-    noise = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device, channels_last=True)
-    noisy = latent.float().repeat_interleave(q, dim=0) + config.sigma * noise
+    if noise not in (None, "torch", "philox"):
+        raise ValueError(f"noise must be None, 'torch' or 'philox', got {noise!r}")
+    need_lip = model.split_index > 0 and lam != 0.0
+    fused = _fused_first_layer(model.left, x, config) if need_lip else None
+    if fused is None:
+        latent, bounds = model.left(x), None  # f_L once per input; the Q noise draws are added after it
+    else:
+        latent, bounds = fused
+    noise_backend = select_backend(train_noise.OP_NAME, latent.device)
+    if noise == "philox" or (noise is None and noise_backend == "native"):
+        # One 64-bit seed per step from the training generator, the Philox stream (csrc/philox.h) under it.
+        seed = train_noise.draw_seed(generator, latent.device)
+        noisy = train_noise.noisy_repeat(latent, q, config.sigma, seed, backend=noise_backend)
+    else:
+        noise_draws = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device,
+                                      channels_last=True)
+        noisy = latent.float().repeat_interleave(q, dim=0) + config.sigma * noise_draws
     cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q))
     parts = {"ce": float(cross_entropy.detach())}
-    if model.split_index == 0 or lam == 0.0:
+    if not need_lip:
         return cross_entropy, parts
     lip = lipschitz_estimate(model.left, x, config.gamma_train, n_iter=config.power_iters, state=state,
-                             generator=generator)
+                             generator=generator, bounds=bounds)
     hinge = torch.clamp(lip, min=config.theta_lip).mean()  # per-sample hinge, then the mean
     parts["lip"] = float(lip.detach().mean())
     return (1.0 - lam) * cross_entropy + lam * hinge, parts
+
+
+def _fused_first_layer(left, x: torch.Tensor, config: TrainConfig):
+    """``(f_L(x), bounds)`` for a one-layer ``f_L`` whose layer ends in a clipped ReLU, where the native ``clip_mask``
+    kernel runs (else ``None``): the layer's pre-activation once (standardization included, gradient to the weights),
+    then :func:`splitz_fast.kernels.clip_mask.clip_mask` — ``min(relu(z), θ)`` and the varying mask of the ball
+    ``γ_train`` of :func:`~splitz_fast.bounds.ball_bounds`'s first layer (float32, no margin, as the training estimate
+    computes it) — as the ``BallBounds`` the estimate reads (masks only; no lower/upper)."""
+    if left.depth != 1 or left.activation(0) is None or select_backend(clip_mask.OP_NAME, x.device) != "native":
+        return None
+    layer = left.layers[0]
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    if layer.weight.dtype != dtype:
+        return None
+    left.check_thresholds()
+    shape = left.input_shape
+    check_tensor("x", x, ndim=None if shape is None else len(shape) + 1, shape_tail=shape)
+    h = left.standardize(x) if left.standardize is not None else x
+    z = layer(left.layer_input(layer, h))
+    x_d = x.detach().to(dtype)
+    scale = input_scale(left, x_d)
+    r = first_layer_row_norms(layer, scale, x_d)
+    gamma = torch.full((x.shape[0],), float(config.gamma_train), dtype=torch.float64, device=x.device).to(dtype)
+    latent, mask = clip_mask.clip_mask(z, r, gamma, left.activation(0).threshold, backend="native")
+    bounds = BallBounds(lower=[], upper=[], masks=[mask], input_scale=scale, gamma=gamma, in_masks=[None])
+    return latent, bounds
 
 
 def _split_train_val(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
