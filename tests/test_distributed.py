@@ -290,6 +290,7 @@ def needs_torchrun(test):
     return test
 
 
+@pytest.mark.slow  # ~30-40 s (two torchrun launches): CI runs it in `make test-slow`
 @needs_torchrun
 def test_torchrun_rank_killed_mid_run_resumes_and_merges_to_the_single_process_rows(tmp_path, law_checkpoint):
     """Two gloo ranks on the CPU; rank 1 is SIGKILLed after 5 rows (torchrun then stops rank 0); the same command
