@@ -7,7 +7,8 @@ Everything a user needs is importable from here::
     result = sz.Smoother(model, sigma=0.5).certify(x, n0=100, n=100_000, alpha=0.001)
 
 Workflow pieces: ``sz.build_model`` (model zoo), ``sz.get_dataset`` (offline/user datasets), ``sz.train`` (SPLITZ
-loss, resumable), ``sz.run_over_dataset`` (resumable certification TSVs), ``sz.analysis`` (tables and plots).
+loss, resumable), ``sz.run_over_dataset`` (resumable certification TSVs), ``sz.analysis`` (tables and plots),
+``sz.attacks`` (l2 attacks on the smoothed and base classifiers, attack-based checks of certificates).
 """
 from .bounds import BallBounds, ball_bounds
 from .lipschitz import (
@@ -30,12 +31,18 @@ from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet,
 from .datasets import DATASETS, DatasetInfo, get_dataset
 from .training import TrainConfig, splitz_loss, train
 from .runs import ShardSpec, merge_shards, run_over_dataset
-from . import analysis
+from .attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
+from . import analysis, attacks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ABSTAIN",
+    "ATTACKS",
+    "AttackResult",
+    "Attacker",
+    "attacks",
+    "falsify_certificates",
     "DATASETS",
     "DatasetInfo",
     "MODELS",

@@ -1,4 +1,5 @@
-"""The ``splitz`` command line: ``train``, ``certify``, ``predict``, ``analyze`` and ``demo`` (``splitz CMD --help``).
+"""The ``splitz`` command line: ``train``, ``certify``, ``predict``, ``attack``, ``analyze`` and ``demo``
+(``splitz CMD --help``).
 
 ``certify``/``predict`` take Cohen et al.'s positional arguments ``DATASET CHECKPOINT SIGMA OUTFILE`` and options
 (``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over. They (and ``certify-margin``)
@@ -326,6 +327,42 @@ def predict_command(args: argparse.Namespace) -> int:
     return _smoothing_run(args, "predict")
 
 
+def attack_command(args: argparse.Namespace) -> int:
+    """l2 attacks (:mod:`splitz_fast.attacks`) on each selected input; PREDICT decides the clean and attacked points."""
+    from .attacks import Attacker
+    from .runs import run_over_dataset, select_indices
+
+    check_positive("SIGMA", args.sigma)
+    check_positive("--eps", args.eps)
+    for name in ("steps", "samples", "group", "N"):
+        check_count(f"--{name}", getattr(args, name))
+    if args.step_size is not None:
+        check_positive("--step-size", args.step_size)
+    if args.clamp is not None and not args.clamp[0] < args.clamp[1]:
+        raise ValueError(f"--clamp must be LO HI with LO < HI, got {args.clamp[0]} {args.clamp[1]}")
+    if args.batch is not None:
+        check_count("--batch", args.batch)
+    check_probability("--alpha", args.alpha)
+    check_count("--seed", args.seed, 0)
+    check_output_file("OUTFILE", args.outfile)
+    env, shard = _sharding(args)
+    model, ckpt, info = _model_and_dataset(args)
+    attacker = Attacker(Smoother(model, args.sigma), args.attack, args.eps, steps=args.steps, step_size=args.step_size,
+                        samples=args.samples, random_start=args.random_start, clamp=args.clamp,
+                        evaluate=args.evaluate, group=args.group)
+    indices = select_indices(len(info.dataset), args.skip, args.max)
+    settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
+                "model_spec": ckpt.get("model_spec"), **attacker.settings()}
+
+    def run(shard_spec, progress):
+        return run_over_dataset("attack", attacker, info.dataset, args.outfile, settings=settings, indices=indices,
+                                n0=0, n=args.N, alpha=args.alpha, batch_size=args.batch, seed=args.seed,
+                                resume=args.resume, checkpoint=args.checkpoint, shard=shard_spec, progress=progress)
+
+    _run_whole_or_sharded(args, "attack", env, shard, indices, run)
+    return 0
+
+
 def merge_command(args: argparse.Namespace) -> int:
     """Join the shards of one certify/predict run (``--shard K/N``) into OUTFILE, sorted by idx."""
     from .runs import ShardData, merge_shards, shard_files
@@ -508,6 +545,40 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
     _add_sharding_options(m)
     m.set_defaults(func=certify_margin_command)
+
+    from .attacks import ATTACKS
+
+    k = sub.add_parser("attack", help="l2 attacks on the smoothed classifier (smooth-pgd, smooth-fgsm) or the base "
+                                      "classifier (pgd, fgsm, deepfool); PREDICT decides clean and attacked points",
+                       formatter_class=_HelpFormatter)
+    k.add_argument("dataset", help=dataset_help)
+    k.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train`")
+    k.add_argument("sigma", type=float, help="noise level σ of the smoothed classifier")
+    k.add_argument("outfile", help="TSV: idx label clean_predict adv_predict eps delta_norm success time (a sidecar "
+                                   "OUTFILE.json records the settings)")
+    k.add_argument("--attack", choices=ATTACKS, default="smooth-pgd",
+                   help="smooth-*: gradients of the Monte Carlo soft smoothed classifier through f_L and f_R")
+    k.add_argument("--eps", type=float, required=True, help="l2 budget in raw input units")
+    k.add_argument("--steps", type=int, default=20, help="PGD / DeepFool iterations")
+    k.add_argument("--step-size", type=float, default=None, help="PGD step as a fraction of eps; unset, 2.5/steps")
+    k.add_argument("--samples", type=int, default=32, help="noise draws per gradient step (smooth-* attacks)")
+    k.add_argument("--random-start", action="store_true", help="PGD from a uniform point of the eps ball")
+    k.add_argument("--clamp", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="keep attacked inputs in [LO, HI] (e.g. 0 1 for images)")
+    k.add_argument("--evaluate", choices=("smoothed", "base"), default="smoothed",
+                   help="predictions in the TSV: PREDICT of the smoothed classifier, or the base classifier's argmax")
+    k.add_argument("--group", type=int, default=8, help="inputs attacked together in one batch (rows unchanged)")
+    k.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
+    k.add_argument("--batch", type=int, default=None, help="noise samples per forward pass of f_R in PREDICT")
+    k.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
+    k.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all")
+    k.add_argument("--split", default="test", help="dataset split")
+    k.add_argument("--N", type=int, default=10_000, help="PREDICT samples at the clean and at the attacked point")
+    k.add_argument("--alpha", type=float, default=0.001, help="PREDICT's significance level")
+    k.add_argument("--seed", type=int, default=0, help="base seed; input i uses SEED+i (attack and PREDICT offsets)")
+    k.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+    _add_sharding_options(k)
+    k.set_defaults(func=attack_command)
 
     a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
                        formatter_class=_HelpFormatter)

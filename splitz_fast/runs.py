@@ -28,13 +28,14 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from ._checks import check_certify_counts, check_count, check_output_file
+from .attacks import ATTACK_HEADER
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .smoothing import Smoother
 from .training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 PREDICT_HEADER = "\t".join(("idx", "label", "predict", "correct", "time", "count_top", "count_second", "p_value"))
-HEADERS = {"certify": CERTIFY_HEADER, "predict": PREDICT_HEADER}
+HEADERS = {"certify": CERTIFY_HEADER, "predict": PREDICT_HEADER, "attack": ATTACK_HEADER}
 
 
 def select_indices(n_items: int, skip: int, max_count: int) -> list[int]:
@@ -262,7 +263,8 @@ def run_over_dataset(
     on_row: Callable[[int, Any], None] | None = None,
     shard: ShardSpec | None = None,
 ) -> Path:
-    """CERTIFY (``kind="certify"``) or PREDICT (``kind="predict"``) every selected dataset index into ``out_path``.
+    """CERTIFY (``kind="certify"``) or PREDICT (``kind="predict"``) every selected dataset index into ``out_path``;
+    ``kind="attack"`` takes an :class:`~splitz_fast.attacks.Attacker` as ``smoother`` (``attack_many``; ``n0`` unused).
 
     ``settings`` (everything that determines the rows) is stored in the sidecar together with the checkpoint's
     digest (``checkpoint_digest``, described by ``checkpoint_digest_covers``); ``stop_after`` stops after that many
@@ -274,8 +276,8 @@ def run_over_dataset(
     ``shard`` (a :class:`ShardSpec`) runs only that shard of ``indices`` into ``shard.path(out_path)`` (returned),
     whose sidecar holds these settings plus the ``shard`` record; :func:`merge_shards` makes ``out_path`` from them.
     """
-    if kind not in ("certify", "predict"):
-        raise ValueError(f"kind must be 'certify' or 'predict', got {kind!r}")
+    if kind not in HEADERS:
+        raise ValueError(f"kind must be 'certify', 'predict' or 'attack', got {kind!r}")
     # Check every argument before the output file is created, so a typo leaves nothing behind.
     check_certify_counts(n0 if kind == "certify" else None, n, alpha, batch_size)
     check_count("seed", seed, 0)
@@ -306,6 +308,9 @@ def run_over_dataset(
     seeds = [seed + idx for idx in todo]
     if kind == "certify":
         results = smoother.certify_many(inputs(), n0, n, alpha, batch_size=batch_size, seeds=seeds)
+    elif kind == "attack":
+        results = smoother.attack_many(((x, labels[idx]) for idx, x in zip(todo, inputs())), n, alpha,
+                                       batch_size=batch_size, seeds=seeds)
     else:
         results = smoother.predict_many(inputs(), n, alpha, batch_size=batch_size, seeds=seeds)
     with out_path.open("a") as fh, tqdm(total=len(todo), desc=kind, unit="img", file=sys.stderr,
@@ -314,6 +319,8 @@ def run_over_dataset(
             label = labels.pop(idx)
             if kind == "certify":
                 line = format_row(idx, label, result)
+            elif kind == "attack":
+                line = result.row(idx)
             else:
                 line = "\t".join([str(idx), str(label), str(result.prediction), str(int(result.prediction == label)),
                                   f"{result.seconds:.4f}", str(result.count_top), str(result.count_second),
