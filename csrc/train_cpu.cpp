@@ -385,8 +385,12 @@ SPLITZ_CLONES void add_scaled_nhwc(float* __restrict out, const float* __restric
 }
 
 // Rows k in [0, B q) of out: latent[k / q] + sigma z over the stream positions [(offset + k) D, (offset + k + 1) D).
-void train_noise(const torch::Tensor& latent, torch::Tensor& out, int64_t q, double sigma, uint64_t seed,
-                 uint64_t offset, bool channels_last) {
+// seed_bits: the 64-bit seed as a signed int64 (two's complement; Python passes seed - 2^64 for seeds >= 2^63, so that
+// the argument converts as an int64 everywhere, the profiler's argument recording included).
+void train_noise(const torch::Tensor& latent, torch::Tensor& out, int64_t q, double sigma, int64_t seed_bits,
+                 int64_t offset_samples, bool channels_last) {
+  TORCH_CHECK(offset_samples >= 0, "train_noise (native CPU): offset must be >= 0");
+  const uint64_t seed = static_cast<uint64_t>(seed_bits), offset = static_cast<uint64_t>(offset_samples);
   TORCH_CHECK(latent.device().is_cpu() && out.device().is_cpu(), "train_noise (native CPU): tensors must be on the CPU");
   TORCH_CHECK(latent.scalar_type() == torch::kFloat32 && latent.is_contiguous() && latent.dim() >= 2 &&
                   out.scalar_type() == torch::kFloat32,

@@ -75,7 +75,7 @@ def noisy_repeat_reference(latent: torch.Tensor, q: int, sigma: float, seed: int
 
 class _NoisyRepeat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, latent, q, sigma, seed, offset, channels_last):
+    def forward(ctx, latent, q, sigma, seed_bits, offset, channels_last):
         from .native import train_module
 
         module = train_module()
@@ -86,7 +86,7 @@ class _NoisyRepeat(torch.autograd.Function):
         shape = (latent.shape[0] * q, *latent.shape[1:])
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         out = torch.empty(shape, dtype=torch.float32, device=latent.device, memory_format=fmt)
-        module.train_noise(src, out, q, sigma, seed, offset, channels_last)
+        module.train_noise(src, out, q, sigma, seed_bits, offset, channels_last)
         ctx.q, ctx.dtype = q, latent.dtype
         return out
 
@@ -103,7 +103,9 @@ def noisy_repeat_native(latent: torch.Tensor, q: int, sigma: float, seed: int, o
     sigma = _check(latent, q, sigma, seed, offset, channels_last)
     if latent.device.type != "cpu":
         raise ValueError(f"latent is on {latent.device}: the native training noise kernel runs on CPU tensors")
-    return _NoisyRepeat.apply(latent, q, sigma, seed, offset, channels_last)
+    # The seed's 64 bits as an int64: every argument of apply must convert to an int64 (the profiler records them).
+    seed_bits = seed - _U64 if seed >= 2**63 else seed
+    return _NoisyRepeat.apply(latent, q, sigma, seed_bits, offset, channels_last)
 
 
 def noisy_repeat(latent: torch.Tensor, q: int, sigma: float, seed: int, offset: int = 0, channels_last: bool = False,

@@ -163,7 +163,8 @@ def splitz_loss(
     if noise == "philox" or (noise is None and noise_backend == "native"):
         # One 64-bit seed per step from the training generator, the Philox stream (csrc/philox.h) under it.
         seed = train_noise.draw_seed(generator, latent.device)
-        noisy = train_noise.noisy_repeat(latent, q, config.sigma, seed, backend=noise_backend)
+        noisy = train_noise.noisy_repeat(latent, q, config.sigma, seed, channels_last=latent.ndim == 4,
+                                         backend=noise_backend)
     else:
         noise_draws = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device,
                                       channels_last=True)

@@ -284,3 +284,13 @@ def test_lipschitz_estimate_native_power_steps_match_reference(monkeypatch):
         values[backend] = (est.detach(), grad)
     torch.testing.assert_close(values["auto"][0], values["reference"][0], rtol=1e-5, atol=0)
     torch.testing.assert_close(values["auto"][1], values["reference"][1], rtol=1e-4, atol=1e-6)
+
+
+def test_noisy_repeat_seed_above_2_63_under_the_profiler():
+    """Seeds >= 2**63 pass through autograd.Function.apply as int64 bits (the profiler records apply's arguments as
+    int64 and refused the unsigned value)."""
+    latent = torch.randn(2, 3, 4, 4)
+    seed = 2**64 - 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True):
+        out = noisy_repeat_native(latent, 2, 0.5, seed)
+    torch.testing.assert_close(out, noisy_repeat_reference(latent, 2, 0.5, seed), rtol=0, atol=2e-6)
