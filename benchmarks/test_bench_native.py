@@ -9,6 +9,7 @@ CPU only (on a GPU the Triton kernel draws the noise). Run: ``pytest benchmarks/
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -85,3 +86,51 @@ def test_engine_sampling_native_vs_fallback_noise(benchmark, record_env, monkeyp
     print(f"\nLeNet s=1 sampling (fp32, eager f_R, {torch.get_num_threads()} threads): native noise "
           f"{rates['auto']:.0f} samples/s, torch-generator noise {rates['reference']:.0f} samples/s, speedup "
           f"{rates['auto'] / rates['reference']:.2f}x")
+
+
+def test_training_step_native_vs_reference(benchmark, record_env, monkeypatch):
+    """The SPLITZ training step (LeNet split 1, batch 256, the default TrainConfig: Q = 1, 5 power steps, Adam step
+    included) with the native training kernels (``SPLITZ_BACKEND=auto``: fused clipped ReLU + mask, fused masked-conv
+    power steps and norm, Philox noise written channels_last) against the reference path (``SPLITZ_BACKEND=reference``:
+    today's PyTorch ops and ``torch.randn`` noise), one model each, timed interleaved in this process."""
+    from splitz_fast.training import TrainConfig, splitz_loss
+    from splitz_fast.lipschitz import PowerIterationState
+
+    if not native_available("conv_power"):
+        pytest.skip("the native training kernels (csrc/train_cpu.cpp) could not be built")
+    batch = 16 if QUICK else 256
+    torch.manual_seed(0)
+    x, y = torch.rand(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    config = TrainConfig(batch_size=batch)
+
+    def make_step(backend):
+        torch.manual_seed(0)
+        model = sz.lenet(split_index=1)
+        optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+        state, gen = PowerIterationState(), torch.Generator().manual_seed(1)
+
+        def step():
+            monkeypatch.setenv("SPLITZ_BACKEND", backend)
+            loss, _ = splitz_loss(model, x, y, config, 0.8, state, gen)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        step()  # warm-up (and the extension's build or load)
+        return step
+
+    steps = {backend: make_step(backend) for backend in ("reference", "auto")}
+    times: dict[str, list[float]] = {backend: [] for backend in steps}
+    for _ in range(1 if QUICK else 7):  # interleaved: the shared machine's load hits both alike
+        for backend, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[backend].append(time.perf_counter() - start)
+    benchmark.pedantic(steps["auto"], rounds=1, iterations=1)
+    median = {backend: sorted(t)[len(t) // 2] for backend, t in times.items()}
+    ratio = median["reference"] / median["auto"]
+    record_env.update(native_step_s=median["auto"], reference_step_s=median["reference"], speedup=ratio,
+                      native_steps_s=times["auto"], reference_steps_s=times["reference"],
+                      threads=torch.get_num_threads(), batch=batch, load_average=os.getloadavg())
+    print(f"\nSPLITZ training step, LeNet split 1, batch {batch}, {torch.get_num_threads()} threads, load "
+          f"{os.getloadavg()[0]:.2f}: native {median['auto'] * 1e3:.0f} ms, reference {median['reference'] * 1e3:.0f} "
+          f"ms (medians of {len(times['auto'])}, interleaved), speedup {ratio:.2f}x (target >= 1.5x)")
