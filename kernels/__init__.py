@@ -20,6 +20,10 @@ Native (C++) kernels live in ``csrc/`` and are built and loaded by ``native`` (:
 
 * ``noisy_latents`` on CPU tensors (``csrc/noise_cpu.cpp``): the same Philox stream as the Triton kernel, 3-4x
   ``torch.randn`` + add on 2 cores (benchmarks/RESULTS.md).
+* the SPLITZ training step on CPU tensors (``csrc/train_cpu.cpp``, a second module): ``conv_power``
+  (``conv_power.py``: the masked convolution power step and norm of the Lipschitz estimate, fused per image, with the
+  weight gradient), ``clip_mask`` (``clip_mask.py``: the first layer's clipped ReLU and varying mask in one pass, with
+  its backward), ``train_noise`` (``train_noise.py``: the training noise from the Philox stream, a seed per step).
 
 Dispatch is explicit: Triton for CUDA tensors where an op has a kernel that beats its reference there
 (``AUTO_TRITON_OPS``), the native kernel for CPU tensors where an op has one (``NATIVE_OPS``) and it could be built,
