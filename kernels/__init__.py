@@ -84,6 +84,16 @@ def select_backend(op: str, device: torch.device) -> str:
     return "native" if op in NATIVE_OPS and device.type == "cpu" and native_available(op) else "reference"
 
 
+def select_composite(op: str, device: torch.device) -> str:
+    """``"native"`` or ``"reference"`` for an op whose reference is built from other dispatched ops (the training
+    step's ``conv_power``, ``clip_mask``, ``train_noise``): the native kernel where :func:`select_backend` picks it,
+    the reference otherwise — also under ``SPLITZ_BACKEND=triton``, where the reference's own pieces (``masked_conv2d``,
+    ``first_layer_bounds``, ``interval_clip``) run their Triton kernels, so forcing Triton is honoured, not refused."""
+    if os.environ.get(BACKEND_ENV, "auto").lower() == "triton":
+        return "reference"
+    return "native" if select_backend(op, device) == "native" else "reference"
+
+
 def interpreting() -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``), i.e. kernels may take CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -37,7 +37,7 @@ import torch
 from .bounds import BallBounds, ball_bounds, input_scale
 from .modules import LeftHalf
 from .operators import MaskedAffine
-from .kernels import conv_power, select_backend
+from .kernels import conv_power, select_composite
 
 UNIT_ROUNDOFF_64 = 2.0 ** -53
 DEFAULT_EXACT_MAX_DIM = 4096
@@ -507,7 +507,7 @@ def lipschitz_estimate(
     shapes = _layer_shapes(left, tuple(x.shape[1:]))
     # Convolution factors with few taps per output run fused per image on the CPU (kernels/conv_power.py: the power
     # step and the norm without materialising the masked activation); the others through MaskedAffine.
-    conv_backend = select_backend(conv_power.OP_NAME, x.device)
+    conv_backend = select_composite(conv_power.OP_NAME, x.device)
     estimate = torch.ones(batch, dtype=dtype, device=x.device)
     for k, layer in enumerate(left.layers):
         in_shape = shapes[k]

@@ -35,7 +35,7 @@ from ._checks import check_count, check_nonnegative, check_positive, check_tenso
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .modules import SplitModel
 from .bounds import BallBounds, first_layer_row_norms, input_scale
-from .kernels import clip_mask, select_backend, train_noise
+from .kernels import clip_mask, select_composite, train_noise
 from .kernels.noise_votes import standard_normal
 
 CHECKPOINT_FORMAT = 1
@@ -145,7 +145,7 @@ def splitz_loss(
     ``noise`` picks the stream of the training noise, both reproducible from ``generator``: ``"torch"``
     (``torch.randn``), ``"philox"`` (a 64-bit seed drawn from ``generator`` each step, then the Philox stream of
     ``csrc/philox.h`` — :mod:`splitz_fast.kernels.train_noise`), or ``None`` (default): Philox where the native
-    training kernel runs (``select_backend("train_noise")``: CPU with the extension built), ``torch`` elsewhere.
+    training kernel runs (``select_composite("train_noise")``: CPU with the extension built), ``torch`` elsewhere.
     Where the native kernels run, a one-layer clipped-ReLU ``f_L`` (split 1) is evaluated fused
     (:func:`_fused_first_layer`): its affine layer once, then the clipped ReLU and the estimate's varying mask in one
     pass; the values are those of the unfused path.
@@ -159,7 +159,7 @@ def splitz_loss(
         latent, bounds = model.left(x), None  # f_L once per input; the Q noise draws are added after it
     else:
         latent, bounds = fused
-    noise_backend = select_backend(train_noise.OP_NAME, latent.device)
+    noise_backend = select_composite(train_noise.OP_NAME, latent.device)
     if noise == "philox" or (noise is None and noise_backend == "native"):
         # One 64-bit seed per step from the training generator, the Philox stream (csrc/philox.h) under it.
         seed = train_noise.draw_seed(generator, latent.device)
@@ -186,7 +186,7 @@ def _fused_first_layer(left, x: torch.Tensor, config: TrainConfig):
     then :func:`splitz_fast.kernels.clip_mask.clip_mask` — ``min(relu(z), θ)`` and the varying mask of the ball
     ``γ_train`` of :func:`~splitz_fast.bounds.ball_bounds`'s first layer (float32, no margin, as the training estimate
     computes it) — as the ``BallBounds`` the estimate reads (masks only; no lower/upper)."""
-    if left.depth != 1 or left.activation(0) is None or select_backend(clip_mask.OP_NAME, x.device) != "native":
+    if left.depth != 1 or left.activation(0) is None or select_composite(clip_mask.OP_NAME, x.device) != "native":
         return None
     layer = left.layers[0]
     dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
