@@ -1,8 +1,7 @@
 // CPU kernel of the noise stream (contract: philox.h): out[k] = cast(latent + sigma z_k) for num samples, in float32
 // until the final cast, written in contiguous or channels_last storage order, multi-threaded over samples with
 // ATen's intra-op pool (torch.set_num_threads). The inner loops are branch-free so that GCC vectorises Philox, ln and
-// sin; target_clones compiles them for x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and baseline x86-64 and picks one when
-// the library loads (so a build cached on one machine stays correct on another).
+// sin; SPLITZ_CLONES (philox_cpu.h) compiles them per ISA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -11,41 +10,16 @@
 #include <type_traits>
 #include <vector>
 
-#include "philox.h"
+#include "philox_cpu.h"
 
 namespace {
 
-constexpr int64_t kPairBlock = 128;  // Philox calls per inner block (their words are staged on the stack)
+using splitz::kPairBlock;
+using splitz::stream_pairs;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SPLITZ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SPLITZ_CLONES
-#endif
-
-// z_t for the pairs first_pair .. first_pair + pairs - 1 of the stream, i.e. z[2 p] and z[2 p + 1] for p < pairs.
-// Two loops (Philox words, then Box-Muller) because GCC vectorises each but not the two fused.
-SPLITZ_CLONES void stream_pairs(uint64_t first_pair, int64_t pairs, uint32_t k0, uint32_t k1, float* __restrict z) {
-  uint32_t w0[kPairBlock], w1[kPairBlock], w2[kPairBlock];
-  for (int64_t start = 0; start < pairs; start += kPairBlock) {
-    const int64_t count = std::min(kPairBlock, pairs - start);
-    const uint64_t counter0 = first_pair + static_cast<uint64_t>(start);
-    for (int64_t i = 0; i < count; ++i) {
-      const uint64_t counter = counter0 + static_cast<uint64_t>(i);
-      splitz::philox_words(static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), k0, k1, w0[i],
-                           w1[i], w2[i]);
-    }
-    float* __restrict out = z + 2 * start;
-    for (int64_t i = 0; i < count; ++i) {
-      float u1, u2, c, s;
-      splitz::box_muller_uniforms(w0[i], w1[i], w2[i], u1, u2);
-      const float r = splitz::box_muller_radius(u1);
-      splitz::cos_sin_two_pi(u2, c, s);
-      out[2 * i] = r * c;
-      out[2 * i + 1] = r * s;
-    }
-  }
-}
+// Fewest channels for the channels_last pair path: it stores runs of C contiguous values, which vectorise poorly
+// below this; fewer channels go through the permuted store (measured: C = 1 channels_last ran at 0.4x contiguous).
+constexpr int64_t kMinPairChannels = 16;
 
 // Both numbers of the Philox pairs first_pair + pair_offset[i] (i < count): z_even[i] = r cos, z_odd[i] = r sin.
 SPLITZ_CLONES void table_pairs(uint64_t first_pair, const int32_t* __restrict pair_offset, int64_t count, uint32_t k0,
@@ -101,7 +75,8 @@ SPLITZ_CLONES void store_permuted(const float* __restrict latent, const float* _
 //  - channels_last with H W even (so D is even and rows start on a pair): the logical pair (c, s = 2u), (c, 2u + 1)
 //    sits in storage rows 2u and 2u + 1 at channel c, so each pair is drawn once (counter table `pair_offset`, in the
 //    order u, c) and both storage rows are written contiguously;
-//  - channels_last with H W odd: drawn in logical order, stored through the permutation `index`.
+//  - channels_last with H W odd or fewer than kMinPairChannels channels: drawn in logical order, stored through the
+//    permutation `index` (one channel: the layouts coincide and the contiguous path runs).
 template <typename Out>
 void fill(const float* latent_storage, const int32_t* index, const int32_t* pair_offset, int64_t channels,
           int64_t numel, int64_t num, float sigma, uint64_t seed, uint64_t offset, Out* out) {
@@ -163,7 +138,9 @@ void noisy_latents(const torch::Tensor& latent, torch::Tensor& out, double sigma
     const int64_t spatial = latent.size(1) * latent.size(2);
     for (int64_t s = 0, q = 0; s < spatial; ++s)
       for (int64_t c = 0; c < channels; ++c, ++q) latent_storage[q] = lat[c * spatial + s];
-    if (spatial % 2 == 0) {
+    if (channels == 1) {
+      // one channel: channels_last storage is the contiguous storage, so the contiguous path writes it
+    } else if (spatial % 2 == 0 && channels >= kMinPairChannels) {
       pair_offset.resize(numel / 2);
       for (int64_t u = 0, p = 0; u < spatial / 2; ++u)
         for (int64_t c = 0; c < channels; ++c, ++p) pair_offset[p] = static_cast<int32_t>(c * (spatial / 2) + u);

@@ -18,15 +18,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "philox.h"
+#include "philox_cpu.h"
 
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SPLITZ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SPLITZ_CLONES
-#endif
 
 #define SPLITZ_INLINE inline __attribute__((always_inline))
 
@@ -347,31 +341,6 @@ torch::Tensor masked_conv_sumsq_grad_weight(const torch::Tensor& v, const torch:
 
 // ------------------------------------------------------------------------------------------------- training noise
 
-constexpr int64_t kPairBlock = 128;
-
-// z[0 .. 2 pairs) = the stream's numbers of the pairs first_pair .. first_pair + pairs - 1 (philox.h's contract).
-SPLITZ_CLONES void draw_pairs(uint64_t first_pair, int64_t pairs, uint32_t k0, uint32_t k1, float* __restrict z) {
-  uint32_t w0[kPairBlock], w1[kPairBlock], w2[kPairBlock];
-  for (int64_t start = 0; start < pairs; start += kPairBlock) {
-    const int64_t count = std::min(kPairBlock, pairs - start);
-    const uint64_t counter0 = first_pair + static_cast<uint64_t>(start);
-    for (int64_t i = 0; i < count; ++i) {
-      const uint64_t counter = counter0 + static_cast<uint64_t>(i);
-      splitz::philox_words(static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), k0, k1, w0[i], w1[i],
-                           w2[i]);
-    }
-    float* __restrict out = z + 2 * start;
-    for (int64_t i = 0; i < count; ++i) {
-      float u1, u2, c, s;
-      splitz::box_muller_uniforms(w0[i], w1[i], w2[i], u1, u2);
-      const float r = splitz::box_muller_radius(u1);
-      splitz::cos_sin_two_pi(u2, c, s);
-      out[2 * i] = r * c;
-      out[2 * i + 1] = r * s;
-    }
-  }
-}
-
 SPLITZ_CLONES void add_scaled(float* __restrict out, const float* __restrict latent, const float* __restrict z,
                               float sigma, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = latent[i] + sigma * z[i];
@@ -421,7 +390,7 @@ void train_noise(const torch::Tensor& latent, torch::Tensor& out, int64_t q, dou
       const uint64_t last = first + static_cast<uint64_t>(numel);
       const uint64_t first_pair = first >> 1;
       const int64_t pairs = static_cast<int64_t>(((last - 1) >> 1) - first_pair) + 1;
-      draw_pairs(first_pair, pairs, k0, k1, row.data());
+      splitz::stream_pairs(first_pair, pairs, k0, k1, row.data());
       const float* z = row.data() + (first & 1);
       const float* lat_row = lat + (k / q) * numel;
       if (channels_last) {

@@ -30,7 +30,7 @@ import torch
 
 NATIVE_ENV = "SPLITZ_NATIVE"
 SOURCES = ("noise_cpu.cpp",)
-HEADERS = ("philox.h",)
+HEADERS = ("philox.h", "philox_cpu.h")
 TRAIN_SOURCES = ("train_cpu.cpp",)  # the training step's module (train_module)
 # Ops with a native CPU kernel, and the sources of the module that holds each.
 OP_SOURCES: dict[str, tuple[str, ...]] = {"noisy_latents": SOURCES, "conv_power": TRAIN_SOURCES,

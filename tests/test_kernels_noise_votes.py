@@ -245,12 +245,14 @@ def test_noise_input_validation(noise):
         noisy_latents(latent, 2, 1.0, 1, 0, out=torch.empty(2, 3, 4, device=device, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("shape,channels_last", [((3, 5, 7), False), ((3, 5, 7), True), ((4, 6, 6), True), ((9,), False)])
-@pytest.mark.parametrize("offset", [0, 3, 2**40 + 1, 2**64 // 378 - 9])
+@pytest.mark.parametrize("shape,channels_last", [((3, 5, 7), False), ((3, 5, 7), True), ((4, 6, 6), True), ((9,), False),
+                                                 ((16, 4, 6), True), ((1, 6, 6), True)])
+@pytest.mark.parametrize("offset", [0, 3, 2**40 + 1, 2**64 // 400 - 9])  # the last: near the stream's end
 def test_every_backend_draws_the_reference_stream(noise, shape, channels_last, offset):
     """Element j of sample k is z_t, t = (offset + k) D + j, of the documented stream (stream_normals_reference):
     equal up to the float32 rounding of ln / cos / sin (|Δz| <= 2e-6 (1 + |z|)), in either layout, for even and odd D
-    and at offsets whose Philox counters use the high counter word."""
+    and at offsets whose Philox counters use the high counter word. The channels_last shapes cover the native
+    kernel's three store paths: pair rows (C >= 16, H W even), permuted (few channels or H W odd), and C = 1."""
     noisy_latents, device = noise.fn, noise.device
     latent = _latent(shape, device)
     num = 9
