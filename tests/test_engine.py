@@ -156,6 +156,33 @@ def test_pool_fused_into_the_noise_gives_the_same_votes(precision, monkeypatch):
     assert not any(m.inplace for m in model.right if isinstance(m, nn.ReLU))
 
 
+def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(monkeypatch):
+    """ReLU -> MaxPool2d pairs of a plain chain run as MaxPool2d -> ReLU (in place) in the prepared copy: the same
+    outputs (max commutes with the monotone ReLU; NaN propagates), and the same votes as the unchanged chain."""
+    from splitz_fast import sampling
+
+    torch.manual_seed(3)
+    right = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1),
+                          nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), nn.Flatten(),
+                          nn.Linear(54, 5))
+    prepared = sampling._cheaper_chain(copy.deepcopy(right))
+    assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
+    assert not any(m.inplace for m in right if isinstance(m, nn.ReLU))  # the user's chain is untouched
+    x = torch.randn(16, 1, 8, 8)
+    x[3, 0, 2, 2] = float("nan")
+    with torch.no_grad():
+        want, got = right(x), prepared(x.clone())
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
+    model = SplitModel(LeftHalf([], [], input_shape=(1, 8, 8)), right, 5)
+    xs = torch.rand(3, 1, 8, 8, generator=_gen(4))
+    fast = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
+    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module: module)
+    plain = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
+    assert [(p.count_top, p.count_second) for p in fast] == [(p.count_top, p.count_second) for p in plain]
+    assert sampling._cheaper_chain(nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2)))[0].inplace is False
+
+
 def test_only_a_plain_leading_2x2_max_pool_is_fused():
     from splitz_fast.sampling import _starts_with_maxpool2
 
