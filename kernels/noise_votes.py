@@ -300,16 +300,8 @@ def noisy_latents_native(
     could not be built (see :mod:`splitz_fast.kernels.native`)."""
     from .native import native_module
 
-    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
-    if latent.device.type != "cpu":
-        raise ValueError(f"latent is on {latent.device}: the native noise kernel runs on CPU tensors")
-    out = _output(latent, num, out_dtype, channels_last, out)
-    module = native_module()
-    if module is None:
-        raise RuntimeError("the native kernels of splitz_fast (csrc/) are not available on this machine (see the "
-                           "warning above); use noisy_latents_reference (SPLITZ_BACKEND=reference)")
-    module.noisy_latents(latent.detach().float().contiguous(), out, sigma, seed, offset, channels_last)
-    return out
+    return _extension_noise(native_module, "cpu", "the native kernels of splitz_fast (csrc/noise_cpu.cpp)", latent,
+                            num, sigma, seed, offset, out_dtype, channels_last, out)
 
 
 def noisy_latents_cuda(
@@ -330,14 +322,22 @@ def noisy_latents_cuda(
     where the extension could not be built (see :mod:`splitz_fast.kernels.native_cuda`)."""
     from .native_cuda import cuda_module
 
+    return _extension_noise(cuda_module, "cuda", "the CUDA kernels of splitz_fast (csrc/noise_votes_cuda.cu)", latent,
+                            num, sigma, seed, offset, out_dtype, channels_last, out)
+
+
+def _extension_noise(load_module, device_type: str, what: str, latent, num, sigma, seed, offset, out_dtype,
+                     channels_last, out) -> torch.Tensor:
+    """The launch shared by the compiled extensions' noise ops: the contract's checks first (a bad argument never
+    triggers a build), then the extension (built on first use), then its ``noisy_latents`` into ``out``."""
     sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
-    if latent.device.type != "cuda":
-        raise ValueError(f"latent is on {latent.device}: the CUDA noise kernel runs on CUDA tensors")
+    if latent.device.type != device_type:
+        raise ValueError(f"latent is on {latent.device}: {what} run on {device_type.upper()} tensors")
     out = _output(latent, num, out_dtype, channels_last, out)
-    module = cuda_module()
+    module = load_module()
     if module is None:
-        raise RuntimeError("the CUDA kernels of splitz_fast (csrc/noise_votes_cuda.cu) are not available here (see "
-                           "the warning above); use noisy_latents (Triton) or noisy_latents_reference")
+        raise RuntimeError(f"{what} are not available on this machine (see the warning above); use "
+                           "noisy_latents_reference (SPLITZ_BACKEND=reference)")
     module.noisy_latents(latent.detach().float().contiguous(), out, sigma, seed, offset, channels_last)
     return out
 
