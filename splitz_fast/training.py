@@ -127,6 +127,24 @@ class TrainConfig:
         return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
 
 
+def philox_training_noise(latent: torch.Tensor, q: int, sigma: float,
+                          generator: torch.Generator | None) -> torch.Tensor:
+    """``q`` noisy copies of each latent from the Philox stream under a 64-bit seed drawn from ``generator`` (one per
+    step; :mod:`splitz_fast.kernels.train_noise`: native on the CPU, its reference elsewhere); channels_last for image
+    latents (f_R's first pool runs faster there)."""
+    seed = train_noise.draw_seed(generator, latent.device)
+    return train_noise.noisy_repeat(latent, q, sigma, seed, channels_last=latent.ndim == 4,
+                                    backend=select_composite(train_noise.OP_NAME, latent.device))
+
+
+def torch_training_noise(latent: torch.Tensor, q: int, sigma: float,
+                         generator: torch.Generator | None) -> torch.Tensor:
+    """``q`` noisy copies of each latent with ``torch.randn`` noise from ``generator`` (the stream before the native
+    kernels; the default where they do not run)."""
+    draws = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device, channels_last=True)
+    return latent.float().repeat_interleave(q, dim=0) + sigma * draws
+
+
 def splitz_loss(
     model: SplitModel,
     x: torch.Tensor,
@@ -136,39 +154,32 @@ def splitz_loss(
     state: PowerIterationState | None,
     generator: torch.Generator | None = None,
     *,
-    noise: str | None = None,
+    training_noise: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The SPLITZ objective on a batch ``x: [B, *input_shape]``, ``y: [B]``; returns ``(loss, parts)``.
 
     With ``model.split_index == 0`` or ``lam == 0`` it is the Gaussian-augmentation loss (no Lipschitz term).
 
-    ``noise`` picks the stream of the training noise, both reproducible from ``generator``: ``"torch"``
-    (``torch.randn``), ``"philox"`` (a 64-bit seed drawn from ``generator`` each step, then the Philox stream of
-    ``csrc/philox.h`` — :mod:`splitz_fast.kernels.train_noise`), or ``None`` (default): Philox where the native
-    training kernel runs (``select_composite("train_noise")``: CPU with the extension built), ``torch`` elsewhere.
+    ``training_noise(latent, q, sigma, generator)`` draws the ``[B q, ...]`` noisy copies, reproducibly from
+    ``generator``: :func:`philox_training_noise` (a 64-bit seed drawn from ``generator`` each step, then the Philox
+    stream of ``csrc/philox.h``) or :func:`torch_training_noise` (``torch.randn``); ``None`` (default) takes Philox
+    where the native training kernel runs (``select_composite("train_noise")``: CPU with the extension built) and
+    ``torch.randn`` elsewhere (today's stream), so checkpoints trained with and without a compiler differ.
     Where the native kernels run, a one-layer clipped-ReLU ``f_L`` (split 1) is evaluated fused
     (:func:`_fused_first_layer`): its affine layer once, then the clipped ReLU and the estimate's varying mask in one
     pass; the values are those of the unfused path.
     """
     q = config.noise_samples
-    if noise not in (None, "torch", "philox"):
-        raise ValueError(f"noise must be None, 'torch' or 'philox', got {noise!r}")
     need_lip = model.split_index > 0 and lam != 0.0
     fused = _fused_first_layer(model.left, x, config) if need_lip else None
     if fused is None:
         latent, bounds = model.left(x), None  # f_L once per input; the Q noise draws are added after it
     else:
         latent, bounds = fused
-    noise_backend = select_composite(train_noise.OP_NAME, latent.device)
-    if noise == "philox" or (noise is None and noise_backend == "native"):
-        # One 64-bit seed per step from the training generator, the Philox stream (csrc/philox.h) under it.
-        seed = train_noise.draw_seed(generator, latent.device)
-        noisy = train_noise.noisy_repeat(latent, q, config.sigma, seed, channels_last=latent.ndim == 4,
-                                         backend=noise_backend)
-    else:
-        noise_draws = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device,
-                                      channels_last=True)
-        noisy = latent.float().repeat_interleave(q, dim=0) + config.sigma * noise_draws
+    if training_noise is None:
+        native = select_composite(train_noise.OP_NAME, latent.device) == "native"
+        training_noise = philox_training_noise if native else torch_training_noise
+    noisy = training_noise(latent, q, config.sigma, generator)
     cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q))
     parts = {"ce": float(cross_entropy.detach())}
     if not need_lip:

@@ -20,7 +20,7 @@ from splitz_fast.kernels.native import native_available
 from splitz_fast.kernels.noise_votes import stream_normals_reference
 from splitz_fast.kernels.train_noise import draw_seed, noisy_repeat, noisy_repeat_native, noisy_repeat_reference
 from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
-from splitz_fast.training import TrainConfig, splitz_loss
+from splitz_fast.training import TrainConfig, philox_training_noise, splitz_loss, torch_training_noise
 
 pytestmark = pytest.mark.skipif(not native_available("conv_power"),
                                 reason="the native training kernels need a C++ compiler (csrc/train_cpu.cpp)")
@@ -219,7 +219,7 @@ def _steps(backend, monkeypatch, model, x, y, config, n_steps=2, lam=0.8):
     state, gen = PowerIterationState(), torch.Generator().manual_seed(11)
     losses, grads = [], []
     for _ in range(n_steps):
-        loss, parts = splitz_loss(model, x, y, config, lam, state, gen, noise="philox")
+        loss, parts = splitz_loss(model, x, y, config, lam, state, gen, training_noise=philox_training_noise)
         model.zero_grad(set_to_none=True)
         loss.backward()
         losses.append((float(loss.detach()), parts["ce"], parts.get("lip")))
@@ -230,7 +230,7 @@ def _steps(backend, monkeypatch, model, x, y, config, n_steps=2, lam=0.8):
 @pytest.mark.parametrize("variant,threshold,learnable", [("advertorch", 1.0, False), ("splitz", 0.5, True)])
 def test_training_step_native_equals_reference(monkeypatch, variant, threshold, learnable):
     """LeNet split 1: the native step (fused first layer, native power steps and norm, native Philox noise) gives the
-    reference step's losses and gradients, with the same Philox noise (``noise="philox"``) on both."""
+    reference step's losses and gradients, with the same Philox noise (``philox_training_noise``) on both."""
     torch.manual_seed(0)
     model = sz.lenet(split_index=1, variant=variant, threshold=threshold, learnable_threshold=learnable)
     x, y = torch.rand(24, 1, 28, 28), torch.randint(0, 10, (24,))
@@ -261,14 +261,14 @@ def test_training_noise_default_stream_per_backend(monkeypatch):
     x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
     config = TrainConfig(power_iters=1)
     results = {}
-    for backend, noise in [("auto", None), ("auto", "philox"), ("reference", None), ("reference", "torch")]:
+    for backend, noise in [("auto", None), ("auto", philox_training_noise), ("reference", None),
+                           ("reference", torch_training_noise)]:
         monkeypatch.setenv("SPLITZ_BACKEND", backend)
-        loss, _ = splitz_loss(model, x, y, config, 0.0, None, torch.Generator().manual_seed(4), noise=noise)
+        loss, _ = splitz_loss(model, x, y, config, 0.0, None, torch.Generator().manual_seed(4), training_noise=noise)
         results[(backend, noise)] = float(loss.detach())
-    assert results[("auto", None)] == pytest.approx(results[("auto", "philox")], rel=1e-6)
-    assert results[("reference", None)] == results[("reference", "torch")]
-    with pytest.raises(ValueError, match="noise must be"):
-        splitz_loss(model, x, y, config, 0.0, None, None, noise="numpy")
+    assert results[("auto", None)] == pytest.approx(results[("auto", philox_training_noise)], rel=1e-6)
+    assert results[("reference", None)] == results[("reference", torch_training_noise)]
+    assert results[("auto", None)] != pytest.approx(results[("reference", None)], rel=1e-6)  # two streams
 
 
 def test_lipschitz_estimate_native_power_steps_match_reference(monkeypatch):
