@@ -18,8 +18,9 @@ reference beside it — the reference is both the CPU path and the test oracle:
 
 Native (C++) kernels live in ``csrc/`` and are built and loaded by ``native`` (:mod:`splitz_fast.kernels.native`):
 
-* ``noisy_latents`` on CPU tensors (``csrc/noise_cpu.cpp``): the same Philox stream as the Triton kernel, 3-4x
-  ``torch.randn`` + add on 2 cores (benchmarks/RESULTS.md).
+* ``noisy_latents`` on CPU tensors (``csrc/noise_cpu.cpp``): the same Philox stream as the Triton kernel, 4.5x
+  ``torch.randn`` + add on 2 cores (benchmarks/RESULTS.md); and ``noisy_latents_maxpool2_native``, the same draw
+  followed by a 2x2 max pool in one pass (used by the sampling engine, not dispatched separately).
 * the SPLITZ training step on CPU tensors (``csrc/train_cpu.cpp``, a second module): ``conv_power``
   (``conv_power.py``: the masked convolution power step and norm of the Lipschitz estimate, fused per image, with the
   weight gradient), ``clip_mask`` (``clip_mask.py``: the first layer's clipped ReLU and varying mask in one pass, with
@@ -31,10 +32,9 @@ the reference elsewhere; ``SPLITZ_BACKEND`` (``auto`` | ``reference`` | ``triton
 Triton for an op without a Triton kernel is an error, never a silent fallback; ``native`` runs the native kernel of the
 ops that have one (an error where it cannot be built) and the reference of the others — on CUDA tensors the CUDA
 kernels of ``csrc/noise_votes_cuda.cu`` (``noisy_latents``, ``count_votes``; :mod:`splitz_fast.kernels.native_cuda`),
-which ``auto`` leaves to Triton until a GPU measurement puts them in ``AUTO_CUDA_NATIVE_OPS``.
-On a machine without a GPU,
-``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter on CPU tensors (slow;
-for tests).
+which ``auto`` leaves to Triton until a GPU measurement puts them in ``AUTO_CUDA_NATIVE_OPS``. On a machine without a
+GPU, ``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter on CPU tensors
+(slow; for tests).
 """
 from __future__ import annotations
 
