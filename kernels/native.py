@@ -58,6 +58,9 @@ def _build_name(directory: Path, sources: tuple[str, ...] = SOURCES) -> str:
         digest.update((directory / name).read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
+    # The source folder too: torch rebuilds a named extension whose include paths changed, so two checkouts sharing
+    # one name would rebuild each other's build at every switch (seen: a 33 s rebuild in the first training step).
+    digest.update(str(directory.resolve()).encode())
     prefix = "splitz_fast_native" if sources == SOURCES else f"splitz_fast_{Path(sources[0]).stem}"
     return f"{prefix}_{digest.hexdigest()[:16]}"
 
