@@ -143,7 +143,7 @@ def train_command(args: argparse.Namespace) -> int:
     # Validate the settings before touching data or the output folder.
     config = _train_config(args, _TRAIN_OPTIONS)
     check_output_folder("OUTDIR", args.outdir)
-    info = get_dataset(args.dataset, "train", root=args.root)
+    info = get_dataset(args.dataset, args.split, root=args.root)
     kwargs = _model_kwargs(args.model, info, args)
     torch.manual_seed(args.seed)  # the initial weights are part of the run: seed them
     model = build_model(args.model, **kwargs)
@@ -151,6 +151,8 @@ def train_command(args: argparse.Namespace) -> int:
         raise ValueError(f"model {args.model} expects inputs {model.input_shape}, dataset {args.dataset} gives "
                          f"{tuple(info.input_shape)}")
     spec = {"name": args.model, "kwargs": kwargs, "dataset": args.dataset}
+    if args.split != "train":  # recorded only when set, so runs written before the option still resume
+        spec["split"] = args.split
     result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
                    resume=args.resume, on_epoch_end=lambda r: print(
                        f"epoch {r['epoch'] + 1}: loss {r['train_loss']:.4f}, val noisy acc {r['val_noisy_acc']:.4f}, "
@@ -444,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help=f"model name: {', '.join(MODELS)}")
     t.add_argument("outdir", help="run folder: last.pt, best.pt, train.log")
     t.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
+    t.add_argument("--split", default="train",
+                   help="dataset split to train on (--val-fraction of it is held out); another split only for smoke "
+                        "runs, e.g. cifar10-samples, whose 20 images are test images")
     t.add_argument("--split-index", type=int, default=1, help="affine layers in f_L; 0 = plain RS")
     t.add_argument("--threshold", type=float, default=1.0,
                    help="clipped-ReLU threshold θ in f_L (inf keeps a pretrained network's outputs)")
