@@ -32,7 +32,10 @@ from .datasets import DATASETS, DatasetInfo, get_dataset
 from .training import TrainConfig, splitz_loss, train
 from .runs import ShardSpec, merge_shards, run_over_dataset
 from .attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
-from . import analysis, attacks
+from .recipes import RECIPES, Recipe, recipe_config
+from .envelope import envelope_report
+from .diagnostics import diagnose, neuron_states
+from . import analysis, attacks, diagnostics, envelope, recipes
 
 __version__ = "0.1.0"
 
@@ -43,6 +46,15 @@ __all__ = [
     "Attacker",
     "attacks",
     "falsify_certificates",
+    "RECIPES",
+    "Recipe",
+    "recipe_config",
+    "recipes",
+    "envelope",
+    "envelope_report",
+    "diagnose",
+    "diagnostics",
+    "neuron_states",
     "DATASETS",
     "DatasetInfo",
     "MODELS",

@@ -100,14 +100,21 @@ def demo(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- train
-def _model_kwargs(model_name: str, info, args: argparse.Namespace) -> dict:
-    kwargs = {"split_index": args.split_index, "threshold": args.threshold,
-              "learnable_threshold": args.learnable_threshold}
+def _model_kwargs(model_name: str, info, args: argparse.Namespace, recipe_model: dict) -> dict:
+    """Model options: the command line's, else the recipe's, else the defaults (split 1, θ = 1, fixed, scalar)."""
+    chosen = {**_MODEL_DEFAULTS, **recipe_model,
+              **{key: value for key in _MODEL_DEFAULTS if (value := getattr(args, key)) is not None}}
+    kwargs = {key: chosen[key] for key in ("split_index", "threshold", "learnable_threshold")}
+    if chosen["threshold_per_element"]:  # only LeNet and the MLP take it: others refuse the keyword by name
+        kwargs["threshold_per_element"] = True
     if model_name == "mlp":
         kwargs.update(in_features=info.input_shape[0], num_classes=info.num_classes)
     elif model_name.startswith(("cifar_resnet", "imagenet_resnet")):
         kwargs.update(num_classes=info.num_classes)
     return kwargs
+
+
+_MODEL_DEFAULTS = {"split_index": 1, "threshold": 1.0, "learnable_threshold": False, "threshold_per_element": False}
 
 
 # TrainConfig field -> the option that sets it, so a refused value is reported under the name the user typed.
@@ -117,19 +124,22 @@ _TRAIN_OPTIONS = {
     "gamma_train": "--gamma-train", "power_iters": "--power-iters", "optimizer": "--optimizer", "lr": "--lr",
     "weight_decay": "--weight-decay", "lr_schedule": "--lr-schedule", "lr_step": "--lr-step", "lr_decay": "--lr-decay",
     "val_fraction": "--val-fraction", "max_batches": "--max-batches", "seed": "--seed", "num_workers": "--workers",
+    "lip_objective": "--lip-objective", "lip_target": "--lip-target", "dual_step": "--dual-step",
+    "gamma_ramp": "--gamma-ramp", "init_checkpoint": "--init",
 }
 _DEMO_TRAIN_OPTIONS = {"sigma": "--sigma", "epochs": "--epochs", "batch_size": "--train-batch",
                        "lambda_start": "--lambda-start", "lambda_end": "--lambda-end", "seed": "--seed",
                        "max_batches": "--max-batches"}
 
 
-def _train_config(args: argparse.Namespace, options: dict[str, str]):
-    """The validated TrainConfig of ``options`` (field -> option); errors name the option, not the field."""
-    from .training import TrainConfig
+def _train_config(args: argparse.Namespace, options: dict[str, str], recipe: str | None = None):
+    """The validated TrainConfig of ``options`` (field -> option) over ``recipe``'s settings (options left unset keep the
+    recipe's value, else TrainConfig's default); errors name the option, not the field."""
+    from .recipes import recipe_config
 
-    config = TrainConfig(**{field: getattr(args, option[2:].replace("-", "_")) for field, option in options.items()})
     try:
-        return config.validate()
+        return recipe_config(recipe, **{field: getattr(args, option[2:].replace("-", "_"))
+                                        for field, option in options.items()})
     except (ValueError, TypeError) as err:  # TrainConfig's messages start with the field's name
         field, _, rest = str(err).partition(" ")
         raise type(err)(f"{options.get(field, field)} {rest}") from None
@@ -138,21 +148,25 @@ def _train_config(args: argparse.Namespace, options: dict[str, str]):
 def train_command(args: argparse.Namespace) -> int:
     from .datasets import get_dataset
     from .models import build_model
+    from .recipes import get_recipe
     from .training import train
 
     # Validate the settings before touching data or the output folder.
-    config = _train_config(args, _TRAIN_OPTIONS)
+    config = _train_config(args, _TRAIN_OPTIONS, args.recipe)
     check_output_folder("OUTDIR", args.outdir)
     info = get_dataset(args.dataset, args.split, root=args.root)
-    kwargs = _model_kwargs(args.model, info, args)
+    kwargs = _model_kwargs(args.model, info, args, dict(get_recipe(args.recipe).model) if args.recipe else {})
     torch.manual_seed(args.seed)  # the initial weights are part of the run: seed them
     model = build_model(args.model, **kwargs)
     if model.input_shape != tuple(info.input_shape):
         raise ValueError(f"model {args.model} expects inputs {model.input_shape}, dataset {args.dataset} gives "
                          f"{tuple(info.input_shape)}")
     spec = {"name": args.model, "kwargs": kwargs, "dataset": args.dataset}
-    if args.split != "train":  # recorded only when set, so runs written before the option still resume
+    # Recorded only when set, so runs written before these options still resume.
+    if args.split != "train":
         spec["split"] = args.split
+    if args.recipe is not None:
+        spec["recipe"] = args.recipe
     result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
                    resume=args.resume, on_epoch_end=lambda r: print(
                        f"epoch {r['epoch'] + 1}: loss {r['train_loss']:.4f}, val noisy acc {r['val_noisy_acc']:.4f}, "
@@ -179,12 +193,35 @@ def load_model(checkpoint: str, device: str):
     return model.to(device).eval(), ckpt
 
 
+#: The ``--split`` that selects the validation images a checkpoint's training run held out.
+HELD_OUT_SPLIT = "heldout"
+
+
+def _held_out_dataset(args: argparse.Namespace, ckpt: dict):
+    """The held-out validation part of the training split of the checkpoint's run (no augmentation)."""
+    from dataclasses import replace
+
+    from .datasets import evaluation_options, get_dataset
+    from .training import held_out_part
+
+    spec = ckpt.get("model_spec") or {}
+    if spec.get("dataset") != args.dataset:
+        raise ValueError(f"--split {HELD_OUT_SPLIT} reads the validation images held out when the checkpoint was "
+                         f"trained, on {spec.get('dataset')!r}, not {args.dataset!r}")
+    info = get_dataset(args.dataset, spec.get("split", "train"), root=args.root, **evaluation_options(args.dataset))
+    return replace(info, dataset=held_out_part(info.dataset, ckpt),
+                   description=f"{info.description}, the part held out for validation by the checkpoint's run")
+
+
 def _model_and_dataset(args: argparse.Namespace):
     """The checkpoint's model and the dataset split, refused with a clear message when they do not fit together."""
     from .datasets import get_dataset
 
     model, ckpt = load_model(args.checkpoint, args.device)
-    info = get_dataset(args.dataset, args.split, root=args.root)
+    if args.split == HELD_OUT_SPLIT:
+        info = _held_out_dataset(args, ckpt)
+    else:
+        info = get_dataset(args.dataset, args.split, root=args.root)
     if model.input_shape != tuple(info.input_shape) or model.num_classes != info.num_classes:
         raise ValueError(f"checkpoint model takes {model.input_shape} with {model.num_classes} classes, but "
                          f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
@@ -392,6 +429,43 @@ def analyze_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def diagnose_command(args: argparse.Namespace) -> int:
+    from .analysis import read_certification
+    from .diagnostics import diagnose, diagnostics_report
+    from .training import checkpoint_digest
+
+    sidecar_path = Path(args.certification + ".json")
+    try:
+        sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ValueError(f"{args.certification}: its sidecar {sidecar_path} (written by `splitz certify`) is missing "
+                         "or unreadable; it records which images were certified") from None
+    table = read_certification(args.certification)
+    args.dataset, args.split = sidecar["dataset"], sidecar["split"]
+    model, ckpt, info = _model_and_dataset(args)
+    if checkpoint_digest(ckpt) != sidecar.get("checkpoint_digest"):
+        raise ValueError(f"{args.certification} was certified with another model than {args.checkpoint} "
+                         "(checkpoint digests differ); give the checkpoint that was certified")
+    title = f"{Path(args.certification).stem} (σ = {sidecar['sigma']:g})"
+    print(diagnostics_report(diagnose(model, info.dataset, table), title, out_dir=args.out))
+    return 0
+
+
+def envelope_command(args: argparse.Namespace) -> int:
+    from .envelope import MNIST_REFERENCES, envelope_report, load_group
+
+    groups = {}
+    for name, *files in args.group:
+        if not files:
+            raise ValueError(f"--group {name} names no certification files; give NAME FILE [FILE ...]")
+        if name in groups:
+            raise ValueError(f"--group {name} is given twice; give each method's files once")
+        groups[name] = load_group(files)
+    references = MNIST_REFERENCES if args.references == "mnist" else ()
+    print(envelope_report(groups, args.radii, references, out_dir=args.out))
+    return 0
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default, except where there is none to show (unset, flags, required)."""
 
@@ -415,6 +489,8 @@ def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .datasets import DATASETS
     from .models import MODELS
+    from .recipes import RECIPES
+    from .training import LIP_OBJECTIVES
 
     dataset_help = f"dataset name: {', '.join(DATASETS)}"
     parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
@@ -449,19 +525,40 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--split", default="train",
                    help="dataset split to train on (--val-fraction of it is held out); another split only for smoke "
                         "runs, e.g. cifar10-samples, whose 20 images are test images")
-    t.add_argument("--split-index", type=int, default=1, help="affine layers in f_L; 0 = plain RS")
-    t.add_argument("--threshold", type=float, default=1.0,
-                   help="clipped-ReLU threshold θ in f_L (inf keeps a pretrained network's outputs)")
-    t.add_argument("--learnable-threshold", action="store_true", help="learn θ (projected to >= 0)")
+    t.add_argument("--recipe", choices=tuple(RECIPES), default=None,
+                   help="named settings with their source (splitz_fast.recipes; options below override them): "
+                        + "; ".join(f"{r.name}: {r.source}" for r in RECIPES.values()))
+    t.add_argument("--init", default=None, metavar="CHECKPOINT",
+                   help="warm start: copy this checkpoint's affine layers (same architecture and σ; recipe warm-start)")
+    # Options a recipe sets default to None: unset, they take the recipe's value, else TrainConfig's (the paper's).
+    t.add_argument("--split-index", type=int, default=None,
+                   help="affine layers in f_L; 0 = plain RS (unset: the recipe's, else 1)")
+    t.add_argument("--threshold", type=float, default=None,
+                   help="clipped-ReLU threshold θ in f_L (inf keeps a pretrained network's outputs; unset: 1)")
+    t.add_argument("--learnable-threshold", action=argparse.BooleanOptionalAction, default=None,
+                   help="learn θ (projected to >= 0; unset: the recipe's, else fixed)")
+    t.add_argument("--threshold-per-element", action=argparse.BooleanOptionalAction, default=None,
+                   help="one θ per element of f_L's activations (lenet, mlp; unset: the recipe's, else one per layer)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
     t.add_argument("--epochs", type=int, default=10, help="training epochs")
     t.add_argument("--batch", type=int, default=512, help="training batch size")
     t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")
-    t.add_argument("--lambda-start", type=float, default=0.8, help="λ at the first epoch")
-    t.add_argument("--lambda-end", type=float, default=0.4, help="λ at the last epoch")
-    t.add_argument("--theta-lip", type=float, default=0.5, help="hinge threshold θ_lip")
-    t.add_argument("--gamma-train", type=float, default=0.1, help="γ of the training estimate")
-    t.add_argument("--power-iters", type=int, default=5, help="power steps per training step")
+    t.add_argument("--lambda-start", type=float, default=None,
+                   help="λ at the first epoch (unset: the recipe's, else 0.8)")
+    t.add_argument("--lambda-end", type=float, default=None, help="λ at the last epoch (unset: the recipe's, else 0.4)")
+    t.add_argument("--lip-objective", choices=tuple(LIP_OBJECTIVES), default=None,
+                   help="how the estimate L̂ enters the loss (unset: the recipe's, else per-sample-hinge)")
+    t.add_argument("--theta-lip", type=float, default=None, help="hinge threshold θ_lip (unset: the recipe's, else 0.5)")
+    t.add_argument("--lip-target", type=float, default=None,
+                   help="lagrangian objective: target L* of the mean estimate (unset: the recipe's, else 0.5)")
+    t.add_argument("--dual-step", type=float, default=None,
+                   help="lagrangian objective: multiplier step per training step (unset: the recipe's, else 0.01)")
+    t.add_argument("--gamma-train", type=float, default=None,
+                   help="γ of the training estimate (unset: the recipe's, else 0.1)")
+    t.add_argument("--gamma-ramp", action=argparse.BooleanOptionalAction, default=None,
+                   help="ramp γ linearly from 0 to --gamma-train over the epochs (unset: the recipe's, else off)")
+    t.add_argument("--power-iters", type=int, default=None,
+                   help="power steps per training step (unset: the recipe's, else 5)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer (sgd: momentum 0.9)")
     t.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     t.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
@@ -491,7 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "its seed")
         c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
         c.add_argument("--max", type=int, default=-1, help="at most MAX images, -1 = all")
-        c.add_argument("--split", default="test", help="dataset split")
+        c.add_argument("--split", default="test",
+                       help=f"dataset split, or {HELD_OUT_SPLIT}: the validation images the checkpoint's training run "
+                            "held out (model selection without test data)")
         if name == "certify":
             c.add_argument("--N0", type=int, default=100, help="selection samples")
         c.add_argument("--N", type=int, default=100_000, help="estimation samples")
@@ -593,6 +692,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="l2 radii (input units, >= 0) at which to report certified accuracy")
     a.add_argument("--out", default=None, help="folder for table.md, table.tex and the plot (PNG and PDF)")
     a.set_defaults(func=analyze_command)
+
+    x = sub.add_parser("diagnose", help="what explains a SPLITZ model's certificates: L(x, γ*), p_A and the neurons "
+                                        "of f_L constant on the ball, per certified input", formatter_class=_HelpFormatter)
+    x.add_argument("checkpoint", help="the checkpoint that was certified")
+    x.add_argument("certification", help="its SPLITZ certify TSV (dataset and split are read from the sidecar)")
+    x.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
+    x.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
+    x.add_argument("--out", default=None, help="folder for diagnostics.md/.tsv and the histograms")
+    x.set_defaults(func=diagnose_command)
+
+    e = sub.add_parser("envelope", help="best-σ envelopes of methods (one certify TSV per σ) with reference lines",
+                       formatter_class=_HelpFormatter)
+    e.add_argument("--group", nargs="+", action="append", required=True, metavar=("NAME", "FILE"),
+                   help="a method's name, then its certification TSVs, one per σ (σ read from each sidecar); repeat "
+                        "for each method; same-σ differences are second group − first")
+    e.add_argument("--radii", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
+                   help="l2 radii ε (input units) of the table")
+    e.add_argument("--references", choices=("mnist", "none"), default="none",
+                   help="published lines to show: mnist = issue #12's RS envelope and best trained RS (LeNet, "
+                        "n = 10⁵, full test set)")
+    e.add_argument("--out", default=None, help="folder for envelope.md and envelope.png/.pdf")
+    e.set_defaults(func=envelope_command)
     return parser
 
 

@@ -102,6 +102,13 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "law_school": {"seed": 0, "test_fraction": 0.2},
 }
 
+
+
+def evaluation_options(name: str) -> dict[str, Any]:
+    """Options that read a training split as evaluation data: no augmentation where the dataset has any."""
+    return {"augment": False} if "augment" in _OPTIONS.get(name, {}) else {}
+
+
 _NEEDS_ROOT = {"cifar10", "imagenet"}
 _TAKES_ROOT = {"mnist", "cifar10", "imagenet"}
 

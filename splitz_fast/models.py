@@ -77,6 +77,7 @@ def lenet(
     variant: str = "advertorch",
     threshold: float = 1.0,
     learnable_threshold: bool = False,
+    threshold_per_element: bool = False,
     pretrained: bool = False,
 ) -> SplitModel:
     """MNIST LeNet (:func:`lenet_network`) split after ``split_index`` affine layers. Input ``[B, 1, 28, 28]`` in
@@ -88,6 +89,7 @@ def lenet(
     Args:
         threshold: θ of the clipped ReLUs in ``f_L`` (``float('inf')`` keeps the network's function).
         learnable_threshold: make each θ an ``nn.Parameter``.
+        threshold_per_element: one θ per activation element (32×28×28 at split 1) instead of one per layer.
         pretrained: load advertorch's clean-trained MNIST weights (``"advertorch"`` variant only; needs the
             ``advertorch==0.2.3`` distribution installed, see :func:`splitz_fast.zoo.pretrained_lenet5`).
     """
@@ -96,7 +98,7 @@ def lenet(
     network = pretrained_lenet5() if pretrained else lenet_network(variant)
     return split_sequential(
         network, split_index, num_classes=10, input_shape=MNIST_INPUT_SHAPE,
-        threshold=threshold, learnable_threshold=learnable_threshold,
+        threshold=threshold, learnable_threshold=learnable_threshold, threshold_per_element=threshold_per_element,
     )
 
 
@@ -316,6 +318,7 @@ def tabular_mlp(
     mean: Sequence[float] | torch.Tensor | None = None,
     std: Sequence[float] | torch.Tensor | None = None,
     learnable_threshold: bool = False,
+    threshold_per_element: bool = False,
 ) -> SplitModel:
     """MLP for tabular data (:func:`mlp_network`) split after ``split_index`` ∈ {0, …, len(hidden)} hidden layers,
     or ``len(hidden) + 1``: the whole classifier in ``f_L`` (the Lipschitz-only model, certified without noise by
@@ -338,7 +341,7 @@ def tabular_mlp(
     return split_sequential(
         mlp_network(in_features, num_classes, hidden), split_index, num_classes=num_classes,
         input_shape=(in_features,), standardize=standardize,
-        threshold=threshold, learnable_threshold=learnable_threshold,
+        threshold=threshold, learnable_threshold=learnable_threshold, threshold_per_element=threshold_per_element,
     )
 
 

@@ -52,6 +52,16 @@ class ClippedReLU(nn.Module):
         return torch.minimum(F.relu(z), theta)
 
     @torch.no_grad()
+    def expand_(self, shape: Sequence[int]) -> None:
+        """Give θ the shape ``shape`` (e.g. one value per element of the activation), each entry starting from the
+        value θ has now there; learnable stays learnable (a new parameter: build optimizers after this)."""
+        value = normalize_threshold(self.threshold, tuple(shape)).expand(tuple(shape)).clone()
+        if isinstance(self.threshold, nn.Parameter):
+            self.threshold = nn.Parameter(value)
+        else:
+            self.threshold = value  # a registered buffer stays one when reassigned
+
+    @torch.no_grad()
     def project_(self) -> None:
         """Clamp θ to ≥ 0 in place (the projection step after an optimizer update)."""
         self.threshold.clamp_(min=0.0)
@@ -221,6 +231,22 @@ class LeftHalf(nn.Module):
             h = pool(act(layer(self.layer_input(layer, h))))
         return h
 
+    @torch.no_grad()
+    def thresholds_per_element_(self) -> None:
+        """Give every clipped ReLU one θ per element of its activation (``(C, H, W)`` or ``(F,)``), starting from its
+        current θ — the per-element learnable thresholds of the published SPLITZ code. Needs ``input_shape``."""
+        if self.input_shape is None:
+            raise ValueError("per-element thresholds need f_L's input_shape to know each activation's shape")
+        h = torch.zeros((1, *self.input_shape), dtype=self.layers[0].weight.dtype if self.depth else torch.float32)
+        h = self.standardize(h) if self.standardize is not None else h
+        for k, (layer, pool) in enumerate(zip(self.layers, self.pools)):
+            h = layer(self.layer_input(layer, h))
+            act = self.activation(k)
+            if act is not None:
+                act.expand_(h.shape[1:])
+                h = act(h)
+            h = pool(h)
+
     def check_thresholds(self) -> None:
         for k in range(self.depth):
             act = self.activation(k)
@@ -269,6 +295,7 @@ def split_sequential(
     standardize: Standardize | None = None,
     threshold: float = 1.0,
     learnable_threshold: bool = False,
+    threshold_per_element: bool = False,
 ) -> SplitModel:
     """Split a sequential network after its ``split_index``-th affine layer.
 
@@ -281,7 +308,8 @@ def split_sequential(
 
     The result shares its layers with ``network`` (nothing is copied: training one changes the other); pass
     ``copy.deepcopy(network)`` to keep ``network`` as it was. ``threshold=1.0`` (the default) clips ``f_L``'s ReLUs at 1,
-    which changes a pretrained network's outputs; ``float('inf')`` keeps them.
+    which changes a pretrained network's outputs; ``float('inf')`` keeps them. ``threshold_per_element`` gives each
+    clipped ReLU of ``f_L`` one θ per element of its activation (:meth:`LeftHalf.thresholds_per_element_`).
     """
     modules = list(network.children())
     n_affine = sum(isinstance(m, AFFINE_TYPES) for m in modules)
@@ -325,4 +353,6 @@ def split_sequential(
         rest = [standardize] + rest
         standardize = None
     left = LeftHalf(layers, activations, standardize=standardize, input_shape=input_shape, pools=pools)
+    if threshold_per_element:
+        left.thresholds_per_element_()
     return SplitModel(left, nn.Sequential(*rest), num_classes=num_classes)

@@ -5,6 +5,11 @@
 ``L̂`` is the differentiable power-iteration *estimate* (:func:`~splitz_fast.lipschitz.lipschitz_estimate`); the hinge
 is applied per sample, then averaged. With ``split_index = 0`` (or λ = 0) the loss is plain Gaussian augmentation —
 the RS baseline trained in the same loop. Clipped-ReLU thresholds are projected to ≥ 0 after every step.
+How the estimate enters the loss is the config's ``lip_objective`` (:data:`LIP_OBJECTIVES`): the paper's per-sample
+hinge above, the published code's hinge on the batch mean, or a Lagrangian that holds the mean estimate at a target
+``L*`` with a multiplier updated by dual ascent. Training objectives decide which model is found, never whether a
+certificate holds: certification bounds the trained ``f_L`` soundly whatever produced it. Named recipes
+(:mod:`splitz_fast.recipes`) bundle these choices.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
@@ -14,6 +19,7 @@ identical runs write identical checkpoints (:func:`checkpoint_digest` identifies
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import json
@@ -33,7 +39,8 @@ from tqdm import tqdm
 
 from ._checks import check_count, check_nonnegative, check_positive, check_tensor
 from .lipschitz import PowerIterationState, lipschitz_estimate
-from .modules import SplitModel
+from .models import build_model
+from .modules import AFFINE_TYPES, SplitModel
 from .bounds import BallBounds, first_layer_row_norms, input_scale
 from .kernels import clip_mask, select_composite, train_noise
 from .kernels.noise_votes import standard_normal
@@ -58,6 +65,14 @@ class TrainConfig:
         val_fraction: share of the training set held out (seeded) for validation and best-checkpoint selection.
         max_batches: stop each epoch (and each validation pass) after this many batches (quick runs and tests);
             ``None`` = full epochs.
+        lip_objective: how ``L̂`` enters the loss, a key of :data:`LIP_OBJECTIVES`: ``"per-sample-hinge"`` (the
+            paper), ``"batch-mean-hinge"`` (the published code) or ``"lagrangian"`` (target ``lip_target``).
+        lip_target, dual_step, dual_init: the Lagrangian's target ``L*`` for the batch-mean estimate, the step of its
+            multiplier's dual ascent ``μ ← max(0, μ + dual_step · (mean L̂ − L*))`` after every training step, and
+            ``μ``'s start. Read by ``"lagrangian"`` only.
+        gamma_ramp: ramp the estimate's ball radius linearly from 0 (first epoch) to ``gamma_train`` (last epoch).
+        init_checkpoint: a ``splitz train`` checkpoint whose affine layers initialise the model (warm start, e.g. from
+            an RS model of the same σ); ``None`` = fresh weights from ``seed``.
     """
 
     sigma: float = 0.25
@@ -80,6 +95,12 @@ class TrainConfig:
     max_batches: int | None = None
     seed: int = 0
     num_workers: int = 0
+    lip_objective: str = "per-sample-hinge"
+    lip_target: float = 0.5
+    dual_step: float = 0.01
+    dual_init: float = 1.0
+    gamma_ramp: bool = False
+    init_checkpoint: str | None = None
 
     def validate(self) -> "TrainConfig":
         check_positive("sigma", self.sigma)
@@ -108,12 +129,27 @@ class TrainConfig:
             check_count("max_batches", self.max_batches)
         check_count("seed", self.seed, 0)
         check_count("num_workers", self.num_workers, 0)
+        if self.lip_objective not in LIP_OBJECTIVES:
+            raise ValueError(f"lip_objective must be one of {', '.join(LIP_OBJECTIVES)}, got {self.lip_objective!r}")
+        check_positive("lip_target", self.lip_target)
+        check_positive("dual_step", self.dual_step)
+        check_nonnegative("dual_init", self.dual_init)
         return self
+
+    @property
+    def objective(self) -> "LipschitzObjective":
+        return LIP_OBJECTIVES[self.lip_objective]
 
     def lambda_at(self, epoch: int) -> float:
         if self.epochs == 1:
             return self.lambda_start
         return self.lambda_start + (self.lambda_end - self.lambda_start) * epoch / (self.epochs - 1)
+
+    def gamma_at(self, epoch: int) -> float:
+        """The estimate's ball radius at ``epoch``: ``gamma_train``, or its linear ramp from 0 (``gamma_ramp``)."""
+        if not self.gamma_ramp or self.epochs == 1:
+            return self.gamma_train
+        return self.gamma_train * epoch / (self.epochs - 1)
 
     def lr_at(self, epoch: int) -> float:
         if self.lr_schedule == "step":
@@ -125,6 +161,55 @@ class TrainConfig:
             return self.lr
         progress = (epoch - start) / max(1, self.epochs - start)
         return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
+
+
+class LipschitzObjective(abc.ABC):
+    """How the per-sample estimates ``lip`` (``[B]``) and the cross-entropy ``ce`` make the loss, given the weight
+    ``weight`` of the Lipschitz term (λ of the hinges, the multiplier μ of the Lagrangian)."""
+
+    #: whether ``weight`` is a multiplier updated from the measured estimate (else λ of the config's schedule).
+    has_multiplier = False
+
+    @abc.abstractmethod
+    def combine(self, ce: torch.Tensor, lip: torch.Tensor, weight: float, config: "TrainConfig") -> torch.Tensor:
+        """The loss of one batch."""
+
+
+class PerSampleHinge(LipschitzObjective):
+    """The paper's Eq. (final_loss): ``(1 − λ) CE + λ · mean_i max(θ_lip, L̂_i)`` — each sample's estimate is pushed
+    down until it reaches θ_lip, then left alone."""
+
+    def combine(self, ce, lip, weight, config):
+        return (1.0 - weight) * ce + weight * torch.clamp(lip, min=config.theta_lip).mean()
+
+
+class BatchMeanHinge(LipschitzObjective):
+    """The published SPLITZ code's effective objective: the hinge on the batch mean, ``κ CE + (1 − κ) max(θ_lip,
+    mean L̂)`` with ``κ = 1 − λ``, and the cross-entropy's weight set to 1 while ``mean L̂ ≤ θ_lip`` (the hinge is then
+    constant). Samples with large ``L̂`` can hide behind small ones; kept as a recipe to reproduce that code."""
+
+    def combine(self, ce, lip, weight, config):
+        mean = lip.mean()
+        if float(mean.detach()) <= config.theta_lip:
+            return ce + 0.0 * mean  # hinge inactive; keeps the graph's shape the same on every step
+        return (1.0 - weight) * ce + weight * mean
+
+
+class Lagrangian(LipschitzObjective):
+    """The constrained recipe: minimise CE subject to ``mean L̂ ≤ L*`` through ``CE + μ · (mean L̂ − L*)``, with the
+    multiplier μ raised while the constraint is violated and lowered (to ≥ 0) while it holds — a moving λ that settles
+    where the estimate sits at the target instead of a fixed schedule."""
+
+    has_multiplier = True
+
+    def combine(self, ce, lip, weight, config):
+        return ce + weight * (lip.mean() - config.lip_target)
+
+
+#: The ``lip_objective`` values of :class:`TrainConfig`.
+LIP_OBJECTIVES: dict[str, LipschitzObjective] = {
+    "per-sample-hinge": PerSampleHinge(), "batch-mean-hinge": BatchMeanHinge(), "lagrangian": Lagrangian(),
+}
 
 
 def philox_training_noise(latent: torch.Tensor, q: int, sigma: float,
@@ -155,10 +240,14 @@ def splitz_loss(
     generator: torch.Generator | None = None,
     *,
     training_noise: Callable[..., torch.Tensor] | None = None,
+    gamma: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The SPLITZ objective on a batch ``x: [B, *input_shape]``, ``y: [B]``; returns ``(loss, parts)``.
 
-    With ``model.split_index == 0`` or ``lam == 0`` it is the Gaussian-augmentation loss (no Lipschitz term).
+    ``lam`` weighs the Lipschitz term as ``config.objective`` combines it (λ of the hinges, μ of the Lagrangian);
+    ``gamma`` is the estimate's ball radius (default ``config.gamma_train``). With ``model.split_index == 0``, or
+    ``lam == 0`` under a hinge, it is the Gaussian-augmentation loss (no Lipschitz term). ``parts`` holds the
+    cross-entropy and, where computed, the batch-mean estimate ``lip`` (the Lagrangian's multiplier reads it).
 
     ``training_noise(latent, q, sigma, generator)`` draws the ``[B q, ...]`` noisy copies, reproducibly from
     ``generator``: :func:`philox_training_noise` (a 64-bit seed drawn from ``generator`` each step, then the Philox
@@ -170,8 +259,10 @@ def splitz_loss(
     pass; the values are those of the unfused path.
     """
     q = config.noise_samples
-    need_lip = model.split_index > 0 and lam != 0.0
-    fused = _fused_first_layer(model.left, x, config) if need_lip else None
+    objective = config.objective
+    gamma = config.gamma_train if gamma is None else gamma
+    need_lip = model.split_index > 0 and (lam != 0.0 or objective.has_multiplier)
+    fused = _fused_first_layer(model.left, x, gamma) if need_lip else None
     if fused is None:
         latent, bounds = model.left(x), None  # f_L once per input; the Q noise draws are added after it
     else:
@@ -184,18 +275,17 @@ def splitz_loss(
     parts = {"ce": float(cross_entropy.detach())}
     if not need_lip:
         return cross_entropy, parts
-    lip = lipschitz_estimate(model.left, x, config.gamma_train, n_iter=config.power_iters, state=state,
+    lip = lipschitz_estimate(model.left, x, gamma, n_iter=config.power_iters, state=state,
                              generator=generator, bounds=bounds)
-    hinge = torch.clamp(lip, min=config.theta_lip).mean()  # per-sample hinge, then the mean
     parts["lip"] = float(lip.detach().mean())
-    return (1.0 - lam) * cross_entropy + lam * hinge, parts
+    return objective.combine(cross_entropy, lip, lam, config), parts
 
 
-def _fused_first_layer(left, x: torch.Tensor, config: TrainConfig):
+def _fused_first_layer(left, x: torch.Tensor, gamma_train: float):
     """``(f_L(x), bounds)`` for a one-layer ``f_L`` whose layer ends in a clipped ReLU, where the native ``clip_mask``
     kernel runs (else ``None``): the layer's pre-activation once (standardization included, gradient to the weights),
     then :func:`splitz_fast.kernels.clip_mask.clip_mask` — ``min(relu(z), θ)`` and the varying mask of the ball
-    ``γ_train`` of :func:`~splitz_fast.bounds.ball_bounds`'s first layer (float32, no margin, as the training estimate
+    ``gamma_train`` of :func:`~splitz_fast.bounds.ball_bounds`'s first layer (float32, no margin, as the training estimate
     computes it) — as the ``BallBounds`` the estimate reads (masks only; no lower/upper)."""
     if left.depth != 1 or left.activation(0) is None or select_composite(clip_mask.OP_NAME, x.device) != "native":
         return None
@@ -211,10 +301,19 @@ def _fused_first_layer(left, x: torch.Tensor, config: TrainConfig):
     x_d = x.detach().to(dtype)
     scale = input_scale(left, x_d)
     r = first_layer_row_norms(layer, scale, x_d)
-    gamma = torch.full((x.shape[0],), float(config.gamma_train), dtype=torch.float64, device=x.device).to(dtype)
+    gamma = torch.full((x.shape[0],), float(gamma_train), dtype=torch.float64, device=x.device).to(dtype)
     latent, mask = clip_mask.clip_mask(z, r, gamma, left.activation(0).threshold, backend="native")
     bounds = BallBounds(lower=[], upper=[], masks=[mask], input_scale=scale, gamma=gamma, in_masks=[None])
     return latent, bounds
+
+
+def held_out_part(dataset: Dataset, checkpoint: dict) -> Dataset:
+    """The part of ``dataset`` (the training split a run was trained on) that the run held out for validation and
+    best-checkpoint selection — images it never trained on, for choosing between models without touching test data."""
+    config = checkpoint.get("config") or {}
+    if "val_fraction" not in config or "seed" not in config:
+        raise ValueError("the checkpoint does not record its validation split (val_fraction, seed)")
+    return _split_train_val(dataset, config["val_fraction"], config["seed"])[1]
 
 
 def _split_train_val(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -350,12 +449,15 @@ def train(
     state = PowerIterationState()
     result = TrainResult(out_dir=out)
     start_epoch = 0
+    objective = config.objective
+    multiplier = config.dual_init  # the Lagrangian's μ (unused by the hinges)
     if last_path.exists():
         if not resume:
             raise FileExistsError(f"{last_path} exists: pass resume=True (--resume) to continue that run, "
                                   "or choose another output folder")
         ckpt = load_checkpoint_file(last_path, device)
-        previous = {**ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
+        # Fields added after a checkpoint was written read as their defaults (what that run effectively used).
+        previous = {**dataclasses.asdict(TrainConfig()), **ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
         changed = [f"{key} ({previous.get(key)!r} in last.pt, {value!r} now)"
                    for key, value in {**config_dict, "model_spec": spec}.items() if previous.get(key) != value]
         if changed:
@@ -366,7 +468,10 @@ def train(
         state.vectors = [v.to(device) for v in ckpt["power_vectors"]]
         result.history = list(ckpt["history"])
         result.best_epoch, result.best_val_noisy_acc = ckpt["best_epoch"], ckpt["best_val_noisy_acc"]
+        multiplier = ckpt.get("multiplier", config.dual_init)
         start_epoch = ckpt["epoch"] + 1
+    elif config.init_checkpoint is not None:
+        warm_start_(model, load_checkpoint_file(config.init_checkpoint, device), config)
 
     train_part, val_part = _split_train_val(train_set, config.val_fraction, config.seed)
     val_loader = DataLoader(val_part, batch_size=config.batch_size, shuffle=False, num_workers=config.num_workers)
@@ -375,6 +480,7 @@ def train(
         if stop_after_epochs is not None and epochs_run >= stop_after_epochs:
             break
         lam = config.lambda_at(epoch)
+        gamma = config.gamma_at(epoch)
         for group in optimizer.param_groups:
             group["lr"] = config.lr_at(epoch)
         # The epoch's data order and noise depend only on (seed, epoch): resuming reproduces them.
@@ -392,11 +498,14 @@ def train(
             if batches >= n_batches:
                 break
             x, y = x.to(device), y.to(device)
-            loss, parts = splitz_loss(model, x, y, config, lam, state, noise_gen)
+            weight = multiplier if objective.has_multiplier else lam
+            loss, parts = splitz_loss(model, x, y, config, weight, state, noise_gen, gamma=gamma)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             model.left.project_thresholds_()
+            if objective.has_multiplier and "lip" in parts:  # dual ascent on μ
+                multiplier = max(0.0, multiplier + config.dual_step * (parts["lip"] - config.lip_target))
             sums["loss"] += float(loss.detach())
             sums["ce"] += parts["ce"]
             sums["lip"] += parts.get("lip", 1.0)
@@ -404,7 +513,8 @@ def train(
             progress.set_postfix(loss=f"{sums['loss'] / batches:.4f}")
         progress.close()
         seconds = time.perf_counter() - start
-        record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam,
+        record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam, "gamma_train": gamma,
+                  "multiplier": multiplier if objective.has_multiplier else None,
                   "train_loss": sums["loss"] / batches, "train_ce": sums["ce"] / batches,
                   "train_lip_estimate": sums["lip"] / batches}
         record.update(evaluate(model, val_loader, config, device))
@@ -416,7 +526,7 @@ def train(
             result.best_epoch, result.best_val_noisy_acc = epoch, record["val_noisy_acc"]
         ckpt = {"format": CHECKPOINT_FORMAT, "config": config_dict, "model_spec": spec,
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                "power_vectors": [v.detach().cpu() for v in state.vectors if v is not None],
+                "power_vectors": [v.detach().cpu() for v in state.vectors if v is not None], "multiplier": multiplier,
                 "history": result.history, "best_epoch": result.best_epoch,
                 "best_val_noisy_acc": result.best_val_noisy_acc}
         if improved:
@@ -428,6 +538,35 @@ def train(
             on_epoch_end(timed_record)
         epochs_run += 1
     return result
+
+
+def warm_start_(model: SplitModel, checkpoint: dict, config: TrainConfig) -> SplitModel:
+    """Copy a checkpoint's affine layers into ``model``, in network order, whatever the two splits are (an RS model,
+    split 0, warm-starts a SPLITZ model of split 1: same LeNet, different halves). Thresholds and optimizer state
+    start fresh. Refused when the checkpoint was trained at another σ or its affine layers do not match one for one.
+    """
+    spec = checkpoint.get("model_spec") or {}
+    trained_sigma = (checkpoint.get("config") or {}).get("sigma")
+    if trained_sigma != config.sigma:
+        raise ValueError(f"--init {config.init_checkpoint} was trained at σ = {trained_sigma}, this run at σ = "
+                         f"{config.sigma}; warm-start from a checkpoint of the same σ")
+    source = load_state_into(build_model(spec["name"], **spec["kwargs"]), checkpoint)
+    pairs = list(zip(_affine_layers(source), _affine_layers(model)))
+    if len(_affine_layers(source)) != len(_affine_layers(model)) or any(
+            a.weight.shape != b.weight.shape for a, b in pairs):
+        raise ValueError(f"--init {config.init_checkpoint} is a {spec.get('name')} whose affine layers do not match "
+                         "this model's one for one; warm-start from the same architecture")
+    with torch.no_grad():
+        for src, dst in pairs:
+            dst.weight.copy_(src.weight)
+            if dst.bias is not None:
+                dst.bias.copy_(src.bias)
+    return model
+
+
+def _affine_layers(model: SplitModel) -> list[nn.Module]:
+    """The affine layers of ``f_R ∘ f_L`` in network order (``f_L``'s, then ``f_R``'s as ``modules()`` walks them)."""
+    return [m for half in (model.left, model.right) for m in half.modules() if isinstance(m, AFFINE_TYPES)]
 
 
 def load_state_into(model: nn.Module, checkpoint: dict) -> nn.Module:

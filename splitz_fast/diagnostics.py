@@ -1,0 +1,144 @@
+"""What explains a SPLITZ model's certificates: ``L(x, γ*)``, ``p_A`` and the neurons of ``f_L`` constant on the ball.
+
+Scaling ``f_L`` by ``c`` scales both ``L(x, γ)`` and the latent signal by ``c`` while the noise stays σ, so SPLITZ can
+only certify more than randomized smoothing at ``σ/L`` through neurons that are constant on the ball ``B(x, γ*)`` —
+inactive (pre-activation upper bound ≤ 0) or saturated (lower bound ≥ θ) — which the local bound masks out. This
+module measures them at each certified input's ``γ*`` with the certificate's own bounds
+(:func:`splitz_fast.bounds.ball_bounds`, float64 with its rounding margin), next to ``L(x, γ*)`` and ``p_A``'s lower
+confidence bound from the certification TSV. ``splitz diagnose`` is its command line.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ._checks import check_output_folder
+from .analysis import CertificationTable, read_certification
+from .bounds import ball_bounds
+from .modules import LeftHalf, SplitModel
+
+__all__ = ["NeuronStates", "neuron_states", "CertificateDiagnostics", "diagnose", "diagnostics_report"]
+
+
+@dataclass(frozen=True)
+class NeuronStates:
+    """Per input (``[B]`` float64 fractions over all clipped-ReLU neurons of ``f_L``): neurons inactive on the whole
+    ball, saturated at θ on the whole ball, and varying (the local bound's mask). The three add up to 1."""
+
+    inactive: np.ndarray
+    saturated: np.ndarray
+    varying: np.ndarray
+
+
+@torch.no_grad()
+def neuron_states(left: LeftHalf, x: torch.Tensor, gamma: torch.Tensor | float) -> NeuronStates:
+    """How the clipped-ReLU neurons of ``f_L`` behave on ``B(x_b, γ_b)`` for a batch ``x`` (certificate bounds)."""
+    bounds = ball_bounds(left, x, gamma)
+    inactive = saturated = varying = total = 0
+    for k, (lower, upper, mask) in enumerate(zip(bounds.lower, bounds.upper, bounds.masks)):
+        act = left.activation(k)
+        if act is None:
+            continue
+        theta = act.broadcast_threshold(lower).to(lower.dtype)
+        dead = (upper <= 0).flatten(1)
+        stuck = ((lower >= theta) & (upper > 0)).flatten(1)
+        inactive = inactive + dead.sum(1)
+        saturated = saturated + stuck.sum(1)
+        varying = varying + mask.flatten(1).sum(1)
+        total += dead.shape[1]
+    if total == 0:
+        raise ValueError("f_L has no clipped-ReLU neurons (split 0, or no activations): nothing to diagnose")
+    as_fraction = lambda count: (count.double() / total).cpu().numpy()  # noqa: E731
+    return NeuronStates(as_fraction(inactive), as_fraction(saturated), as_fraction(varying))
+
+
+@dataclass(frozen=True)
+class CertificateDiagnostics:
+    """One row per certified input (correct, radius > 0): its ``idx``, ``L(x, γ*)``, ``γ*``, ``p_A``'s lower bound,
+    and the neuron states at ``γ*``."""
+
+    idx: np.ndarray
+    lipschitz: np.ndarray
+    gamma: np.ndarray
+    p_a_lower: np.ndarray
+    states: NeuronStates
+
+
+def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, batch: int = 64) -> CertificateDiagnostics:
+    """Diagnostics of the certified rows of ``table`` (written by ``splitz certify`` for ``model`` on ``dataset``)."""
+    for column in ("L", "gamma", "pA_lower"):
+        if column not in table.extra:
+            raise ValueError(f"the certification file has no {column!r} column: it is not a SPLITZ certify TSV")
+    keep = table.correct & (table.radius > 0)
+    idx = table.idx[keep]
+    gamma = np.asarray(table.extra["gamma"], dtype=np.float64)[keep]
+    if idx.size == 0:
+        raise ValueError("no input was certified with a positive radius: nothing to diagnose")
+    device = next(model.parameters()).device
+    parts = []
+    for start in range(0, idx.size, batch):
+        chunk = idx[start:start + batch]
+        x = torch.stack([dataset[int(i)][0] for i in chunk]).to(device)
+        g = torch.as_tensor(gamma[start:start + batch], dtype=torch.float64, device=device)
+        parts.append(neuron_states(model.left, x, g))
+    states = NeuronStates(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("inactive", "saturated",
+                                                                                        "varying")))
+    return CertificateDiagnostics(idx=idx, lipschitz=np.asarray(table.extra["L"], dtype=np.float64)[keep],
+                                  gamma=gamma, p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],
+                                  states=states)
+
+
+_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+
+
+def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | os.PathLike | None = None) -> str:
+    """Markdown: quantiles of each quantity over the certified inputs; with ``out_dir``, ``diagnostics.md``, the rows
+    as ``diagnostics.tsv`` and histograms of ``L(x, γ*)`` and the constant fraction (``diagnostics.png``/``.pdf``)."""
+    if out_dir is not None:
+        check_output_folder("output folder", out_dir)
+    constant = diag.states.inactive + diag.states.saturated
+    columns = {"L(x, γ*)": diag.lipschitz, "γ*": diag.gamma, "p_A lower bound": diag.p_a_lower,
+               "constant neurons (%)": 100 * constant, "inactive (%)": 100 * diag.states.inactive,
+               "saturated at θ (%)": 100 * diag.states.saturated}
+    head = "| quantity | " + " | ".join("min" if q == 0 else "max" if q == 1 else f"q{int(100 * q)}"
+                                        for q in _QUANTILES) + " | mean |"
+    lines = [f"{title}: {diag.idx.size} certified inputs (correct, radius > 0).", "", head,
+             "|---" + "|---:" * (len(_QUANTILES) + 1) + "|"]
+    for name, values in columns.items():
+        cells = [f"{v:.4g}" for v in np.quantile(values, _QUANTILES)] + [f"{values.mean():.4g}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "diagnostics.md").write_text(text, encoding="utf-8")
+        rows = ["idx\tL\tgamma\tpA_lower\tinactive\tsaturated\tvarying"]
+        rows += [f"{i}\t{l:.6g}\t{g:.6g}\t{p:.6g}\t{a:.6g}\t{s:.6g}\t{v:.6g}" for i, l, g, p, a, s, v in zip(
+            diag.idx, diag.lipschitz, diag.gamma, diag.p_a_lower, diag.states.inactive, diag.states.saturated,
+            diag.states.varying)]
+        (out / "diagnostics.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+        _plot(diag, constant, title, out / "diagnostics")
+    return text
+
+
+def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, stem: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.0, 3.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    left.hist(diag.lipschitz, bins=30)
+    left.set_xlabel("L(x, γ*)")
+    left.set_ylabel("certified inputs")
+    right.hist(100 * constant, bins=30)
+    right.set_xlabel("neurons of f_L constant on B(x, γ*) (%)")
+    fig.suptitle(title)
+    fig.savefig(stem.with_name(stem.name + ".png"), dpi=150)
+    fig.savefig(stem.with_name(stem.name + ".pdf"), metadata={"CreationDate": None})
+

@@ -1,0 +1,168 @@
+"""Best-σ envelopes: how randomized-smoothing papers compare methods, and how SPLITZ must be compared with RS.
+
+A smoothed classifier's σ trades clean accuracy for radius, so the field reports, at each radius ``r``, the best
+certified accuracy over the σ values trained — the *envelope* ``E(r) = max_σ CA_σ(r)`` — and which σ reached it.
+:func:`envelope_report` puts the envelopes of several methods (each a group of certification TSVs, one per σ) side by
+side with published reference lines, the same-σ differences between the first two groups, every run's own line, and
+a plot; ``splitz envelope`` is its command line.
+
+σ of each run is read from its certification sidecar (``OUTFILE.json``, written by ``splitz certify``), never guessed
+from a file name.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ._checks import check_output_folder
+from .analysis import CertificationTable, acr, certified_accuracy, certified_accuracy_curve, markdown_table, \
+    read_certification
+
+__all__ = ["Reference", "MNIST_REFERENCES", "SigmaRuns", "envelope", "load_group", "envelope_report"]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A published certified-accuracy line: ``accuracy`` (%) at some radii, with where the numbers come from."""
+
+    name: str
+    source: str
+    accuracy: Mapping[float, float]
+
+
+#: MNIST lines quoted in issue #12 (LeNet, n = 10⁵, α = 0.001, the full MNIST test set).
+MNIST_REFERENCES = (
+    Reference("literature: RS envelope (Cohen-style Gaussian augmentation)",
+              "public certification logs of Cohen et al.-style training, σ = 0.5 at ε = 1.5 and σ = 1.0 beyond",
+              {1.5: 67.8, 2.0: 32.5, 2.5: 10.9}),
+    Reference("literature: best trained RS (SmoothAdv + consistency, SmoothMix)",
+              "the best published trained RS variants at σ ≤ 1.0", {1.5: 82.0, 2.0: 45.0, 2.5: 30.0}),
+)
+
+#: σ -> the certification table of the model trained and certified at that σ.
+SigmaRuns = Mapping[float, CertificationTable]
+
+
+def _sigma_of(path: Path) -> float:
+    sidecar = Path(os.fspath(path) + ".json")
+    try:
+        return float(json.loads(sidecar.read_text(encoding="utf-8"))["sigma"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{path}: its sidecar {sidecar} (written by `splitz certify`) is missing or records no "
+                         "sigma; the envelope needs each run's σ") from None
+
+
+def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationTable]:
+    """``{σ: table}`` of certification TSVs, σ from each sidecar; two files of the same σ are an error."""
+    runs: dict[float, CertificationTable] = {}
+    for path in map(Path, paths):
+        sigma = _sigma_of(path)
+        if sigma in runs:
+            raise ValueError(f"two runs of σ = {sigma:g} in one group ({path} is the second); give one per σ")
+        runs[sigma] = read_certification(path)
+    if not runs:
+        raise ValueError("a group needs at least one certification file")
+    return dict(sorted(runs.items()))
+
+
+def envelope(runs: SigmaRuns, radii: Sequence[float]) -> tuple[np.ndarray, list[float]]:
+    """``(E, argmax)``: the best certified accuracy over σ at each radius (fractions) and the σ reaching it (the
+    smallest σ on ties)."""
+    sigmas = sorted(runs)
+    if not sigmas:
+        raise ValueError("no runs for an envelope")
+    table = np.stack([np.atleast_1d(certified_accuracy(runs[s], radii)) for s in sigmas])  # [σ, radius]
+    best = table.argmax(axis=0)  # first maximum: the smallest σ
+    return table.max(axis=0), [sigmas[i] for i in best]
+
+
+def _envelope_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
+                   references: Sequence[Reference]) -> list[str]:
+    head = "| | " + " | ".join(f"ε={r:g}" for r in radii) + " |"
+    lines = [head, "|---" + "|---:" * len(radii) + "|"]
+    for name, runs in groups.items():
+        values, sigmas = envelope(runs, radii)
+        cells = [f"{100 * v:.1f} (σ={s:g})" for v, s in zip(values, sigmas)]
+        lines.append(f"| {name} envelope | " + " | ".join(cells) + " |")
+    for ref in references:
+        cells = [f"{ref.accuracy[r]:.1f}" if r in ref.accuracy else "—" for r in radii]
+        lines.append(f"| {ref.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _same_sigma_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float]) -> list[str]:
+    (first, a), (second, b) = list(groups.items())[:2]
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        return [f"No σ was run by both {first} and {second}."]
+    lines = ["| σ | " + " | ".join(f"ε={r:g}" for r in radii) + " | ACR |", "|---" + "|---:" * (len(radii) + 1) + "|"]
+    for sigma in shared:
+        diff = 100 * (np.atleast_1d(certified_accuracy(b[sigma], radii))
+                      - np.atleast_1d(certified_accuracy(a[sigma], radii)))
+        cells = [f"{d:+.1f}" for d in diff] + [f"{acr(b[sigma]) - acr(a[sigma]):+.3f}"]
+        lines.append(f"| {sigma:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plot(groups: Mapping[str, SigmaRuns], references: Sequence[Reference], stem: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    largest = max(float(np.max(t.radius, initial=0.0)) for runs in groups.values() for t in runs.values())
+    max_radius = max(1.05 * largest, max((r for ref in references for r in ref.accuracy), default=0.0) + 0.25, 1.0)
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name, runs in groups.items():
+        # One grid for the group: the uniform one plus every run's drop points (so the maximum is exact).
+        grid = np.unique(np.concatenate([certified_accuracy_curve(t, max_radius)[0] for t in runs.values()]))
+        curves = np.stack([np.atleast_1d(certified_accuracy(t, grid)) for t in runs.values()])
+        line, = ax.step(grid, 100 * curves.max(axis=0), where="pre", linewidth=2, label=f"{name} envelope")
+        for accuracy in curves:  # each σ thin, in the envelope's colour
+            ax.step(grid, 100 * accuracy, where="pre", linewidth=0.6, alpha=0.45, color=line.get_color())
+    for marker, ref in zip("so^v", references):
+        radii = sorted(ref.accuracy)
+        ax.plot(radii, [ref.accuracy[r] for r in radii], marker=marker, linestyle=":", color="black",
+                label=ref.name)
+    ax.set_xlim(0.0, max_radius)
+    ax.set_ylim(0.0, 100.0)
+    ax.set_xlabel("radius ε (l2, input units)")
+    ax.set_ylabel("certified accuracy (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right", fontsize=7)
+    fig.savefig(stem.with_name(stem.name + ".png"), dpi=150)
+    fig.savefig(stem.with_name(stem.name + ".pdf"), metadata={"CreationDate": None})
+
+
+def envelope_report(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
+                    references: Sequence[Reference] = (), out_dir: str | os.PathLike | None = None) -> str:
+    """Markdown: the envelopes with the σ reaching each value and the reference lines; with two or more groups the
+    same-σ differences (second − first, points of certified accuracy and ACR); every run's own line. With
+    ``out_dir``: ``envelope.md`` and ``envelope.png``/``.pdf`` (envelopes thick, each σ thin, references dotted)."""
+    if out_dir is not None:
+        check_output_folder("output folder", out_dir)
+    if not groups:
+        raise ValueError("no groups of runs to compare")
+    radii = [float(r) for r in radii]
+    parts = ["Best-σ envelope: certified accuracy (%) at each ε, the σ reaching it in parentheses.", "",
+             *_envelope_rows(groups, radii, references), ""]
+    if len(groups) >= 2:
+        first, second = list(groups)[:2]
+        parts += [f"Same σ: {second} − {first} (points of certified accuracy; ACR in input units).", "",
+                  *_same_sigma_rows(groups, radii), ""]
+    per_run = {f"{name} σ={sigma:g}": table for name, runs in groups.items() for sigma, table in runs.items()}
+    parts += ["Every run.", "", markdown_table(per_run, radii)]
+    if references:
+        parts += ["References: " + "; ".join(f"{ref.name}: {ref.source}" for ref in references) + "."]
+    text = "\n".join(parts) + "\n"
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "envelope.md").write_text(text, encoding="utf-8")
+        _plot(groups, references, out / "envelope")
+    return text
