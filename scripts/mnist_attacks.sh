@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # MNIST empirical robust accuracy (issue 15, item 2): l2 FGSM and PGD on the smoothed classifier (SmoothAdv-style,
-# `splitz attack --attack smooth-fgsm|smooth-pgd`) of the RS and SPLITZ checkpoints of scripts/mnist_splitz_vs_rs.sh,
-# on the same test images as its certified table, at ε ∈ EPS; then a table of empirical robust accuracy
-# (PREDICT at the attacked point equals the label; abstentions count as wrong) next to certified accuracy at each ε.
-# Knobs (environment): EPOCHS (default 15: which checkpoints), SKIP (default 50), N (PREDICT samples, default 10000),
-# EPS (default "0.5 1.0 1.5 2.0"), STEPS (PGD steps, default 20), SAMPLES (noise draws per step, default 32), DEVICE
-# (default cpu), RUNS (checkpoint folder, default runs/mnist-s0.75-e$EPOCHS), CERTIFIED (certify TSVs, default
-# docs/results/mnist), RESULTS (default docs/results/mnist-attacks). Re-running resumes finished rows.
+# `splitz attack --attack smooth-fgsm|smooth-pgd`) of an RS and a SPLITZ checkpoint, on the same test images as their
+# certified tables, at ε ∈ EPS; then a table of empirical robust accuracy (PREDICT at the attacked point equals the
+# label; abstentions count as wrong) next to certified accuracy at each ε.
+# Default models: σ = 0.75 of scripts/mnist_envelope.sh (RS and SPLITZ with RECIPE, EPOCHS epochs) and their certify
+# TSVs; a certify TSV made with another checkpoint (digests differ) is refused.
+# Knobs (environment): SIGMA (0.75), EPOCHS (15), RECIPE (published-code), RS_RUN / SPLITZ_RUN (checkpoint folders),
+# RS_CERT / SPLITZ_CERT (their certify TSVs), SKIP (default 50), N (PREDICT samples, default 10000), EPS (default
+# "0.5 1.0 1.5 2.0"), STEPS (PGD steps, default 20), SAMPLES (noise draws per step, default 32), DEVICE (default cpu),
+# RESULTS (default docs/results/mnist-attacks). Re-running resumes finished rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPLITZ=${SPLITZ:-.venv/bin/splitz}; PYTHON=${PYTHON:-.venv/bin/python}
-EPOCHS=${EPOCHS:-15}; SKIP=${SKIP:-50}; N=${N:-10000}; EPS=${EPS:-"0.5 1.0 1.5 2.0"}; STEPS=${STEPS:-20}
-SAMPLES=${SAMPLES:-32}; DEVICE=${DEVICE:-cpu}; SIGMA=0.75
-RUNS=${RUNS:-runs/mnist-s${SIGMA}-e${EPOCHS}}; CERTIFIED=${CERTIFIED:-docs/results/mnist}
+SIGMA=${SIGMA:-0.75}; EPOCHS=${EPOCHS:-15}; RECIPE=${RECIPE:-published-code}; SKIP=${SKIP:-50}; N=${N:-10000}
+EPS=${EPS:-"0.5 1.0 1.5 2.0"}; STEPS=${STEPS:-20}; SAMPLES=${SAMPLES:-32}; DEVICE=${DEVICE:-cpu}
+RS_RUN=${RS_RUN:-runs/mnist-envelope-e$EPOCHS/rs-$SIGMA}
+SPLITZ_RUN=${SPLITZ_RUN:-runs/mnist-envelope-e$EPOCHS/splitz-$RECIPE-$SIGMA}
+RS_CERT=${RS_CERT:-docs/results/mnist-envelope/rs-$SIGMA.tsv}
+SPLITZ_CERT=${SPLITZ_CERT:-docs/results/mnist-envelope/splitz-$RECIPE-$SIGMA.tsv}
 OUT=${RESULTS:-docs/results/mnist-attacks}
+declare -A RUN=([rs]=$RS_RUN [splitz]=$SPLITZ_RUN)
 for run in rs splitz; do
-    if [ ! -f "$RUNS/$run/best.pt" ]; then
-        echo "error: $RUNS/$run/best.pt is missing; train it first: EPOCHS=$EPOCHS bash scripts/mnist_splitz_vs_rs.sh" >&2
+    if [ ! -f "${RUN[$run]}/best.pt" ]; then
+        echo "error: ${RUN[$run]}/best.pt is missing; train it first (scripts/mnist_envelope.sh)" >&2
         exit 2
     fi
 done
@@ -24,25 +30,27 @@ mkdir -p "$OUT"
 for run in rs splitz; do
     for attack in smooth-fgsm smooth-pgd; do
         for eps in $EPS; do
-            "$SPLITZ" attack mnist "$RUNS/$run/best.pt" $SIGMA "$OUT/$run-$attack-$eps.tsv" --attack $attack \
+            "$SPLITZ" attack mnist "${RUN[$run]}/best.pt" "$SIGMA" "$OUT/$run-$attack-$eps.tsv" --attack $attack \
                 --eps "$eps" --steps "$STEPS" --samples "$SAMPLES" --clamp 0 1 --skip "$SKIP" --N "$N" --alpha 0.001 \
                 --device "$DEVICE" --resume
         done
     done
 done
-"$PYTHON" - "$RUNS" "$CERTIFIED" "$OUT" $EPS <<'EOF'
-import csv, hashlib, json, sys
+"$PYTHON" - "$RS_RUN" "$SPLITZ_RUN" "$RS_CERT" "$SPLITZ_CERT" "$OUT" $EPS <<'EOF'
+import csv, json, sys
 from pathlib import Path
 
-runs, certified, out, eps = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+from splitz_fast.training import checkpoint_digest, load_checkpoint_file
+
+rs_run, splitz_run, rs_cert, splitz_cert, out = map(Path, sys.argv[1:6])
+eps = sys.argv[6:]
 rows = lambda p: list(csv.DictReader(open(p), delimiter="\t"))  # noqa: E731
 lines = ["| run | " + " | ".join(f"ε={e}" for e in eps) + " |", "|---|" + "---:|" * len(eps)]
-for run, name in (("rs", "RS (s=0)"), ("splitz", "SPLITZ (s=1)")):
-    cert = certified / f"{run}.tsv"
-    recorded = json.loads(Path(f"{cert}.json").read_text()).get("checkpoint_sha256") if cert.exists() else None
-    if recorded and recorded != hashlib.sha256((runs / run / "best.pt").read_bytes()).hexdigest():
-        print(f"warning: {cert} was certified with another {run} checkpoint than {runs / run / 'best.pt'}", file=sys.stderr)
+for run, name, folder, cert in (("rs", "RS (s=0)", rs_run, rs_cert), ("splitz", "SPLITZ (s=1)", splitz_run, splitz_cert)):
     if cert.exists():
+        recorded = json.loads(Path(f"{cert}.json").read_text())["checkpoint_digest"]
+        if recorded != checkpoint_digest(load_checkpoint_file(folder / "best.pt")):
+            sys.exit(f"error: {cert} was certified with another checkpoint than {folder / 'best.pt'}")
         c = rows(cert)
         lines.append(f"| {name}, certified | " + " | ".join(
             f"{100 * sum(r['correct'] == '1' and float(r['radius']) >= float(e) for r in c) / len(c):.1f}"

@@ -13,7 +13,7 @@ SPLITZ=${SPLITZ:-.venv/bin/splitz}
 EPOCHS=${EPOCHS:-15}; SKIP=${SKIP:-50}; N=${N:-10000}; DEVICE=${DEVICE:-cpu}; BATCH=${BATCH:-100}
 RECIPE=${RECIPE:-published-code}; STAGES=${STAGES:-"rs splitz analyze"}
 RUNS=runs/mnist-envelope-e${EPOCHS}; OUT=${RESULTS:-docs/results/mnist-envelope}
-RS_SIGMAS="0.25 0.5 0.75 1.0 1.5"; SPLITZ_SIGMAS="0.25 0.5 0.75 1.0"
+RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-"0.25 0.5 0.75 1.0"}
 mkdir -p "$OUT"
 
 certify() {  # certify RUN SIGMA NAME
