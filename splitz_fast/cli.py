@@ -466,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--learnable-threshold", action="store_true", help="learn θ (projected to >= 0)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
     t.add_argument("--epochs", type=int, default=10, help="training epochs")
-    t.add_argument("--batch", type=int, default=512, help="training batch size")
+    t.add_argument("--batch", type=int, default=512,
+                   help="training batch size (under torchrun: the global batch, shared out over the ranks)")
     t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")
     t.add_argument("--lambda-start", type=float, default=0.8, help="λ at the first epoch")
     t.add_argument("--lambda-end", type=float, default=0.4, help="λ at the last epoch")
