@@ -223,7 +223,8 @@ def splitz_loss(
     """
     rows = BatchRows.whole(x.shape[0]) if rows is None else rows
     if rows.count != x.shape[0]:
-        raise ValueError(f"rows {rows.start}..{rows.stop} of the global batch are {rows.count} rows, x has {x.shape[0]}")
+        raise ValueError(f"rows {rows.start}..{rows.stop} of the global batch are {rows.count} rows, "
+                         f"x has {x.shape[0]}")
     q = config.noise_samples
     need_lip = model.split_index > 0 and lam != 0.0
     fused = _fused_first_layer(model.left, x, config) if need_lip else None
@@ -316,9 +317,9 @@ class DataParallelGroup:
     def check_batches(self, smallest: int, what: str) -> None:
         """Refuse a run whose smallest ``what`` batch has fewer rows than there are ranks (a rank would have none)."""
         if smallest < self.world_size:
-            raise ValueError(f"torchrun runs {self.world_size} ranks but the smallest {what} batch has {smallest} rows; "
-                             f"every rank needs a row of every batch: start at most {smallest} processes, or change "
-                             "--batch (or --val-fraction)")
+            raise ValueError(f"torchrun runs {self.world_size} ranks but the smallest {what} batch has {smallest} "
+                             f"rows; every rank needs a row of every batch: start at most {smallest} processes, or "
+                             "change --batch (or --val-fraction)")
 
     def check_process_group(self) -> None:
         if self.world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == self.world_size
@@ -431,7 +432,8 @@ def _smallest_batch(size: int, batch_size: int, max_batches: int | None) -> int:
     return batch_size if rest == 0 or (max_batches is not None and max_batches <= full) else rest
 
 
-def _rank_batches(positions: list[torch.Tensor], group: DataParallelGroup) -> tuple[list[torch.Tensor], list[BatchRows]]:
+def _rank_batches(positions: list[torch.Tensor],
+                  group: DataParallelGroup) -> tuple[list[torch.Tensor], list[BatchRows]]:
     """This rank's chunk of each global batch of ``positions``, and where it sits in its batch."""
     rows = [group.rows(len(batch)) for batch in positions]
     return [batch[r.start:r.stop] for batch, r in zip(positions, rows)], rows
