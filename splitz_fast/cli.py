@@ -4,11 +4,13 @@
 ``certify``/``predict`` take Cohen et al.'s positional arguments ``DATASET CHECKPOINT SIGMA OUTFILE`` and options
 (``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over. They (and ``certify-margin``)
 run sharded with ``--shard K/N`` (then ``splitz merge OUTFILE``) or under ``torchrun -m splitz_fast`` (rank 0 merges;
-:mod:`splitz_fast.distributed`).
+:mod:`splitz_fast.distributed`). ``train`` under ``torchrun -m splitz_fast`` trains data-parallel over the ranks
+(:class:`~splitz_fast.training.DataParallelGroup`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -146,14 +148,24 @@ def _train_config(args: argparse.Namespace, options: dict[str, str], recipe: str
 
 
 def train_command(args: argparse.Namespace) -> int:
+    """``splitz train``; under torchrun, data-parallel over the ranks (:class:`~splitz_fast.training.DataParallelGroup`:
+    the same weights as one process, rank 0 writes the files and prints)."""
     from .datasets import get_dataset
+    from .distributed import TorchrunEnv, process_group
     from .models import build_model
     from .recipes import get_recipe
-    from .training import train
+    from .training import SINGLE_PROCESS, DataParallelGroup, train
 
     # Validate the settings before touching data or the output folder.
     config = _train_config(args, _TRAIN_OPTIONS, args.recipe)
     check_output_folder("OUTDIR", args.outdir)
+    env = TorchrunEnv.from_environ()
+    if env is None:
+        args.device = check_device("--device", args.device or "cpu")
+        group, ranks = SINGLE_PROCESS, contextlib.nullcontext()
+    else:
+        args.device = check_device("--device", env.device(args.device))
+        group, ranks = DataParallelGroup(env.rank, env.world_size), process_group(env, args.device)
     info = get_dataset(args.dataset, args.split, root=args.root)
     kwargs = _model_kwargs(args.model, info, args, dict(get_recipe(args.recipe).model) if args.recipe else {})
     torch.manual_seed(args.seed)  # the initial weights are part of the run: seed them
@@ -167,12 +179,16 @@ def train_command(args: argparse.Namespace) -> int:
         spec["split"] = args.split
     if args.recipe is not None:
         spec["recipe"] = args.recipe
-    result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
-                   resume=args.resume, on_epoch_end=lambda r: print(
-                       f"epoch {r['epoch'] + 1}: loss {r['train_loss']:.4f}, val noisy acc {r['val_noisy_acc']:.4f}, "
-                       f"L̂ {r['val_lip_estimate']:.3f}, {r['epoch_seconds']:.1f} s", flush=True))
-    print(f"best epoch {result.best_epoch + 1} (val noisy acc {result.best_val_noisy_acc:.4f}) → "
-          f"{Path(args.outdir) / 'best.pt'}")
+    with ranks:
+        result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
+                       resume=args.resume, data_parallel=group, on_epoch_end=lambda r: print(
+                           f"epoch {r['epoch'] + 1}: loss {r['train_loss']:.4f}, val noisy acc "
+                           f"{r['val_noisy_acc']:.4f}, L̂ {r['val_lip_estimate']:.3f}, {r['epoch_seconds']:.1f} s",
+                           flush=True))
+    if group.rank == 0:
+        on_ranks = f" on {group.world_size} ranks" if env is not None else ""
+        print(f"best epoch {result.best_epoch + 1} (val noisy acc {result.best_val_noisy_acc:.4f}){on_ranks} → "
+              f"{Path(args.outdir) / 'best.pt'}")
     return 0
 
 
@@ -541,7 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one θ per element of f_L's activations (lenet, mlp; unset: the recipe's, else one per layer)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
     t.add_argument("--epochs", type=int, default=10, help="training epochs")
-    t.add_argument("--batch", type=int, default=512, help="training batch size")
+    t.add_argument("--batch", type=int, default=512,
+                   help="training batch size (under torchrun: the global batch, shared out over the ranks)")
     t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")
     t.add_argument("--lambda-start", type=float, default=None,
                    help="λ at the first epoch (unset: the recipe's, else 0.8)")
@@ -569,8 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--val-fraction", type=float, default=0.1, help="held-out share of train for early stop")
     t.add_argument("--max-batches", type=int, default=None, help="batches per epoch cap (quick runs; default: all)")
     t.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order and noise")
-    t.add_argument("--workers", type=int, default=0, help="DataLoader workers")
-    t.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
+    t.add_argument("--workers", type=int, default=0,
+                   help="DataLoader workers (datasets with per-item transforms; in-memory ones are indexed directly)")
+    t.add_argument("--device", default=None,
+                   help="cpu, or cuda / cuda:N where a GPU is present; unset, cpu (under torchrun: each rank's "
+                        "cuda:LOCAL_RANK when CUDA is available)")
     t.add_argument("--resume", action="store_true", help="continue OUTDIR/last.pt (same settings only)")
     t.set_defaults(func=train_command)
 
@@ -761,10 +781,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("train", "demo") and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            raise ValueError(f"`splitz {args.command}` runs as one process; under torchrun (WORLD_SIZE="
-                             f"{os.environ['WORLD_SIZE']}) every rank would write the same files. Only certify, "
-                             "predict and certify-margin are sharded over ranks")
+        if args.command == "demo" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise ValueError(f"`splitz demo` runs as one process; under torchrun (WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']}) every rank would write the same files. train runs "
+                             "data-parallel; certify, predict and certify-margin are sharded over ranks")
         if getattr(args, "device", None) is not None and not hasattr(args, "shard"):
             check_device("--device", args.device)  # certify/predict check theirs once torchrun's ranks are known
         return args.func(args)

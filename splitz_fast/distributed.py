@@ -1,4 +1,6 @@
-"""``splitz certify`` / ``predict`` under ``torchrun``: one shard per rank, merged by rank 0.
+"""``splitz certify`` / ``predict`` under ``torchrun``: one shard per rank, merged by rank 0; and the process group
+that ``splitz train`` under torchrun trains in (:func:`process_group`; the training itself:
+:class:`splitz_fast.training.DataParallelGroup`).
 
 ``torchrun --nproc_per_node=K [--nnodes ...] -m splitz_fast certify ...`` starts K processes per node with ``RANK``,
 ``WORLD_SIZE`` and ``LOCAL_RANK`` set. Rank ``r`` of ``W`` runs shard ``r/W`` of the selected indices
@@ -11,16 +13,17 @@ process group (so nodes need no shared file system for the merge) and rank 0 wri
 A rank that dies loses nothing already written: every row is flushed as it is computed, and torchrun stops the other
 ranks, whose files keep their rows too. Running the same command again with ``--resume`` continues every shard.
 
-The process group (gloo on the CPU, NCCL with CUDA) carries only that final gather; its timeout,
+For certification the process group (gloo on the CPU, NCCL with CUDA) carries only that final gather; its timeout,
 :data:`WAIT_TIMEOUT`, bounds how long a rank that finished early waits for the slowest one.
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -77,6 +80,27 @@ class TorchrunEnv:
                          "--device cuda (or cpu), or nothing")
 
 
+@contextmanager
+def process_group(env: TorchrunEnv, device: str) -> Iterator[None]:
+    """The job's default process group while the ``with`` block runs: gloo when ``device`` is the CPU, NCCL with
+    ``device`` (``cuda:LOCAL_RANK``) made the current CUDA device, so that collectives run on it; rendezvous from
+    torchrun's environment (``MASTER_ADDR``/``MASTER_PORT``); every collective waits at most :data:`WAIT_TIMEOUT`.
+    Destroyed on the way out, also when the block raises."""
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=WAIT_TIMEOUT)
+    try:
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise ValueError(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) does not match "
+                             f"RANK={env.rank}, WORLD_SIZE={env.world_size}")
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def run_sharded(env: TorchrunEnv, device: str, out_path: str | os.PathLike,
                 run_shard: Callable[[ShardSpec], Path]) -> Path | None:
     """Run this rank's shard with ``run_shard(shard)`` (which returns the shard file), then gather all shards to rank
@@ -86,14 +110,7 @@ def run_sharded(env: TorchrunEnv, device: str, out_path: str | os.PathLike,
     them (or :data:`WAIT_TIMEOUT` passes)."""
     import torch.distributed as dist
 
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(device)  # NCCL's object gather runs on the current device
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=WAIT_TIMEOUT)
-    try:
-        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
-            raise ValueError(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) does not match "
-                             f"RANK={env.rank}, WORLD_SIZE={env.world_size}")
+    with process_group(env, device):
         shard_path = run_shard(env.shard)
         mine = ShardData.read(shard_path, where=f"rank {env.rank} ({shard_path})")
         gathered: list[ShardData] | None = [None] * env.world_size if env.rank == 0 else None  # type: ignore[list-item]
@@ -101,8 +118,6 @@ def run_sharded(env: TorchrunEnv, device: str, out_path: str | os.PathLike,
         if env.rank != 0:
             return None
         return merge_shards(out_path, gathered)  # type: ignore[arg-type]
-    finally:
-        dist.destroy_process_group()
 
 
-__all__ = ["TorchrunEnv", "run_sharded", "WAIT_TIMEOUT"]
+__all__ = ["TorchrunEnv", "process_group", "run_sharded", "WAIT_TIMEOUT"]

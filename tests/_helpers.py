@@ -3,6 +3,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+#: torchrun of the interpreter running the tests.
+TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def installed(dist: str) -> bool:
@@ -30,3 +38,28 @@ def kernel_devices() -> list:
         pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
             not (has_triton and torch.cuda.is_available()), reason="needs CUDA")]),
     ]
+
+
+def start_torchrun(args: list[str], **popen) -> subprocess.Popen:
+    """``torchrun --standalone --nproc_per_node=2 -m splitz_fast ARGS`` in its own session (so that a hung run can be
+    killed whole), one thread per rank, without the torchrun variables of any enclosing job."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1", "-m", "splitz_fast", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+def finish_torchrun(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """``(exit status, output)`` of a run from :func:`start_torchrun`; killed whole, and the test failed, after
+    ``timeout`` seconds."""
+    import pytest
+
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,13 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import installed
+from _helpers import TORCHRUN, finish_torchrun as _finish, installed, start_torchrun as _torchrun
 from splitz_fast.cli import main
 from splitz_fast.distributed import TorchrunEnv
 from splitz_fast.runs import ShardData, ShardSpec, merge_shards
-
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
 
 def _rows(path: Path, drop_time: bool = True) -> list[list[str]]:
     """Data rows of a TSV; without the `time` column (index 5 of certify, 4 of predict) unless asked."""
@@ -157,10 +153,12 @@ def test_shard_option_errors_are_one_line(tmp_path, capsys, checkpoint, monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert main(_args("certify", checkpoint, out, "--device", "cuda:1")) == 2
     assert "each rank uses its local rank's GPU" in _one_line_error(capsys)
+    assert main(["train", "tiny", "mlp", str(tmp_path / "run"), "--sigma", "0.5", "--device", "cuda:1"]) == 2
+    assert "each rank uses its local rank's GPU" in _one_line_error(capsys)
     monkeypatch.undo()
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["train", "tiny", "mlp", str(tmp_path / "run"), "--sigma", "0.5"]) == 2
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 2
     assert "runs as one process" in _one_line_error(capsys)
     assert list(tmp_path.iterdir()) == []
 
@@ -236,25 +234,6 @@ def law_checkpoint(tmp_path_factory):
 def _law_args(kind, ckpt, out, skip, *extra):
     counts = ["--N0", "20", "--N", "1000"] if kind == "certify" else ["--N", "1000"]
     return [kind, "law_school", str(ckpt), "0.5", str(out), "--skip", str(skip), "--batch", "500", *counts, *extra]
-
-
-def _torchrun(args, **popen):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1", "-m", "splitz_fast", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **popen)
-
-
-def _finish(proc, timeout):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-3000:]}")
-    return proc.returncode, out
 
 
 def _worker_of_rank(parent: int, rank: int) -> int | None:
