@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # MNIST: the best-σ envelope of SPLITZ against that of randomized smoothing (issue #12, item 3).
-# RS (split 0) at σ ∈ {0.25, 0.5, 0.75, 1.0, 1.5} and SPLITZ (split 1, recipe $RECIPE) at σ ∈ {0.25, 0.5, 0.75, 1.0},
-# all trained with the same budget (EPOCHS, batch 256, same seed), certified on the same test images (every SKIP-th),
-# n0 = 100, n = N, α = 0.001, sound certificates only. Results (TSVs, train logs, tables, plot) under $RESULTS.
-# Stages (STAGES, default "rs splitz analyze") can run separately; re-running resumes (finished epochs and certified
-# rows are not redone). Budget knobs (environment): EPOCHS (default 15; the paper's 150 on a GPU), SKIP (default 50:
-# 200 test images), N (default 10000; 100000 on a GPU), DEVICE (cpu), BATCH (noise samples per pass: 100 on a CPU,
-# 10000 on a GPU), RECIPE (default published-code), RESULTS (default docs/results/mnist-envelope).
+# RS (split 0) at σ ∈ RS_SIGMAS and SPLITZ (split 1, recipe $RECIPE) at σ ∈ SPLITZ_SIGMAS, all trained with the same
+# budget (EPOCHS, batch 256, constant lr, same seed), certified on the same test images (every SKIP-th), n0 = 100,
+# n = N, α = 0.001, sound certificates only. Results (TSVs, train logs, envelope table and plot, diagnostics of each
+# SPLITZ model) under $RESULTS. RECIPE=warm-start starts each SPLITZ model from the RS model of the same σ.
+# Stages (STAGES, default "rs splitz analyze"; "splitz-train" trains without certifying, for
+# scripts/mnist_recipe_screen.sh) can run separately; re-running resumes (finished epochs and certified rows are not
+# redone). Budget knobs (environment): EPOCHS (default 15; the paper's 150 on a GPU), SKIP (default 50: 200 test
+# images), N (default 10000; 100000 on a GPU), DEVICE (cpu), BATCH (noise samples per pass: 100 on a CPU, 10000 on a
+# GPU), RECIPE (default published-code), RS_SIGMAS ("0.25 0.5 0.75 1.0 1.5"), SPLITZ_SIGMAS ("0.25 0.5 0.75 1.0"),
+# RESULTS (default docs/results/mnist-envelope).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPLITZ=${SPLITZ:-.venv/bin/splitz}
@@ -22,6 +25,13 @@ certify() {  # certify RUN SIGMA NAME
     cp "$1/train.log" "$OUT/$3.train.log"
 }
 
+train_splitz() {  # train_splitz SIGMA
+    local init=()
+    if [ "$RECIPE" = warm-start ]; then init=(--init "$RUNS/rs-$1/best.pt"); fi
+    "$SPLITZ" train mnist lenet "$RUNS/splitz-$RECIPE-$1" --recipe "$RECIPE" "${init[@]}" --sigma "$1" \
+        --epochs "$EPOCHS" --batch 256 --lr-schedule none --device "$DEVICE" --resume
+}
+
 for stage in $STAGES; do
     case $stage in
     rs)
@@ -30,10 +40,11 @@ for stage in $STAGES; do
                 --batch 256 --lr-schedule none --device "$DEVICE" --resume
             certify "$RUNS/rs-$sigma" "$sigma" "rs-$sigma"
         done ;;
+    splitz-train)
+        for sigma in $SPLITZ_SIGMAS; do train_splitz "$sigma"; done ;;
     splitz)
         for sigma in $SPLITZ_SIGMAS; do
-            "$SPLITZ" train mnist lenet "$RUNS/splitz-$RECIPE-$sigma" --recipe "$RECIPE" --sigma "$sigma" \
-                --epochs "$EPOCHS" --batch 256 --device "$DEVICE" --resume
+            train_splitz "$sigma"
             certify "$RUNS/splitz-$RECIPE-$sigma" "$sigma" "splitz-$RECIPE-$sigma"
         done ;;
     analyze)
@@ -43,6 +54,6 @@ for stage in $STAGES; do
             "$SPLITZ" diagnose "$RUNS/splitz-$RECIPE-$sigma/best.pt" "$OUT/splitz-$RECIPE-$sigma.tsv" \
                 --out "$OUT/diagnostics-$RECIPE-$sigma"
         done ;;
-    *) echo "unknown stage $stage (rs, splitz, analyze)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (rs, splitz-train, splitz, analyze)" >&2; exit 2 ;;
     esac
 done
