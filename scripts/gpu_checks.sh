@@ -7,7 +7,10 @@
 #   2. each Triton op against its PyTorch/cuDNN reference (benchmarks/test_bench_kernels.py),
 #   3. the dataset-level certify benchmark (eager, then compiled LeNet), bounds and training step on the GPU, the
 #      training step again with SPLITZ_BACKEND=reference,
-#   4. SPEC §5's GPU targets end to end (benchmarks/test_bench_targets.py).
+#   4. SPEC §5's GPU targets end to end (benchmarks/test_bench_targets.py),
+#   5. training speed (issue #12: 150 SPLITZ LeNet epochs ≤ 10 min) and torchrun (issue #14): 2 MNIST epochs of the
+#      SPLITZ LeNet (paper recipe, batch 256) in one process, then the same under `torchrun --nproc_per_node=1`; the
+#      epochs' seconds from each train.log go to $OUT/train.log.
 # Logs and pytest-benchmark JSON go to $OUT (the device tool's output folder; ./gpu-out elsewhere); every stage has
 # its own time limit so that a slow stage cannot take the later ones' results with it.
 # The device stack has no network: the package is installed from this tree without build isolation or deps.
@@ -55,4 +58,13 @@ echo "== SPEC targets"; date
 timeout 200 $PY -m pytest -q -s -p no:cacheprovider benchmarks/test_bench_targets.py --benchmark-only \
     --benchmark-json "$OUT/bench-targets.json" > "$OUT/bench-targets.log" 2>&1
 grep -E "met|passed|failed|rror" "$OUT/bench-targets.log"
+date
+echo "== training: one process, then torchrun --nproc_per_node=1"; date
+TRAIN=(--recipe paper --sigma 0.75 --epochs 2 --batch 256 --lr-schedule none)  # torchrun picks cuda:LOCAL_RANK
+{ timeout 150 $PY -m splitz_fast train mnist lenet "$OUT/run-single" "${TRAIN[@]}" --device cuda
+  timeout 150 $PY -m torch.distributed.run --nproc_per_node=1 -m splitz_fast train mnist lenet "$OUT/run-torchrun" \
+      "${TRAIN[@]}"
+  for run in run-single run-torchrun; do echo "$run"; cut -c1-400 "$OUT/$run/train.log"; done
+  rm -rf "$OUT/run-single" "$OUT/run-torchrun"; } > "$OUT/train.log" 2>&1
+grep -E "epoch_seconds|rror" "$OUT/train.log" | grep -oE '"epoch": [0-9]+|"epoch_seconds": [0-9.]+|rror.*' | paste - -
 date
