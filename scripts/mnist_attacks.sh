@@ -5,14 +5,15 @@
 # label; abstentions count as wrong) next to certified accuracy at each ε.
 # Default models: σ = 0.75 of scripts/mnist_envelope.sh (RS and SPLITZ with RECIPE, EPOCHS epochs) and their certify
 # TSVs; a certify TSV made with another checkpoint (digests differ) is refused.
-# Knobs (environment): SIGMA (0.75), EPOCHS (15), RECIPE (published-code), RS_RUN / SPLITZ_RUN (checkpoint folders),
+# Knobs (environment): SIGMA (0.75), EPOCHS (15), RECIPE (paper: the recipe chosen on held-out data in
+# docs/results/mnist-recipes), RS_RUN / SPLITZ_RUN (checkpoint folders),
 # RS_CERT / SPLITZ_CERT (their certify TSVs), SKIP (default 50), N (PREDICT samples, default 10000), EPS (default
 # "0.5 1.0 1.5 2.0"), STEPS (PGD steps, default 20), SAMPLES (noise draws per step, default 32), DEVICE (default cpu),
 # RESULTS (default docs/results/mnist-attacks). Re-running resumes finished rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPLITZ=${SPLITZ:-.venv/bin/splitz}; PYTHON=${PYTHON:-.venv/bin/python}
-SIGMA=${SIGMA:-0.75}; EPOCHS=${EPOCHS:-15}; RECIPE=${RECIPE:-published-code}; SKIP=${SKIP:-50}; N=${N:-10000}
+SIGMA=${SIGMA:-0.75}; EPOCHS=${EPOCHS:-15}; RECIPE=${RECIPE:-paper}; SKIP=${SKIP:-50}; N=${N:-10000}
 EPS=${EPS:-"0.5 1.0 1.5 2.0"}; STEPS=${STEPS:-20}; SAMPLES=${SAMPLES:-32}; DEVICE=${DEVICE:-cpu}
 RS_RUN=${RS_RUN:-runs/mnist-envelope-e$EPOCHS/rs-$SIGMA}
 SPLITZ_RUN=${SPLITZ_RUN:-runs/mnist-envelope-e$EPOCHS/splitz-$RECIPE-$SIGMA}
