@@ -67,7 +67,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         "constrained",
         "this library's constrained recipe: minimise cross-entropy subject to mean L̂ ≤ L* (--lip-target, default 0.5) "
         "by a Lagrange multiplier with dual ascent (step 0.01 per training step, start 1.0) instead of a fixed λ "
-        "schedule; the paper's model (split 1, θ = 1)",
+        "schedule; the paper's model (split 1, θ = 1). Caution: on the MNIST LeNet (L̂ ≈ 3 at initialisation) these "
+        "settings drove f_L to zero in the first epoch (docs/results/mnist-recipes); lower --dual-step first",
         train={**_PAPER_TRAIN, "lip_objective": "lagrangian", "lip_target": 0.5, "dual_step": 0.01, "dual_init": 1.0},
         model=_PAPER_MODEL,
     ),
