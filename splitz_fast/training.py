@@ -787,11 +787,12 @@ def train(
         totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
         batches = len(positions)
         record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam, "gamma_train": gamma,
-                  "multiplier": multiplier if objective.has_multiplier else None,
                   "train_loss": totals[0] / batches, "train_ce": totals[1] / batches,
                   "train_lip_estimate": totals[2] / batches}
         val_batches = ((x, y, share) for (x, y), share in zip(val_part.batches(val_positions, None), val_rows))
         record.update(evaluate(model, val_batches, config, device, group))
+        if objective.has_multiplier:  # the Lagrangian's μ after the epoch's last step
+            record["multiplier"] = multiplier
         # Wall times go to train.log only: checkpoints of identical runs must be identical.
         result.history.append(record)
         timed_record = {**record, "epoch_seconds": seconds}
