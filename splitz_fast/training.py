@@ -180,10 +180,12 @@ class LipschitzObjective(abc.ABC):
 
     #: whether ``weight`` is a multiplier updated from the measured estimate (else λ of the config's schedule).
     has_multiplier = False
+    #: whether :meth:`combine` reads the global batch's mean estimate (else it gets ``None``: no all-reduce for it).
+    reads_batch_mean = False
 
     @abc.abstractmethod
     def combine(self, ce: torch.Tensor, lip: torch.Tensor, weight: float, config: "TrainConfig", share: float,
-                batch_mean: float) -> torch.Tensor:
+                batch_mean: float | None) -> torch.Tensor:
         """The loss of these rows: ``ce`` is their cross-entropy already weighted by ``share`` (their part of the global
         batch, 1 in one process), ``lip`` their estimates, ``batch_mean`` the global batch's mean estimate (the same on
         every rank). Summed over the ranks' shares, the result is the global batch's loss."""
@@ -202,6 +204,8 @@ class BatchMeanHinge(LipschitzObjective):
     mean L̂)`` with ``κ = 1 − λ``, and the cross-entropy's weight set to 1 while ``mean L̂ ≤ θ_lip`` (the hinge is then
     constant). Samples with large ``L̂`` can hide behind small ones; kept as a recipe to reproduce that code."""
 
+    reads_batch_mean = True
+
     def combine(self, ce, lip, weight, config, share, batch_mean):
         mean = lip.mean() * share
         if batch_mean <= config.theta_lip:  # decided on the global batch, so every rank takes the same branch
@@ -215,6 +219,7 @@ class Lagrangian(LipschitzObjective):
     where the estimate sits at the target instead of a fixed schedule."""
 
     has_multiplier = True
+    reads_batch_mean = True  # the multiplier's update
 
     def combine(self, ce, lip, weight, config, share, batch_mean):
         return ce + weight * (lip.mean() - config.lip_target) * share
@@ -336,16 +341,18 @@ def splitz_loss(
         return cross_entropy, parts
     lip = lipschitz_estimate(model.left, x, gamma, n_iter=config.power_iters, state=state,
                              generator=generator, bounds=bounds)
-    parts["lip"] = float(lip.detach().mean()) * rows.share
-    parts["lip_batch_mean"] = _global_batch_mean(lip.detach(), rows)
-    return objective.combine(cross_entropy, lip, lam, config, rows.share, parts["lip_batch_mean"]), parts
+    local_mean = float(lip.detach().mean())
+    parts["lip"] = local_mean * rows.share
+    batch_mean = None
+    if objective.reads_batch_mean:  # one all-reduce per step under torchrun, only for the objectives that need it
+        batch_mean = local_mean if rows.count == rows.total else _global_batch_mean(lip.detach(), rows)
+        parts["lip_batch_mean"] = batch_mean
+    return objective.combine(cross_entropy, lip, lam, config, rows.share, batch_mean), parts
 
 
 def _global_batch_mean(values: torch.Tensor, rows: BatchRows) -> float:
-    """The mean of ``values`` over the whole global batch: this rank's sum, summed over the ranks when ``rows`` is one
-    rank's chunk (the default process group), divided by the batch size — the same float on every rank."""
-    if rows.count == rows.total:
-        return float(values.mean())
+    """The mean of ``values`` over the whole global batch of which ``rows`` is one rank's chunk: the ranks' sums summed
+    (the default process group), divided by the batch size — the same float on every rank."""
     total = values.double().sum()
     dist.all_reduce(total)
     return float(total) / rows.total
