@@ -43,7 +43,10 @@ attack_all() {  # attack_all RUN: every attack and ε on one model
 }
 attack_all rs & rs_job=$!
 attack_all splitz & splitz_job=$!
-wait $rs_job && wait $splitz_job
+status=0  # wait for both, so that a failed model does not leave the other one running unattended
+wait "$rs_job" || status=$?
+wait "$splitz_job" || status=$?
+[ "$status" = 0 ] || exit "$status"
 "$PYTHON" - "$RS_RUN" "$SPLITZ_RUN" "$RS_CERT" "$SPLITZ_CERT" "$OUT" $EPS <<'EOF'
 import csv, json, sys
 from pathlib import Path
@@ -55,11 +58,13 @@ eps = sys.argv[6:]
 rows = lambda p: list(csv.DictReader(open(p), delimiter="\t"))  # noqa: E731
 lines = ["| run (inputs) | " + " | ".join(f"ε={e}" for e in eps) + " |", "|---|" + "---:|" * len(eps)]
 for run, name, folder, cert in (("rs", "RS (s=0)", rs_run, rs_cert), ("splitz", "SPLITZ (s=1)", splitz_run, splitz_cert)):
+    attacked_rows = {(attack, e): rows(out / f"{run}-{attack}-{e}.tsv") for attack in ("smooth-fgsm", "smooth-pgd")
+                     for e in eps}
     if cert.exists():
         recorded = json.loads(Path(f"{cert}.json").read_text())["checkpoint_digest"]
         if recorded != checkpoint_digest(load_checkpoint_file(folder / "best.pt")):
             sys.exit(f"error: {cert} was certified with another checkpoint than {folder / 'best.pt'}")
-        attacked = {r["idx"] for r in rows(out / f"{run}-smooth-fgsm-{eps[0]}.tsv")}
+        attacked = {r["idx"] for r in attacked_rows["smooth-fgsm", eps[0]]}
         c = [r for r in rows(cert) if r["idx"] in attacked]
         if len(c) != len(attacked):
             sys.exit(f"error: {cert} lacks {len(attacked) - len(c)} of the attacked inputs (another --skip?)")
@@ -69,7 +74,7 @@ for run, name, folder, cert in (("rs", "RS (s=0)", rs_run, rs_cert), ("splitz", 
     for attack in ("smooth-fgsm", "smooth-pgd"):
         cells = []
         for e in eps:
-            a = rows(out / f"{run}-{attack}-{e}.tsv")
+            a = attacked_rows[attack, e]
             cells.append(f"{100 * sum(r['adv_predict'] == r['label'] for r in a) / len(a):.1f}")
         lines.append(f"| {name}, {attack} ({len(a)}) | " + " | ".join(cells) + " |")
     if cert.exists():
@@ -79,7 +84,7 @@ for run, name, folder, cert in (("rs", "RS (s=0)", rs_run, rs_cert), ("splitz", 
         cells = []
         for e in eps:
             certified = {i for i, rad in radius.items() if rad >= float(e)}
-            flipped = {r["idx"] for attack in ("smooth-fgsm", "smooth-pgd") for r in rows(out / f"{run}-{attack}-{e}.tsv")
+            flipped = {r["idx"] for attack in ("smooth-fgsm", "smooth-pgd") for r in attacked_rows[attack, e]
                        if r["idx"] in certified and r["adv_predict"] not in (r["label"], "-1")}
             cells.append(f"{len(flipped)} of {len(certified)}")
         lines.append(f"| {name}, certified at ε yet attacked to another class | " + " | ".join(cells) + " |")
