@@ -26,7 +26,7 @@ Shapes (``S`` is one sample's shape, e.g. ``(C, H, W)`` or ``(F,)``):
 * ``theta``: ``None`` (layer without activation) or a threshold of any shape ``ClippedReLU`` accepts, read by
   :func:`.thresholds.normalize_threshold` exactly as the forward pass reads it (scalar, may be ``inf``; 1-D ``[C]``
   per channel; otherwise torch broadcasting against ``S``). θ must be ≥ 0 (not checked here;
-  ``LeftHalf.check_thresholds`` does).
+  ``LeftHalf.check_structure`` does).
 
 Outputs (:class:`IntervalClip`): ``lower``, ``upper``, ``center``, ``radius`` shaped like ``z`` in ``z``'s dtype,
 ``mask`` ``[B, *S]`` bool; ``center``/``radius`` are ``None`` when ``need_next=False`` (the last layer).

@@ -164,7 +164,7 @@ def ball_bounds(
     ``gamma`` is a scalar or a ``[B]`` tensor (one radius per input), in raw input units. Certificates use the
     default float64; the training estimate passes float32 for speed (its masks need not be rigorous).
     """
-    left.check_thresholds()
+    left.check_structure()
     shape = left.input_shape
     check_tensor("x", x, ndim=None if shape is None else len(shape) + 1, shape_tail=shape)
     x64 = x.detach().to(dtype)

@@ -216,7 +216,9 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     :meth:`~splitz_fast.operators.MaskedAffine.gram`; its upper triangle defines the symmetric matrix). ``terms``
     bounds the number of products summed into an entry of ``gram`` from float64-exact inputs, plus at most two
     roundings of scale factors per product, so the exact Gram differs from ``gram`` by ``E`` with
-    ``|E| ≤ γ_{terms+2}|A|ᵀ|A|`` entrywise and ``‖E‖₂ ≤ γ_{terms+2} tr(|A|ᵀ|A|) = γ_{terms+2}·tr(gram)(1 + O(u))``.
+    ``|E| ≤ γ_{terms+2}|A|ᵀ|A|`` entrywise and ``‖E‖₂ ≤ γ_{terms+2} tr(|A|ᵀ|A|) ≤ γ_{terms+2}·T/(1 − γ_{terms+2})``,
+    where ``T`` bounds the exact sum of ``gram``'s diagonal from above (its float64 sum scaled by ``1 + γ_d``: a sum of
+    ``d`` terms is exact only up to ``γ_{d−1}``; every trace below is taken this way).
 
     Certificate: if Cholesky of ``H = fl(sI − gram)`` completes, then ``R̂ᵀR̂ = H + ΔH`` with
     ``|ΔH| ≤ γ_{n+1}|R̂ᵀ||R̂|`` (Higham, *Accuracy and Stability*, Thm 10.3), hence
@@ -251,14 +253,22 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
         diagonal = torch.from_numpy(host.diagonal()).to(gram.device)
     else:
         diagonal = torch.diagonal(gram)
-    trace = max(float(diagonal.sum()), 0.0)
-    if trace == 0.0:
-        return 0.0
-
     def gamma_n(n: int) -> float:
         return n * u / (1 - n * u)
 
-    gram_error = gamma_n(terms + 2) * trace * (1 + 4 * u)
+    def sum_upper(values: torch.Tensor) -> float:
+        """An upper bound on the exact sum of the non-negative float64 ``values``: the float64 sum of ``m`` terms
+        (any order, pairwise included) is within ``γ_{m−1}`` times the exact sum (Higham, Thm 4.1), so scaling it by
+        ``1 + γ_m`` covers the rounding with room for the scaling's own rounding."""
+        return float(values.sum()) * (1 + gamma_n(values.numel()))
+
+    # The diagonal of the rounded Gram is non-negative (sums of squares, rounded), its float64 sum a lower estimate
+    # of the exact trace only up to rounding: every use below takes the upper bound.
+    trace = sum_upper(diagonal.clamp_min(0))
+    if trace == 0.0:
+        return 0.0
+    # tr(|A|ᵀ|A|) = Σ_i (exact Gram)_ii ≤ Σ_i g_ii / (1 − γ_{terms+2}): each diagonal entry is a float64 sum of squares.
+    gram_error = gamma_n(terms + 2) * trace / (1 - gamma_n(terms + 2))
 
     if sparse:
         banded = _BandedCholesky(gram)
@@ -268,7 +278,7 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
             if not banded.succeeds(s):
                 return None
             h_diag = s - diagonal  # the rounded diagonal the factorization started from
-            return float(h_diag.sum()), float(h_diag.abs().max())
+            return sum_upper(h_diag.abs()), float(h_diag.abs().max())
     else:
         chol_terms = d + 1
         eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
@@ -279,7 +289,7 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
             if int(info) != 0:
                 return None
             h_diag = torch.diagonal(h)
-            return float(h_diag.sum()), float(h_diag.abs().max())
+            return sum_upper(h_diag.abs()), float(h_diag.abs().max())
 
     def shifted_bound(mu: float, etas: tuple[float, ...]) -> float | None:
         # Shift just above the estimate; widen only if the factorization fails (clustered top eigenvalues).
@@ -311,7 +321,8 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     bound = shifted_bound(max(mu, 0.0), tight + wide)
     if bound is not None:
         return bound
-    # λ_max ≤ trace for a PSD matrix: always valid, rarely needed.
+    # λ_max ≤ trace for the exact Gram (PSD): tr(exact) ≤ tr(gram) + |tr(E)| ≤ trace + gram_error, with `trace`
+    # already an upper bound on the float64 diagonal's exact sum. Always valid, rarely needed.
     return (trace + gram_error) * (1 + 8 * u)
 
 
@@ -357,6 +368,7 @@ def masked_operators(
     dtype: torch.dtype = torch.float64,
 ) -> list[MaskedAffine]:
     """The factors ``I_k W_k I_{k−1}`` of the product bound; without ``bounds``, the unmasked (global) factors."""
+    left.check_structure()  # the factors below are sound only for the pieces this check admits
     ops = []
     shapes = _layer_shapes(left, input_shape)
     for k, layer in enumerate(left.layers):

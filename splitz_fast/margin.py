@@ -19,7 +19,23 @@ import torch.nn as nn
 
 from .modules import ModuleSnapshot, SplitModel
 from .radius import RadiusSearch, bound_options
-from .smoothing import ABSTAIN, CertifyResult, evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+from .smoothing import (ABSTAIN, CertifyResult, about_given_input, evaluating, inputs_of, prepare_input, resolve_seed,
+                        seeds_for)
+
+
+def check_margin_model(model: SplitModel) -> None:
+    """Refuse a model whose logits are not all computed by ``f_L``: the margin certificate's Lipschitz bound covers
+    ``f_L`` only, so ``f_R`` must be parameter-free glue (exactly ``nn.Sequential``, ``nn.Identity``, ``nn.Flatten``:
+    a subclass could compute something else with its own ``forward``)."""
+    model.check_structure()
+    right = model.right
+    if model.split_index == 0 or any(type(m) not in (nn.Sequential, nn.Identity, nn.Flatten)
+                                     for m in right.modules()) or any(True for _ in right.parameters()) \
+            or any(m._forward_hooks or m._forward_pre_hooks for m in right.modules()):
+        raise ValueError(
+            "the margin certificate needs the whole classifier in f_L (split after the last affine layer, f_R "
+            "empty, no hooks): its Lipschitz bound must cover every layer up to the logits"
+        )
 
 
 class MarginCertifier:
@@ -42,32 +58,35 @@ class MarginCertifier:
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}")
         if "sigma" in bound_options_kw:
             raise TypeError("MarginCertifier adds no noise: it takes no sigma")
-        if model.split_index == 0 or any(not isinstance(m, (nn.Sequential, nn.Identity, nn.Flatten))
-                                         for m in model.right.modules()) or any(True for _ in model.right.parameters()):
-            raise ValueError(
-                "the margin certificate needs the whole classifier in f_L (split after the last affine layer, f_R "
-                "empty): its Lipschitz bound must cover every layer up to the logits"
-            )
-        self.model = model
+        check_margin_model(model)
+        self._model = model
         self.options = bound_options(**bound_options_kw)
-        self.radius_search = RadiusSearch(model.left, self.options)
-        self._left64: tuple[ModuleSnapshot, nn.Module] | None = None
-        model.left.check_thresholds()
+        self.radius_search = RadiusSearch(model, self.options)
+        self._left64: tuple[nn.Module, ModuleSnapshot, nn.Module] | None = None
+
+    @property
+    def model(self) -> SplitModel:
+        """The model certified (fixed at construction; its halves are read as they are at each call)."""
+        return self._model
 
     bound = property(lambda self: self.options.bound)
     bound_method = property(lambda self: self.options.method)
     gamma_search = property(lambda self: self.options.gamma_search)
 
     def _float64_left(self) -> nn.Module:
-        """A float64 copy of ``f_L`` for the logits, rebuilt whenever any weight, buffer or layer of ``f_L`` changed."""
-        if self._left64 is None or not self._left64[0].matches(self.model.left):
-            self._left64 = (ModuleSnapshot(self.model.left), copy.deepcopy(self.model.left).double().eval())
-        return self._left64[1]
+        """A float64 copy of ``f_L`` for the logits, rebuilt whenever ``f_L`` was replaced or any of its weights,
+        buffers or layers changed."""
+        left = self.model.left
+        if self._left64 is None or self._left64[0] is not left or not self._left64[1].matches(left):
+            self._left64 = (left, ModuleSnapshot(left), copy.deepcopy(left).double().eval())
+        return self._left64[2]
 
     def certify(self, x: torch.Tensor, n0: int | None = None, n: int | None = None, alpha: float | None = None,
                 batch_size: int | None = None, seed: int | None = None) -> CertifyResult:
+        check_margin_model(self.model)  # as the model is now: either half may have been replaced since __init__
         with evaluating(self.model):
-            return self._certify(prepare_input(self.model, x), resolve_seed(seed))
+            prepared = prepare_input(self.model, x)
+            return about_given_input(self._certify(prepared.x, resolve_seed(seed)), prepared.rounding)
 
     def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor], n0: int | None = None, n: int | None = None,
                      alpha: float | None = None, batch_size: int | None = None,

@@ -142,7 +142,7 @@ def check_pool(pool: nn.Module) -> None:
     """Refuse pooling the bounds cannot pass through: only ``nn.MaxPool2d`` with disjoint windows (stride = kernel
     size, no padding or dilation). Disjoint windows make it 1-Lipschitz in l2 (each output moves by at most the
     largest move in its own window); overlapping windows would multiply the bound by up to √(windows per input)."""
-    if not isinstance(pool, nn.MaxPool2d):
+    if not isinstance(pool, nn.MaxPool2d) or _own_forward(pool, nn.MaxPool2d, "forward"):
         raise TypeError(f"f_L may pool only with nn.MaxPool2d, got {type(pool).__name__}; move it into f_R")
     pair = nn.modules.utils._pair
     if pair(pool.kernel_size) != pair(pool.stride) or pair(pool.padding) != (0, 0) or pair(pool.dilation) != (1, 1) \
@@ -151,6 +151,44 @@ def check_pool(pool: nn.Module) -> None:
             f"f_L supports non-overlapping max-pooling only (stride = kernel_size, padding 0, dilation 1), got "
             f"{pool}; split before it or use such a pool"
         )
+
+
+def _own_forward(module: nn.Module, base: type, *methods: str) -> bool:
+    """Whether ``module``'s class replaces any of ``base``'s ``methods`` (a subclass computing something else)."""
+    return any(getattr(type(module), m) is not getattr(base, m) for m in methods)
+
+
+def check_affine(layer: nn.Module) -> None:
+    """Refuse a layer of ``f_L`` the bounds cannot read: only ``nn.Conv2d`` (``groups=1``, zero padding) and
+    ``nn.Linear``, and no subclass with a forward of its own (the bounds apply the weight themselves; subclasses
+    that only reparametrize the weight, such as ``torch.nn.utils.parametrize``'s, are fine)."""
+    if not isinstance(layer, AFFINE_TYPES):
+        raise TypeError(
+            f"f_L may hold only nn.Conv2d and nn.Linear layers, got {type(layer).__name__}; "
+            "move it into f_R (split earlier) or fold it into the neighbouring affine layer"
+        )
+    base = nn.Conv2d if isinstance(layer, nn.Conv2d) else nn.Linear
+    if _own_forward(layer, base, "forward", *(("_conv_forward",) if base is nn.Conv2d else ())):
+        raise TypeError(f"f_L's {type(layer).__name__} overrides {base.__name__}.forward: the bounds would not describe "
+                        f"it; use a plain nn.{base.__name__} or move the layer into f_R")
+    if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
+        raise ValueError("f_L supports Conv2d with groups=1 and padding_mode='zeros' only")
+
+
+def check_activation(act: nn.Module) -> None:
+    """Refuse an activation of ``f_L`` other than :class:`ClippedReLU` (``nn.Identity`` stands for none)."""
+    if not isinstance(act, ClippedReLU) or _own_forward(act, ClippedReLU, "forward", "broadcast_threshold"):
+        raise TypeError(f"f_L activations must be ClippedReLU or None (nn.Identity), got {type(act).__name__}; "
+                        "for a plain ReLU use ClippedReLU(float('inf'))")
+
+
+def check_standardize(standardize: nn.Module) -> None:
+    """Refuse a standardization of ``f_L`` other than :class:`Standardize` with finite ``std > 0``."""
+    if not isinstance(standardize, Standardize) or _own_forward(standardize, Standardize, "forward", "_view"):
+        raise TypeError(f"f_L's standardize must be a splitz_fast.Standardize, got {type(standardize).__name__}")
+    std = standardize.std
+    if not torch.isfinite(std).all() or (std <= 0).any():
+        raise ValueError(f"f_L's Standardize has std {std.tolist()}; every std must be finite and > 0")
 
 
 class LeftHalf(nn.Module):
@@ -184,27 +222,12 @@ class LeftHalf(nn.Module):
         pools = [None] * len(layers) if pools is None else list(pools)
         if len(pools) != len(layers):
             raise ValueError(f"got {len(layers)} affine layers but {len(pools)} pools (use None for no pool)")
-        for pool in pools:
-            if pool is not None:
-                check_pool(pool)
-        if pools and pools[-1] is not None:
-            raise ValueError("a pool after the last affine layer of f_L belongs to f_R (the latent is taken before it)")
-        for layer in layers:
-            if not isinstance(layer, AFFINE_TYPES):
-                raise TypeError(
-                    f"f_L may hold only nn.Conv2d and nn.Linear layers, got {type(layer).__name__}; "
-                    "move it into f_R (split earlier) or fold it into the neighbouring affine layer"
-                )
-            if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
-                raise ValueError("f_L supports Conv2d with groups=1 and padding_mode='zeros' only")
-        for act in activations:
-            if act is not None and not isinstance(act, ClippedReLU):
-                raise TypeError(f"f_L activations must be ClippedReLU or None, got {type(act).__name__}")
         self.layers = nn.ModuleList(layers)
         self.activations = nn.ModuleList([act if act is not None else nn.Identity() for act in activations])
         self.pools = nn.ModuleList([pool if pool is not None else nn.Identity() for pool in pools])  # no state
         self.standardize = standardize
         self.input_shape = tuple(input_shape) if input_shape is not None else None
+        self.check_structure()
 
     @property
     def depth(self) -> int:
@@ -212,13 +235,53 @@ class LeftHalf(nn.Module):
         return len(self.layers)
 
     def activation(self, k: int) -> ClippedReLU | None:
+        """Layer ``k``'s clipped ReLU, or ``None`` where it has none (an ``nn.Identity``). Anything else is refused:
+        the bounds would otherwise treat an unknown activation as the identity."""
         act = self.activations[k]
-        return act if isinstance(act, ClippedReLU) else None
+        if type(act) is nn.Identity:
+            return None
+        check_activation(act)
+        return act
 
     def pool(self, k: int) -> nn.MaxPool2d | None:
-        """The max-pool after layer ``k``'s activation, or ``None``."""
+        """The max-pool after layer ``k``'s activation, or ``None`` (an ``nn.Identity``); a pool the bounds cannot pass
+        through is refused (:func:`check_pool`)."""
         pool = self.pools[k] if k < len(self.pools) else None
-        return pool if isinstance(pool, nn.MaxPool2d) else None
+        if pool is None or type(pool) is nn.Identity:
+            return None
+        check_pool(pool)
+        return pool
+
+    def check_structure(self) -> None:
+        """Refuse, with one error that names the piece and the fix, anything in ``f_L`` *as it is now* that the bound
+        code cannot bound soundly: a layer, activation, pool or standardization of another kind (or a subclass with its
+        own ``forward``), an overlapping pool, a pool after the last layer, lists of different lengths, forward hooks
+        (they may change an output the bound never sees), a negative or NaN threshold.
+
+        Every bound calls this (:func:`~splitz_fast.bounds.ball_bounds`, the global bound), not only ``__init__``:
+        ``f_L``'s pieces are ordinary module attributes that users replace after construction
+        (``left.pools[0] = nn.MaxPool2d(3, 1, 1)``), and a check made once at construction would certify a network
+        that is no longer the one being bounded."""
+        depth = len(self.layers)
+        if len(self.activations) != depth:
+            raise ValueError(f"f_L has {depth} affine layers but {len(self.activations)} activations")
+        if len(self.pools) != depth:
+            raise ValueError(f"f_L has {depth} affine layers but {len(self.pools)} pools (nn.Identity for no pool)")
+        if self.standardize is not None:
+            check_standardize(self.standardize)
+        for layer in self.layers:
+            check_affine(layer)
+        for k in range(depth):
+            act = self.activation(k)
+            if act is not None:
+                act.check_valid()
+            if self.pool(k) is not None and k == depth - 1:
+                raise ValueError("a pool after the last affine layer of f_L belongs to f_R (the latent is taken "
+                                 "before it)")
+        hooked = [name or "f_L" for name, m in self.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        if hooked:
+            raise ValueError(f"f_L has forward hooks on {', '.join(hooked)}: a hook may change an output the Lipschitz "
+                             "bound does not see; remove them (handle.remove()) before bounding or certifying")
 
     @staticmethod
     def layer_input(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -247,12 +310,6 @@ class LeftHalf(nn.Module):
                 h = act(h)
             h = pool(h)
 
-    def check_thresholds(self) -> None:
-        for k in range(self.depth):
-            act = self.activation(k)
-            if act is not None:
-                act.check_valid()
-
     def project_thresholds_(self) -> None:
         for k in range(self.depth):
             act = self.activation(k)
@@ -268,11 +325,21 @@ class SplitModel(nn.Module):
 
     def __init__(self, left: LeftHalf, right: nn.Module, num_classes: int):
         super().__init__()
-        if left.standardize is not None and left.depth == 0:
-            raise ValueError("with split index 0, standardization belongs to f_R (noise is added to the raw input)")
         self.left = left
         self.right = right
         self.num_classes = int(num_classes)
+        self.check_structure()
+
+    def check_structure(self) -> None:
+        """Refuse halves that cannot be certified *as they are now* (certifiers call this on every call, since
+        ``model.left`` / ``model.right`` may be replaced after construction): ``left`` must be a :class:`LeftHalf`
+        that passes :meth:`LeftHalf.check_structure`, without standardization at split 0."""
+        if not isinstance(self.left, LeftHalf):
+            raise TypeError(f"model.left must be a splitz_fast.LeftHalf, got {type(self.left).__name__}; build f_L "
+                            "with LeftHalf(...) or split_sequential()")
+        if self.left.standardize is not None and self.left.depth == 0:
+            raise ValueError("with split index 0, standardization belongs to f_R (noise is added to the raw input)")
+        self.left.check_structure()
 
     @property
     def split_index(self) -> int:

@@ -31,7 +31,7 @@ from .lipschitz import (
     global_lipschitz_bound,
     lipschitz_bound,
 )
-from .modules import LeftHalf, ModuleSnapshot
+from .modules import LeftHalf, ModuleSnapshot, SplitModel
 
 GAMMA_SEARCHES = ("bisection", "one-step")
 BOUNDS = ("local", "global")
@@ -128,45 +128,60 @@ class RadiusResult:
 
 
 class RadiusSearch:
-    """Certified radii of inputs of one ``f_L`` under :class:`BoundOptions`.
+    """Certified radii of inputs under :class:`BoundOptions`, for the ``f_L`` that ``model.left`` holds *at each call*.
 
-    The global bound is computed once and reused while :class:`~splitz_fast.modules.ModuleSnapshot` says ``f_L`` is unchanged.
+    The search keeps the model, not its left half: replacing ``model.left`` after the search was built changes what it
+    bounds (a search holding the old half would bound a network that no longer computes the latents). The global bound
+    is computed once and reused while the same module is there and :class:`~splitz_fast.modules.ModuleSnapshot` says
+    it is unchanged.
     """
 
-    def __init__(self, left: LeftHalf, options: BoundOptions):
-        self.left = left
+    def __init__(self, model: SplitModel, options: BoundOptions):
+        if not isinstance(model, SplitModel):
+            raise TypeError(f"RadiusSearch needs the SplitModel (it reads model.left at each call), got "
+                            f"{type(model).__name__}")
+        self.model = model
         self.options = options
-        self._global: tuple[ModuleSnapshot, LipschitzBound] | None = None
+        self._global: tuple[LeftHalf, ModuleSnapshot, LipschitzBound] | None = None
+
+    @property
+    def left(self) -> LeftHalf:
+        """``f_L`` as the model holds it now, checked (:meth:`~splitz_fast.modules.SplitModel.check_structure`)."""
+        self.model.check_structure()
+        return self.model.left
 
     def global_bound(self) -> LipschitzBound:
-        """``Π_k ‖W_k‖₂`` of ``f_L``, recomputed whenever any weight, buffer or layer of ``f_L`` has changed."""
-        if self._global is None or not self._global[0].matches(self.left):
-            if self.left.input_shape is None:
+        """``Π_k ‖W_k‖₂`` of ``f_L``, recomputed whenever ``f_L`` was replaced or any of its weights, buffers or layers
+        changed."""
+        left = self.left
+        if self._global is None or self._global[0] is not left or not self._global[1].matches(left):
+            if left.input_shape is None:
                 raise ValueError("the global bound needs the model's input_shape (LeftHalf(input_shape=...))")
-            snapshot = ModuleSnapshot(self.left)
-            device = self.left.layers[0].weight.device
+            snapshot = ModuleSnapshot(left)
+            device = left.layers[0].weight.device
             gen = torch.Generator(device=device)
             gen.manual_seed(0)
             opts = self.options
             bound = global_lipschitz_bound(
-                self.left, self.left.input_shape, method=opts.method, delta=opts.delta / max(1, self.left.depth),
+                left, left.input_shape, method=opts.method, delta=opts.delta / max(1, left.depth),
                 n_iter=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=gen,
             )
-            self._global = (snapshot, bound)
-        return self._global[1]
+            self._global = (left, snapshot, bound)
+        return self._global[2]
 
     def search(self, x: torch.Tensor, radius_latent: float, generator: torch.Generator | None) -> RadiusResult:
         """Best ``min(R/L(x, γ), γ)`` over the γ evaluated by the configured search, for one input ``x`` (no batch
         dimension) whose latent radius is ``radius_latent``; ``generator`` seeds probabilistic bounds."""
         opts = self.options
-        if self.left.depth == 0:
+        left = self.left
+        if left.depth == 0:
             return RadiusResult(radius_latent, radius_latent, 1.0, "identity", 0.0, 0, 0)
         if opts.bound == "global":
             g = self.global_bound()
             lip = float(g.value[0])
             radius = radius_latent / lip if lip > 0 else opts.gamma_max
             return RadiusResult(radius, radius, lip, f"global-{g.kind[0]}", g.failure_prob[0], 0, 0)
-        return _LocalSearch(self.left, opts, x, radius_latent, generator).run()
+        return _LocalSearch(left, opts, x, radius_latent, generator).run()
 
 
 class _LocalSearch:

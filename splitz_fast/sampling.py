@@ -50,6 +50,12 @@ TUNE_MIN_BATCH = 32
 TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can look slow on a noisy machine)
 TUNE_MIN_TIME_S = 0.15
 TUNE_BUDGET_S = 8.0
+# The batch-independence probe (SamplingEngine._probe_batch_independence): rows scored, and the largest score
+# difference allowed between batchings, relative to the largest score (+1). The allowance covers kernels that round
+# differently at another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by
+# a sizeable fraction of their range.
+PROBE_ROWS = 8
+PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 # Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
 # precision, compile) -> batch size.
 _TUNED_BATCH: dict[tuple, int] = {}
@@ -184,6 +190,7 @@ class SamplingEngine:
         self.source = right
         self.compile = compile
         self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
+        self._probed: set[tuple[bool, bool]] = set()  # prepared copies whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
 
     # ------------------------------------------------------------------ the prepared f_R
@@ -192,6 +199,7 @@ class SamplingEngine:
         Called once per certify/predict call, so a changed model is never sampled through a stale copy."""
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
+            self._probed.clear()
             self._snapshot = ModuleSnapshot(self.source)
 
     def pools_in_noise(self, latent_shape: torch.Size) -> bool:
@@ -290,15 +298,20 @@ class SamplingEngine:
     def run(self, jobs: list[SamplingJob], batch_size: int) -> None:
         """Run every job's samples through ``f_R`` in batches of ``batch_size`` (a batch may hold samples of several
         consecutive jobs) and add each job's votes to its ``counts``. Jobs of one stream are served in list order,
-        so their draws are consecutive ranges of that stream. No host synchronisation."""
+        so their draws are consecutive ranges of that stream. No host synchronisation. An ``f_R`` whose votes would
+        depend on the batch is refused (:func:`check_batch_independent`, then a probe at the first batch)."""
         if not jobs:
             return
+        check_batch_independent(self.source)
         shape = jobs[0].latent.shape
         if any(job.latent.shape != shape for job in jobs):
             raise ValueError("all jobs of one run must have latents of the same shape")
         channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
         pooled = self.pools_in_noise(shape)
         net = self.classifier(channels_last, pooled)
+        if (channels_last, pooled) not in self._probed:
+            self._probe_batch_independence(net, jobs[0].latent, channels_last, pooled)
+            self._probed.add((channels_last, pooled))
         pending = [(job, job.num) for job in jobs if job.num > 0]
         while pending:
             size = min(batch_size, sum(left for _, left in pending))
@@ -313,6 +326,45 @@ class SamplingEngine:
                 else:
                     pending[0] = (job, left - take)
             self._count_segments(net, segments, channels_last, pooled, batch_size)
+
+    def _probe_batch_independence(self, net: nn.Module, latent: torch.Tensor, channels_last: bool,
+                                  pooled: bool) -> None:
+        """Refuse an ``f_R`` whose scores for one noisy latent change with the other rows of its batch, or between two
+        identical calls: its votes would not be i.i.d. draws of one base classifier (batch statistics, state kept
+        between calls), and a certificate would not be a function of the input and its seed. The probe scores
+        :data:`PROBE_ROWS` noisy copies of ``latent`` (their own generator: the inputs' noise streams are untouched)
+        as one batch, twice, in halves and one row alone, each time through a fresh copy of ``f_R`` (the probe never
+        touches the user's modules or the prepared copy, and a module that counts its calls sees the same rows in the
+        same order each time); scores must agree to :data:`PROBE_TOLERANCE` (relative to the largest score, for the
+        rounding differences of batch-size-dependent kernels)."""
+        if isinstance(net, _CompiledOrEager):
+            net = net.net  # the same function; probing the compiled one would compile it for every probe shape
+
+        def scores(*batches: torch.Tensor) -> torch.Tensor:
+            fresh = copy.deepcopy(net)
+            return torch.cat([self._scores(fresh, batch).float() for batch in batches])
+
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        rows = torch.randn((PROBE_ROWS, *latent.shape), generator=gen, device=self.device)
+        rows = (latent.float() + self.sigma * rows).to(self.dtype)
+        if pooled:
+            rows = torch.nn.functional.max_pool2d(rows, 2)
+        if channels_last:
+            rows = rows.contiguous(memory_format=torch.channels_last)
+        half = PROBE_ROWS // 2
+        whole = scores(rows)
+        variants = {"the same batch again": scores(rows),
+                    f"batches of {half}": scores(rows[:half], rows[half:]),
+                    "a batch of 1": torch.cat([scores(rows[:1]), whole[1:]])}
+        scale = float(whole.abs().max()) + 1.0
+        for what, scores in variants.items():
+            gap = float((scores - whole).abs().max())
+            if not gap <= PROBE_TOLERANCE[self.dtype] * scale:
+                raise ValueError(
+                    f"f_R's scores for an input change with the rest of its batch or between calls (max difference "
+                    f"{gap:.3g} against {what}, scores up to {scale - 1:.3g}): votes would not be i.i.d. draws of one "
+                    "base classifier. Put the model in eval mode (model.eval()), use BatchNorm with running "
+                    "statistics, and remove randomness or state from f_R's forward")
 
     def _count(self, net, job: SamplingJob, num: int, channels_last: bool, pooled: bool) -> None:
         self._count_segments(net, [(job, num)], channels_last, pooled, num)
@@ -378,6 +430,23 @@ def _cheaper_chain(module: nn.Module) -> nn.Module:
         if isinstance(layer, nn.ReLU):
             layer.inplace = True
     return nn.Sequential(*layers)
+
+
+def check_batch_independent(module: nn.Module) -> None:
+    """Refuse (one line saying how to fix it) an ``f_R`` whose votes would depend on the batch they are drawn in: a
+    module in training mode (batch statistics, dropout) or a BatchNorm without running statistics (it normalizes
+    with the batch's statistics even in eval mode). Votes must be i.i.d. draws of one base classifier, whatever the
+    batch size the engine picks. What these checks cannot see is probed at the first batch
+    (:meth:`SamplingEngine._probe_batch_independence`)."""
+    for name, m in module.named_modules():
+        where = f"f_R's {type(m).__name__}" + (f" ({name})" if name else "")
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (not m.track_running_stats or m.running_mean is None):
+            raise ValueError(f"{where} has no running statistics (track_running_stats=False): it normalizes with "
+                             "the batch's statistics, so votes would depend on the batch; train it with running "
+                             "statistics (or use GroupNorm/LayerNorm) and call model.eval()")
+        if m.training:
+            raise ValueError(f"{where} is in training mode: votes would depend on the batch (batch statistics, "
+                             "dropout); call model.eval() before sampling")
 
 
 def _starts_with_maxpool2(module: nn.Module) -> bool:

@@ -46,8 +46,8 @@ from scipy.stats import norm
 from ._checks import check_certify_counts, check_count, check_positive, check_probability
 from .lipschitz import lipschitz_bound
 from .sampling import NoiseStream, SamplingJob
-from .smoothing import (ABSTAIN, CertifyResult, Smoother, evaluating, inputs_of, prepare_input, resolve_seed,
-                        seeds_for)
+from .smoothing import (ABSTAIN, CallGuard, CertifyResult, Smoother, about_given_input, evaluating, inputs_of,
+                        prepare_input, resolve_seed, seeds_for)
 
 
 def _check_counts(hits: int, t: int) -> tuple[int, int]:
@@ -402,14 +402,17 @@ class SequentialCertifier:
 
     def _certify_stream(self, inputs, n0, budget, alpha, batch_size, seeds) -> Iterator[SequentialCertifyResult]:
         with evaluating(self.smoother.model):
+            guard = CallGuard(self.smoother.model)
             engine = self.smoother.engine()
             for x, seed in zip(inputs, seeds):
-                yield self._certify_one(engine, x, n0, budget, alpha, batch_size, resolve_seed(seed))
+                guard.check()  # the caller's code ran since the previous result
+                prepared = prepare_input(self.smoother.model, x)
+                result = self._certify_one(engine, prepared.x, n0, budget, alpha, batch_size, resolve_seed(seed))
+                yield about_given_input(result, prepared.rounding)
 
     def _certify_one(self, engine, x, n0, budget, alpha, batch_size, seed) -> SequentialCertifyResult:
         start = time.perf_counter()
         smoother = self.smoother
-        x = prepare_input(smoother.model, x)
         stream = NoiseStream(seed, smoother.device)
         latent = smoother.latent(x)
         batch = batch_size if batch_size is not None else engine.batch_size(latent.shape, smoother.max_batch_size)

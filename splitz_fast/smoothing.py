@@ -11,6 +11,7 @@ certificate bound (:mod:`splitz_fast.radius`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import secrets
 import time
@@ -22,7 +23,7 @@ import torch
 
 from ._checks import check_certify_counts, check_count, check_positive, check_tensor
 from .lipschitz import DEFAULT_EXACT_MAX_DIM, DEFAULT_PROBABILISTIC_ITERS
-from .modules import SplitModel
+from .modules import ModuleSnapshot, SplitModel
 from .radius import RadiusResult, RadiusSearch, bound_options
 from .sampling import PRECISIONS, NoiseStream, SamplingEngine, SamplingJob
 from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
@@ -45,6 +46,10 @@ class CertifyResult:
     the Philox stream of kernels/noise_votes.py, the same on every device and backend; or ``torch-<device>``: the
     fallback's torch generator): with the seed, it is what a rerun needs to reproduce the certificate. ``seconds`` is this
     input's share of the sampling time of the batches it was packed in, plus its own radius search.
+
+    ``input_rounding``: an upper bound on ``‖x − x̃‖₂`` where ``x̃`` is the given input ``x`` rounded to float32 (the
+    dtype the model computes in); 0 for float32 and narrower inputs. The certificate is computed at ``x̃`` and
+    ``radius`` is already reduced by it, so it is a radius about the input as given (:func:`about_given_input`).
     """
 
     prediction: int
@@ -61,6 +66,7 @@ class CertifyResult:
     seed: int
     seconds: float
     noise_source: str = ""
+    input_rounding: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -99,7 +105,16 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def prepare_input(model: SplitModel, x: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class PreparedInput:
+    """One input as the model computes with it: ``x`` in float32 on the model's device, and ``rounding``, an upper
+    bound on the l2 distance from the input as given (0 unless it was wider than float32, e.g. float64)."""
+
+    x: torch.Tensor
+    rounding: float
+
+
+def prepare_input(model: SplitModel, x: torch.Tensor) -> PreparedInput:
     """One input ``[*input_shape]`` (or ``[1, *input_shape]``) checked and moved to the model's device as float32."""
     shape = model.input_shape
     check_tensor("x", x, ndim=None if shape is None else (len(shape), len(shape) + 1), shape_tail=shape)
@@ -108,7 +123,53 @@ def prepare_input(model: SplitModel, x: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"certify/predict take one input at a time, got a batch of {x.shape[0]}; "
                              "use certify_many/predict_many for several")
         x = x[0]
-    return x.to(model_device(model), torch.float32)
+    x32 = x.to(model_device(model), torch.float32)
+    return PreparedInput(x32, rounding_distance(x, x32))
+
+
+def rounding_distance(given: torch.Tensor, rounded: torch.Tensor) -> float:
+    """An upper bound on ``‖given − rounded‖₂``, 0 when the cast was exact (float32 and narrower inputs).
+
+    In float64 the differences of two doubles, their squares and the sum of ``d`` squares carry a relative error of
+    at most ``γ_{d+2}`` (Higham, Ch. 3), the square root one more ``u``: the factor ``1 + 2(d + 4)u`` covers them."""
+    if given.dtype.itemsize <= 4:  # float32 or narrower: the cast to float32 is exact
+        return 0.0
+    diff = given.detach().to(torch.float64).cpu() - rounded.detach().to(torch.float64).cpu()
+    distance = float(diff.square().sum().sqrt())
+    return distance * (1 + 2 * (diff.numel() + 4) * 2.0 ** -53) if distance > 0 else 0.0
+
+
+def about_given_input(result: CertifyResult, rounding: float) -> CertifyResult:
+    """``result`` (certified at the float32 rounding ``x̃`` of the input ``x``) as a certificate about ``x`` itself.
+
+    If no point within ``r`` of ``x̃`` changes the prediction and ``‖x − x̃‖ ≤ ρ``, then by the triangle inequality no
+    point within ``r − ρ`` of ``x`` does, and ``x`` itself (at distance ``ρ < r``) gets the same prediction. So the
+    radius is ``r − ρ`` rounded down; when ``ρ ≥ r`` nothing is certified about ``x``: abstain."""
+    if rounding == 0.0 or result.prediction == ABSTAIN:
+        return dataclasses.replace(result, input_rounding=rounding)
+    radius = math.nextafter(result.radius - rounding, -math.inf)
+    if radius <= 0:
+        return dataclasses.replace(result, prediction=ABSTAIN, radius=0.0, input_rounding=rounding)
+    return dataclasses.replace(result, radius=radius, input_rounding=rounding)
+
+
+class CallGuard:
+    """The model one certify/predict call works on: the halves it started with and ``f_L``'s values.
+
+    A call over many inputs is a lazy generator, and the caller's code runs between its results. If ``model.left`` or
+    ``model.right`` is replaced or ``f_L`` edited meanwhile, later latents, bounds and votes would come from different
+    networks; :meth:`check` stops the call with an error instead (a new call certifies the edited model)."""
+
+    def __init__(self, model: SplitModel):
+        model.check_structure()
+        self.model, self.left, self.right = model, model.left, model.right
+        self.snapshot = ModuleSnapshot(model.left)
+
+    def check(self) -> None:
+        model = self.model
+        if model.left is not self.left or model.right is not self.right or not self.snapshot.matches(model.left):
+            raise RuntimeError("the model was edited while a certify/predict call was running over its inputs "
+                               "(a half replaced or f_L changed); start a new call after editing the model")
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -138,7 +199,7 @@ def inputs_of(inputs: torch.Tensor | Iterable[torch.Tensor]) -> Iterable[torch.T
 class _Pending:
     """One input of a certify_many window: its samples' jobs and, once counted, its result."""
 
-    x: torch.Tensor
+    x: PreparedInput
     latent: torch.Tensor
     stream: NoiseStream
     selection: SamplingJob
@@ -189,20 +250,26 @@ class Smoother:
                             "build one with split_sequential() or SplitModel(left, right, num_classes)")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-        self.model = model
+        self._model = model
         self.sigma = check_positive("sigma", sigma)
         self.options = bound_options(
             bound=bound, bound_method=bound_method, bound_delta=bound_delta, power_iters=power_iters,
             exact_max_dim=exact_max_dim, gamma_search=gamma_search, gamma_steps=gamma_steps, gamma_batch=gamma_batch,
             reference_lipschitz=reference_lipschitz, gamma_max=gamma_max,
         )
-        self.radius_search = RadiusSearch(model.left, self.options)
+        self.radius_search = RadiusSearch(model, self.options)
         self.precision = precision
         self.compile = bool(compile)
         self.max_batch_size = check_count("max_batch_size", max_batch_size)
         self.overlap_bounds = overlap_bounds
         self._engine: SamplingEngine | None = None
-        model.left.check_thresholds()
+        model.check_structure()
+
+    @property
+    def model(self) -> SplitModel:
+        """The model this smoother certifies (fixed at construction). Its halves may be edited or replaced between
+        calls (``model.left = ...``): every call reads them as they are then."""
+        return self._model
 
     # The settings a run records (CLI sidecars) read these names.
     bound = property(lambda self: self.options.bound)
@@ -214,13 +281,17 @@ class Smoother:
         return model_device(self.model)
 
     def engine(self) -> SamplingEngine:
-        """The sampling engine on the model's current device, its prepared ``f_R`` checked against the model."""
-        device = self.device
-        if self._engine is None or self._engine.device != device:
-            self._engine = SamplingEngine(self.model.right, self.model.num_classes, self.sigma, device,
-                                          precision=self.precision, compile=self.compile)
-        self._engine.check_current()
-        return self._engine
+        """The sampling engine for ``f_R`` as the model holds it now, on the model's current device: rebuilt when
+        ``model.right`` was replaced, its prepared copy when the module's tensors or layers changed
+        (:meth:`SamplingEngine.check_current`, which also refuses a batch-dependent ``f_R``)."""
+        model, device = self.model, self.device
+        engine = self._engine
+        if engine is None or engine.device != device or engine.source is not model.right \
+                or engine.num_classes != model.num_classes:
+            engine = self._engine = SamplingEngine(model.right, model.num_classes, self.sigma, device,
+                                                   precision=self.precision, compile=self.compile)
+        engine.check_current()
+        return engine
 
     @torch.inference_mode()
     def latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,28 +332,30 @@ class Smoother:
 
     def _certify_stream(self, inputs, n0, n, alpha, batch_size, seeds) -> Iterator[CertifyResult]:
         with evaluating(self.model):
+            guard = CallGuard(self.model)
             engine = self.engine()
             overlap = self.device.type == "cuda" if self.overlap_bounds is None else self.overlap_bounds
             with ThreadPoolExecutor(max_workers=1) if overlap else contextlib.nullcontext() as pool:
                 finishing = None  # the previous window's radius searches, running on the worker
-                for window, batch, counts, seconds in self._windows(engine, inputs, seeds, n0, n, batch_size):
+                for window, batch, counts, seconds in self._windows(engine, guard, inputs, seeds, n0, n, batch_size):
                     if pool is None:
-                        yield from self._finish(window, counts, seconds, n, alpha)
+                        yield from self._finish(guard, window, counts, seconds, n, alpha)
                         continue
                     if finishing is not None:
                         yield from finishing.result()
-                    finishing = pool.submit(self._finish_on_side_stream, window, counts, seconds, n, alpha)
+                    finishing = pool.submit(self._finish_on_side_stream, guard, window, counts, seconds, n, alpha)
                 if finishing is not None:
                     yield from finishing.result()
 
-    def _windows(self, engine, inputs, seeds, n0, n, batch_size):
+    def _windows(self, engine, guard: CallGuard, inputs, seeds, n0, n, batch_size):
         """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``."""
         window: list[_Pending] = []
         batch = None
         for x, seed in zip(inputs, seeds):
             x = prepare_input(self.model, x)
             stream = NoiseStream(resolve_seed(seed), self.device)
-            latent = self.latent(x)
+            guard.check()
+            latent = self.latent(x.x)
             if batch is None:
                 batch = self._batch_size(engine, latent, batch_size)
             window.append(_Pending(x, latent, stream, SamplingJob(latent, stream, n0, self._zero_counts()),
@@ -304,35 +377,37 @@ class Smoother:
                               torch.stack([p.estimation.counts for p in window])]).cpu()  # the one host sync
         return window, batch, counts, (time.perf_counter() - start) / len(window)
 
-    def _finish_on_side_stream(self, window, counts, seconds, n, alpha) -> list[CertifyResult]:
+    def _finish_on_side_stream(self, guard, window, counts, seconds, n, alpha) -> list[CertifyResult]:
         if self.device.type != "cuda":
-            return list(self._finish(window, counts, seconds, n, alpha))
+            return list(self._finish(guard, window, counts, seconds, n, alpha))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            results = list(self._finish(window, counts, seconds, n, alpha))
+            results = list(self._finish(guard, window, counts, seconds, n, alpha))
         side.synchronize()
         return results
 
-    def _finish(self, window, counts, seconds, n, alpha) -> Iterator[CertifyResult]:
+    def _finish(self, guard: CallGuard, window, counts, seconds, n, alpha) -> Iterator[CertifyResult]:
         for i, pending in enumerate(window):
+            guard.check()  # the caller's code ran since the previous result: the bound must be of the sampled f_L
             start = time.perf_counter()
             candidate = int(counts[0, i].argmax())  # ties go to the lowest class index
             count_a = int(counts[1, i, candidate])
             p_lower = clopper_pearson_lower(count_a, n, alpha)
             source, seed = pending.stream.source, pending.stream.seed
             if p_lower < 0.5:
-                yield CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha, count_a, n, 0,
-                                    seed, seconds + time.perf_counter() - start, source)
+                yield about_given_input(CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha,
+                                                      count_a, n, 0, seed, seconds + time.perf_counter() - start,
+                                                      source), pending.x.rounding)
                 continue
             radius_latent = latent_radius(self.sigma, p_lower)
-            best: RadiusResult = self.radius_search.search(pending.x, radius_latent, pending.stream.generator)
-            yield CertifyResult(
+            best: RadiusResult = self.radius_search.search(pending.x.x, radius_latent, pending.stream.generator)
+            yield about_given_input(CertifyResult(
                 prediction=candidate, radius=best.radius, p_a_lower=p_lower, latent_radius=radius_latent,
                 lipschitz=best.lipschitz, gamma=best.gamma, bound_kind=best.kind, failure_prob=alpha + best.failure,
                 count_a=count_a, n=n, gamma_evaluations=best.evaluations, seed=seed,
                 seconds=seconds + time.perf_counter() - start, noise_source=source,
-            )
+            ), pending.x.rounding)
 
     # ------------------------------------------------------------------ PREDICT
     def predict(self, x: torch.Tensor, n: int, alpha: float, batch_size: int | None = None,
@@ -351,8 +426,9 @@ class Smoother:
 
     def _predict_stream(self, inputs, n, alpha, batch_size, seeds) -> Iterator[PredictResult]:
         with evaluating(self.model):
+            guard = CallGuard(self.model)
             engine = self.engine()
-            for window, _, counts, seconds in self._windows(engine, inputs, seeds, 0, n, batch_size):
+            for window, _, counts, seconds in self._windows(engine, guard, inputs, seeds, 0, n, batch_size):
                 for i, pending in enumerate(window):
                     yield _predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
 

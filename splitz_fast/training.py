@@ -370,7 +370,7 @@ def _fused_first_layer(left, x: torch.Tensor, gamma_train: float):
     dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     if layer.weight.dtype != dtype:
         return None
-    left.check_thresholds()
+    left.check_structure()
     shape = left.input_shape
     check_tensor("x", x, ndim=None if shape is None else len(shape) + 1, shape_tail=shape)
     h = left.standardize(x) if left.standardize is not None else x

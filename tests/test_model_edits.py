@@ -1,0 +1,433 @@
+"""Certifiers certify the model as it is *now* (issue #21): after a half is replaced, a piece of ``f_L`` swapped, a
+batch-dependent ``f_R`` or a float64 input, every certifier either gives the result a freshly built one gives or
+refuses with one clear error. Each case here certified something that did not hold before the fix."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import splitz_fast as sz
+from splitz_fast import lipschitz
+from splitz_fast.margin import MarginCertifier
+from splitz_fast.sequential import SequentialCertifier
+from splitz_fast.smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
+
+SIGMA = 0.5
+COUNTS = dict(n0=20, n=300, alpha=0.01)
+
+
+def _image_model(bias_class: int = 0, seed: int = 0) -> sz.SplitModel:
+    """Split 2 of conv-ReLU-pool-conv-ReLU-linear on 1×8×8 inputs: f_L holds a pool between its two layers. f_R's
+    bias makes ``bias_class`` win by a wide margin, so inputs certify with a radius set by L."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    with torch.no_grad():
+        net[-1].bias.copy_(torch.nn.functional.one_hot(torch.tensor(bias_class), 3) * 6.0)
+    return sz.split_sequential(net, 2, num_classes=3, input_shape=(1, 8, 8), threshold=1.0)
+
+
+def _margin_model(seed: int = 0) -> sz.SplitModel:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with torch.no_grad():
+        net[-1].bias.copy_(torch.tensor([3.0, 0.0, 0.0]))
+    return sz.split_sequential(net, 2, num_classes=3, input_shape=(4,), threshold=float("inf"))
+
+
+def _x(shape=(1, 8, 8), seed: int = 1) -> torch.Tensor:
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _outcome(r: CertifyResult) -> dict:
+    fields = dataclasses.asdict(r)
+    fields.pop("seconds")
+    return fields
+
+
+def _scaled_left(model: sz.SplitModel, factor: float) -> sz.LeftHalf:
+    left = copy.deepcopy(model.left)
+    with torch.no_grad():
+        left.layers[0].weight.mul_(factor)
+    return left
+
+
+def _right_for_class(model: sz.SplitModel, cls: int) -> nn.Module:
+    right = copy.deepcopy(model.right)
+    with torch.no_grad():
+        right[-1].bias.copy_(torch.nn.functional.one_hot(torch.tensor(cls), 3) * 6.0)
+    return right
+
+
+SMOOTHERS = {
+    "bisection": dict(bound_method="exact"),
+    "one-step": dict(bound_method="exact", gamma_search="one-step"),
+    "global": dict(bound="global", bound_method="exact"),
+}
+
+
+# ====================================================================== replacing a half
+@pytest.mark.parametrize("options", SMOOTHERS.values(), ids=SMOOTHERS.keys())
+def test_replacing_left_changes_the_bound_like_a_fresh_smoother(options):
+    model, x = _image_model(), _x()
+    smoother = Smoother(model, SIGMA, **options)
+    before = smoother.certify(x, **COUNTS, seed=0)
+    model.left = _scaled_left(model, 10.0)
+    after = smoother.certify(x, **COUNTS, seed=0)
+    fresh = Smoother(model, SIGMA, **options).certify(x, **COUNTS, seed=0)
+    assert _outcome(after) == _outcome(fresh)
+    assert after.lipschitz > 5 * before.lipschitz  # the bound is of the new, 10x steeper f_L
+
+
+def test_replacing_right_samples_the_new_f_r():
+    model, x = _image_model(bias_class=0), _x()
+    smoother = Smoother(model, SIGMA)
+    assert smoother.certify(x, **COUNTS, seed=0).prediction == 0
+    model.right = _right_for_class(model, 1)
+    after = smoother.certify(x, **COUNTS, seed=0)
+    assert after.prediction == 1
+    assert _outcome(after) == _outcome(Smoother(model, SIGMA).certify(x, **COUNTS, seed=0))
+    assert smoother.predict(x, n=200, alpha=0.01, seed=0).prediction == 1
+
+
+def test_sequential_certifier_reads_the_halves_at_each_call():
+    model, x = _image_model(), _x()
+    sequential = SequentialCertifier(Smoother(model, SIGMA), radii=[0.05, 0.2])
+    sequential.certify(x, n0=20, budget=400, alpha=0.01, seed=0)
+    model.left = _scaled_left(model, 10.0)
+    model.right = _right_for_class(model, 2)
+    after = sequential.certify(x, n0=20, budget=400, alpha=0.01, seed=0)
+    fresh = SequentialCertifier(Smoother(model, SIGMA), radii=[0.05, 0.2]).certify(x, n0=20, budget=400, alpha=0.01,
+                                                                                   seed=0)
+    assert after.prediction == 2
+    assert _outcome(after) == _outcome(fresh)
+
+
+def test_margin_certifier_reads_the_halves_at_each_call():
+    model, x = _margin_model(), _x((4,))
+    certifier = MarginCertifier(model, bound_method="exact")
+    before = certifier.certify(x, seed=0)
+    model.left = _scaled_left(model, 10.0)
+    after = certifier.certify(x, seed=0)
+    assert _outcome(after) == _outcome(MarginCertifier(model, bound_method="exact").certify(x, seed=0))
+    assert after.lipschitz > 5 * before.lipschitz
+    model.right = nn.Linear(3, 3)  # a fresh certifier refuses this: the bound would not cover f_R
+    with pytest.raises(ValueError, match="whole classifier in f_L"):
+        certifier.certify(x, seed=0)
+    with pytest.raises(ValueError, match="whole classifier in f_L"):
+        MarginCertifier(model)
+
+
+def test_margin_certifier_refuses_a_glue_subclass_that_computes():
+    class Scale(nn.Sequential):
+        def forward(self, z):
+            return 10 * z
+
+    model = _margin_model()
+    model.right = Scale()
+    with pytest.raises(ValueError, match="whole classifier in f_L"):
+        MarginCertifier(model)
+
+
+def test_attacker_predicts_with_the_current_f_r():
+    model, x = _image_model(bias_class=0), _x()
+    attacker = sz.Attacker(Smoother(model, SIGMA), attack="smooth-fgsm", eps=0.1, samples=4)
+    assert next(attacker.attack_many([(x, 0)], n=200, alpha=0.01, seeds=[0])).clean_prediction == 0
+    model.right = _right_for_class(model, 1)
+    result = next(attacker.attack_many([(x, 1)], n=200, alpha=0.01, seeds=[0]))
+    assert result.clean_prediction == 1
+
+
+def test_editing_the_model_during_a_lazy_call_stops_it():
+    model = _image_model()
+    xs = torch.stack([_x(seed=s) for s in range(3)])
+    results = Smoother(model, SIGMA).certify_many(xs, **COUNTS, seeds=[0, 1, 2])
+    next(results)
+    model.left = _scaled_left(model, 10.0)
+    with pytest.raises(RuntimeError, match="edited while a certify/predict call was running"):
+        next(results)
+
+
+# ====================================================================== structure checked where it is used
+def _bound(left: sz.LeftHalf, x: torch.Tensor) -> float:
+    return float(sz.lipschitz_bound(left, x.unsqueeze(0), 0.1, method="exact").value[0])
+
+
+def test_an_overlapping_pool_swapped_in_is_refused_by_every_bound():
+    model, x = _image_model(), _x()
+    smoother = Smoother(model, SIGMA)
+    _bound(model.left, x)
+    model.left.pools[0] = nn.MaxPool2d(3, 1, 1)  # overlapping windows: up to 3x the l2 gain, which the bound omits
+    with pytest.raises(ValueError, match="non-overlapping"):
+        _bound(model.left, x)
+    with pytest.raises(ValueError, match="non-overlapping"):
+        sz.global_lipschitz_bound(model.left, (1, 8, 8))
+    with pytest.raises(ValueError, match="non-overlapping"):
+        smoother.certify(x, **COUNTS, seed=0)
+    with pytest.raises(ValueError, match="non-overlapping"):
+        Smoother(model, SIGMA)
+
+
+@pytest.mark.parametrize("activation", [nn.ReLU(), nn.Tanh(), nn.LeakyReLU()], ids=lambda m: type(m).__name__)
+def test_an_unknown_activation_is_refused_not_read_as_the_identity(activation):
+    model, x = _image_model(), _x()
+    model.left.activations[0] = activation
+    with pytest.raises(TypeError, match="ClippedReLU"):
+        model.left.activation(0)
+    with pytest.raises(TypeError, match="ClippedReLU"):
+        _bound(model.left, x)
+    with pytest.raises(TypeError, match="ClippedReLU"):
+        Smoother(model, SIGMA)
+
+
+def test_a_clipped_relu_subclass_with_its_own_forward_is_refused():
+    class Doubled(sz.ClippedReLU):
+        def forward(self, z):
+            return 2 * super().forward(z)
+
+    model, x = _image_model(), _x()
+    model.left.activations[0] = Doubled(1.0)
+    with pytest.raises(TypeError, match="ClippedReLU"):
+        _bound(model.left, x)
+
+
+@pytest.mark.parametrize("layer,error,match", [
+    (nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"), ValueError, "padding_mode"),
+    (nn.Conv2d(1, 4, 3, padding=1), None, None),
+    (nn.BatchNorm2d(1), TypeError, "Conv2d and nn.Linear"),
+], ids=["reflect-padding", "plain-conv", "batchnorm"])
+def test_a_layer_swapped_in_is_checked_when_bounded(layer, error, match):
+    model, x = _image_model(), _x()
+    if error is None:  # a layer the bounds can read: accepted
+        with torch.no_grad():
+            layer.weight.normal_()
+        model.left.layers[0] = layer
+        assert _bound(model.left, x) > 0
+        return
+    model.left.layers[0] = layer
+    with pytest.raises(error, match=match):
+        _bound(model.left, x)
+
+
+def test_an_affine_subclass_with_its_own_forward_is_refused():
+    class Tripled(nn.Conv2d):
+        def forward(self, h):
+            return 3 * super().forward(h)
+
+    model, x = _image_model(), _x()
+    old = model.left.layers[0]
+    model.left.layers[0] = Tripled(1, 4, 3, padding=1)
+    with pytest.raises(TypeError, match="overrides Conv2d.forward"):
+        _bound(model.left, x)
+    model.left.layers[0] = old
+    assert _bound(model.left, x) > 0
+
+
+def test_a_forward_hook_on_f_l_is_refused_until_removed():
+    model, x = _image_model(), _x()
+    handle = model.left.layers[0].register_forward_hook(lambda module, args, out: 10 * out)
+    with pytest.raises(ValueError, match="forward hooks"):
+        _bound(model.left, x)
+    handle.remove()
+    assert _bound(model.left, x) > 0
+
+
+def test_a_standardization_edited_to_a_zero_std_is_refused():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    model = sz.split_sequential(net, 1, num_classes=2, input_shape=(4,),
+                                standardize=sz.Standardize([0.5] * 4, [0.3] * 4))
+    model.left.standardize.std[0] = 0.0
+    with pytest.raises(ValueError, match="std"):
+        _bound(model.left, _x((4,)))
+    model.left.standardize = nn.Identity()
+    with pytest.raises(TypeError, match="Standardize"):
+        _bound(model.left, _x((4,)))
+
+
+def test_replacing_left_by_something_else_is_refused():
+    model, x = _image_model(), _x()
+    smoother = Smoother(model, SIGMA)
+    model.left = nn.Identity()
+    with pytest.raises(TypeError, match="LeftHalf"):
+        smoother.certify(x, **COUNTS, seed=0)
+
+
+def test_lengths_edited_out_of_step_are_refused():
+    model, x = _image_model(), _x()
+    model.left.activations.append(sz.ClippedReLU(1.0))
+    with pytest.raises(ValueError, match="activations"):
+        _bound(model.left, x)
+
+
+# ====================================================================== batch-dependent f_R
+class _BatchCentred(nn.Module):
+    """Subtracts the batch mean: each row's output depends on the other rows."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, z):
+        out = self.inner(z)
+        return out - out.mean(0, keepdim=True)
+
+
+class _AlwaysTraining(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.training = True  # refuses eval()
+        return self
+
+    def forward(self, z):
+        return self.inner(z)
+
+
+class _Noisy(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, z):
+        return self.inner(z) + 3 * torch.rand(z.shape[0], 1)
+
+
+def _head(wrapper) -> sz.SplitModel:
+    model = _image_model()
+    model.right = wrapper(model.right)
+    return model
+
+
+@pytest.mark.parametrize("model,match", [
+    (lambda: sz.SplitModel(sz.LeftHalf([]), nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, track_running_stats=False)),
+                           3), "running statistics"),
+    (lambda: _head(_AlwaysTraining), "training mode"),
+    (lambda: _head(_BatchCentred), "change with the rest of its batch"),
+    (lambda: _head(_Noisy), "change with the rest of its batch or between calls"),
+], ids=["batchnorm-without-running-stats", "stuck-in-training", "batch-centred", "random"])
+def test_a_batch_dependent_f_r_is_refused(model, match):
+    model = model()
+    x = _x((3,)) if model.split_index == 0 else _x()
+    smoother = Smoother(model, SIGMA)
+    with pytest.raises(ValueError, match=match):
+        smoother.certify(x, **COUNTS, batch_size=64, seed=0)
+    with pytest.raises(ValueError, match=match):
+        smoother.predict(x, n=100, alpha=0.01, batch_size=64, seed=0)
+
+
+def test_batchnorm_with_running_statistics_is_accepted():
+    right = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    model = sz.SplitModel(sz.LeftHalf([]), right, 3)
+    r = Smoother(model, SIGMA).certify(_x((3,)), **COUNTS, seed=0)
+    assert r.n == COUNTS["n"]
+    assert model.training  # the caller's mode is restored
+
+
+# ====================================================================== float64 inputs
+def test_a_float64_input_is_certified_about_itself():
+    model = _image_model()
+    x64 = _x().double() + 1e-9  # not representable in float32
+    smoother = Smoother(model, SIGMA, bound_method="exact")
+    wide = smoother.certify(x64, **COUNTS, seed=0)
+    rounded = smoother.certify(x64.float(), **COUNTS, seed=0)
+    distance = float((x64 - x64.float().double()).norm())
+    assert rounded.input_rounding == 0.0
+    assert distance <= wide.input_rounding <= distance * (1 + 1e-9)
+    assert wide.prediction == rounded.prediction != ABSTAIN
+    assert wide.radius < rounded.radius
+    assert wide.radius == pytest.approx(rounded.radius - distance, rel=0, abs=1e-12)
+    exact = _x().double()  # float32 values held in float64: nothing is rounded
+    assert smoother.certify(exact, **COUNTS, seed=0).input_rounding == 0.0
+
+
+def test_a_float64_input_to_the_margin_certifier_is_certified_about_itself():
+    model = _margin_model()
+    x64 = _x((4,)).double() + 1e-9
+    certifier = MarginCertifier(model, bound_method="exact")
+    wide, rounded = certifier.certify(x64, seed=0), certifier.certify(x64.float(), seed=0)
+    assert wide.input_rounding > 0 and wide.radius < rounded.radius
+
+
+def test_a_rounding_as_large_as_the_radius_abstains():
+    r = CertifyResult(1, 0.25, 0.99, 0.3, 1.2, 0.25, "local-exact", 0.001, 990, 1000, 3, 0, 0.1)
+    assert about_given_input(r, 0.1).radius == pytest.approx(0.15)
+    gone = about_given_input(r, 0.25)
+    assert (gone.prediction, gone.radius, gone.input_rounding) == (ABSTAIN, 0.0, 0.25)
+
+
+# ====================================================================== trace fallback of the exact bound
+def test_trace_fallback_covers_the_rounding_of_the_trace_sum(monkeypatch):
+    """A rank-one Gram ``a aᵀ`` whose diagonal is 1 followed by many entries just below half an ulp of 1: adding them
+    to a running sum of 1 rounds each away, so the float64 trace undershoots ``λ_max = ‖a‖²`` by more than the old
+    ``(1 + 8u)`` margin. Forcing the trace fallback (a useless eigen-estimate), the bound must still be above a
+    Rayleigh quotient of the float64 matrix computed exactly."""
+    from fractions import Fraction
+
+    d = 550  # 20 ulps of 1 lost in the float64 sum on the project's x86-64 CPUs (vectorized lanes of torch.sum)
+    b = math.sqrt(0.999 * 2.0 ** -53)
+    a = torch.full((d,), b, dtype=torch.float64)
+    a[0] = 1.0
+    gram = torch.outer(a, a)
+    monkeypatch.setattr(lipschitz, "_eigen_estimate", lambda g: 0.0)  # every Cholesky shift then fails
+    bound = lipschitz.certified_lambda_max(gram, terms=1)
+    # Exact Rayleigh quotient aᵀGa / aᵀa of the float64 matrix (entries: 1, b, and c = fl(b·b) everywhere else).
+    fb, fc, m = Fraction(b), Fraction(float(gram[1, 1])), d - 1
+    rayleigh = (1 + 2 * m * fb * fb + m * m * fb * fc * fb) / (1 + m * fb * fb)
+    assert Fraction(bound) >= rayleigh
+    assert bound <= float(rayleigh) * (1 + 1e-12)
+
+
+# ====================================================================== property: edits, then a fresh certifier
+def _edit(model: sz.SplitModel, rng: random.Random) -> str:
+    """One random edit a notebook user makes, applied to ``model``; returns its name."""
+    kind = rng.choice(["replace-left", "replace-right", "left-data", "right-state", "new-pool", "new-activation"])
+    if kind == "replace-left":
+        model.left = _scaled_left(model, rng.uniform(0.3, 4.0))
+    elif kind == "replace-right":
+        model.right = _right_for_class(model, rng.randrange(3))
+    elif kind == "left-data":
+        model.left.layers[1].weight.data.mul_(rng.uniform(0.3, 4.0))  # .data: no version-counter bump
+    elif kind == "right-state":
+        state = {k: v * rng.uniform(0.5, 2.0) for k, v in model.right.state_dict().items()}
+        model.right.load_state_dict(state)
+    elif kind == "new-pool":
+        model.left.pools[0] = nn.MaxPool2d(2)
+    else:
+        model.left.activations[0] = sz.ClippedReLU(rng.uniform(0.05, 2.0))
+    return kind
+
+
+CERTIFIERS = {
+    "smoother": lambda m: Smoother(m, SIGMA, bound_method="exact"),
+    "smoother-global": lambda m: Smoother(m, SIGMA, bound="global", bound_method="exact"),
+    "sequential": lambda m: SequentialCertifier(Smoother(m, SIGMA, bound_method="exact"), radii=[0.05]),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_after_any_edits_every_certifier_gives_a_fresh_certifiers_result(seed):
+    rng = random.Random(seed)
+    model, x = _image_model(seed=seed), _x(seed=seed)
+    certifiers = {name: build(model) for name, build in CERTIFIERS.items()}
+    margin_model, margin_x = _margin_model(seed), _x((4,), seed)
+    margin = MarginCertifier(margin_model, bound_method="exact")
+    for step in range(3):
+        for name, certifier in certifiers.items():
+            got = certifier.certify(x, 20, 300, 0.01, seed=step)
+            fresh = CERTIFIERS[name](model).certify(x, 20, 300, 0.01, seed=step)
+            assert _outcome(got) == _outcome(fresh), (name, step)
+        got = margin.certify(margin_x, seed=step)
+        assert _outcome(got) == _outcome(MarginCertifier(margin_model, bound_method="exact").certify(margin_x,
+                                                                                                     seed=step))
+        _edit(model, rng)
+        margin_model.left = _scaled_left(margin_model, rng.uniform(0.3, 4.0))
