@@ -25,6 +25,7 @@ from .margin import MarginCertifier
 from .sequential import (BetaBinomialCS, Decision, SequentialCertifier, SequentialCertifyResult, SequentialResult,
                          certify_sequential, latent_thresholds)
 from .radius import BoundOptions, RadiusSearch
+from .protocols import PROTOCOLS, CertificationProtocol, PaperAlgorithm1, PublishedCode, SoundCertificate
 from .sampling import NoiseStream, SamplingEngine
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
 from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
@@ -76,6 +77,11 @@ __all__ = [
     "ModuleSnapshot",
     "NoiseStream",
     "RadiusSearch",
+    "PROTOCOLS",
+    "CertificationProtocol",
+    "SoundCertificate",
+    "PaperAlgorithm1",
+    "PublishedCode",
     "SamplingEngine",
     "CertifyResult",
     "ClippedReLU",

@@ -38,6 +38,7 @@ from typing import Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from ._checks import check_output_folder
+from .protocols import is_estimate_kind
 from .results import COHEN_COLUMNS, SPLITZ_COLUMNS
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -97,6 +98,12 @@ class CertificationTable:
     def is_splitz(self) -> bool:
         """True when SPLITZ's extra columns are all present."""
         return all(c in self.extra for c in SPLITZ_COLUMNS)
+
+    @property
+    def is_estimate(self) -> bool:
+        """True when a row's ``bound`` names an estimate protocol (``splitz certify --protocol paper`` or
+        ``published-code``): its radii are not certificates (:mod:`splitz_fast.protocols`)."""
+        return "bound" in self.extra and any(is_estimate_kind(str(kind)) for kind in self.extra["bound"])
 
 
 def _parse_seconds(text: str) -> float:
@@ -433,7 +440,8 @@ def plot_certified_accuracy(named_tables: Mapping[str, CertificationTable], out_
     ax = fig.add_subplot()
     for name, table in items:
         grid, accuracy = certified_accuracy_curve(table, max_radius)
-        ax.step(grid, 100 * accuracy, where="pre", label=f"{name} (ACR {acr(table):.3f})")
+        ax.step(grid, 100 * accuracy, where="pre", label=f"{name} (ACR {acr(table):.3f})",
+                linestyle="--" if table.is_estimate else "-")  # estimates: dashed, and named so by load_runs
     ax.set_xlim(0.0, max_radius)
     ax.set_ylim(0.0, 100.0)
     ax.set_xlabel("radius (l2, input units)")
@@ -477,8 +485,17 @@ def load_runs(paths_or_named: RunsArg) -> dict[str, CertificationTable]:
         named = dict(zip(_run_names(paths), paths))
     if not named:
         raise ValueError("no result files given")
-    return {name: value if isinstance(value, CertificationTable) else read_certification(value)
-            for name, value in named.items()}
+    tables = {name: value if isinstance(value, CertificationTable) else read_certification(value)
+              for name, value in named.items()}
+    return {labelled(name, table): table for name, table in tables.items()}
+
+
+NOT_A_CERTIFICATE = "not a certificate"
+
+
+def labelled(name: str, table: CertificationTable) -> str:
+    """``name``, marked "(not a certificate)" when ``table`` holds an estimate protocol's radii."""
+    return f"{name} ({NOT_A_CERTIFICATE})" if table.is_estimate and NOT_A_CERTIFICATE not in name else name
 
 
 def analyze(paths_or_named: RunsArg, radii: Iterable[float], out_dir: PathLike | None = None,

@@ -20,8 +20,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ._checks import check_output_folder
-from .analysis import CertificationTable, acr, certified_accuracy, certified_accuracy_curve, markdown_table, \
-    read_certification
+from .analysis import (NOT_A_CERTIFICATE, CertificationTable, acr, certified_accuracy, certified_accuracy_curve,
+                       labelled, markdown_table, read_certification)
 
 __all__ = ["Reference", "MNIST_REFERENCES", "SigmaRuns", "envelope", "load_group", "envelope_report"]
 
@@ -58,7 +58,9 @@ def _sigma_of(path: Path) -> float:
 
 
 def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationTable]:
-    """``{σ: table}`` of certification TSVs, σ from each sidecar; two files of the same σ are an error."""
+    """``{σ: table}`` of certification TSVs, σ from each sidecar; two files of the same σ are an error, and so is a
+    group that mixes certificates with estimates (``--protocol paper|published-code``): an envelope of both would
+    pass estimates off as certified."""
     runs: dict[float, CertificationTable] = {}
     for path in map(Path, paths):
         sigma = _sigma_of(path)
@@ -67,7 +69,17 @@ def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationT
         runs[sigma] = read_certification(path)
     if not runs:
         raise ValueError("a group needs at least one certification file")
+    kinds = {table.is_estimate for table in runs.values()}
+    if len(kinds) > 1:
+        estimates = [table.path for table in runs.values() if table.is_estimate]
+        raise ValueError(f"a group mixes sound certificates with estimates ({', '.join(estimates)} are "
+                         f"{NOT_A_CERTIFICATE}s); give estimates a group of their own")
     return dict(sorted(runs.items()))
+
+
+def _group_label(name: str, runs: SigmaRuns) -> str:
+    """The group's name, marked when its runs are estimates, not certificates."""
+    return labelled(name, next(iter(runs.values())))
 
 
 def envelope(runs: SigmaRuns, radii: Sequence[float]) -> tuple[np.ndarray, list[float]]:
@@ -88,7 +100,7 @@ def _envelope_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
     for name, runs in groups.items():
         values, sigmas = envelope(runs, radii)
         cells = [f"{100 * v:.1f} (σ={s:g})" for v, s in zip(values, sigmas)]
-        lines.append(f"| {name} envelope | " + " | ".join(cells) + " |")
+        lines.append(f"| {_group_label(name, runs)} envelope | " + " | ".join(cells) + " |")
     for ref in references:
         cells = [f"{ref.accuracy[r]:.1f}" if r in ref.accuracy else "—" for r in radii]
         lines.append(f"| {ref.name} | " + " | ".join(cells) + " |")
@@ -122,9 +134,12 @@ def _plot(groups: Mapping[str, SigmaRuns], references: Sequence[Reference], stem
         # One grid for the group: the uniform one plus every run's drop points (so the maximum is exact).
         grid = np.unique(np.concatenate([certified_accuracy_curve(t, max_radius)[0] for t in runs.values()]))
         curves = np.stack([np.atleast_1d(certified_accuracy(t, grid)) for t in runs.values()])
-        line, = ax.step(grid, 100 * curves.max(axis=0), where="pre", linewidth=2, label=f"{name} envelope")
+        style = "--" if next(iter(runs.values())).is_estimate else "-"  # estimates dashed
+        line, = ax.step(grid, 100 * curves.max(axis=0), where="pre", linewidth=2, linestyle=style,
+                        label=f"{_group_label(name, runs)} envelope")
         for accuracy in curves:  # each σ thin, in the envelope's colour
-            ax.step(grid, 100 * accuracy, where="pre", linewidth=0.6, alpha=0.45, color=line.get_color())
+            ax.step(grid, 100 * accuracy, where="pre", linewidth=0.6, alpha=0.45, color=line.get_color(),
+                    linestyle=style)
     for marker, ref in zip("so^v", references):
         radii = sorted(ref.accuracy)
         ax.plot(radii, [ref.accuracy[r] for r in radii], marker=marker, linestyle=":", color="black",
@@ -155,7 +170,8 @@ def envelope_report(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
         first, second = list(groups)[:2]
         parts += [f"Same σ: {second} − {first} (points of certified accuracy; ACR in input units).", "",
                   *_same_sigma_rows(groups, radii), ""]
-    per_run = {f"{name} σ={sigma:g}": table for name, runs in groups.items() for sigma, table in runs.items()}
+    per_run = {labelled(f"{name} σ={sigma:g}", table): table for name, runs in groups.items()
+               for sigma, table in runs.items()}
     parts += ["Every run.", "", markdown_table(per_run, radii)]
     if references:
         parts += ["References: " + "; ".join(f"{ref.name}: {ref.source}" for ref in references) + "."]

@@ -367,6 +367,9 @@ class SequentialCertifier:
                  give_up: float = 0.3, prior: tuple[float, float] = (0.5, 0.5)):
         if not isinstance(smoother, Smoother):
             raise TypeError(f"smoother must be a splitz_fast.Smoother, got {type(smoother).__name__}")
+        if not smoother.protocol.certificate:
+            raise ValueError(f"sequential certification decides certificates; the smoother's protocol "
+                             f"{smoother.protocol.name!r} is an estimate (use protocol='sound')")
         radii = tuple(radii)
         if any(isinstance(r, bool) or not isinstance(r, (int, float)) for r in radii):
             raise TypeError(f"radii must be numbers, got {list(radii)}")

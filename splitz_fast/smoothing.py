@@ -24,6 +24,7 @@ import torch
 from ._checks import check_certify_counts, check_count, check_positive, check_tensor
 from .lipschitz import DEFAULT_EXACT_MAX_DIM, DEFAULT_PROBABILISTIC_ITERS
 from .modules import ModuleSnapshot, SplitModel
+from .protocols import CertificationProtocol, get_protocol
 from .radius import RadiusResult, RadiusSearch, bound_options
 from .sampling import PRECISIONS, NoiseStream, SamplingEngine, SamplingJob
 from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
@@ -223,6 +224,10 @@ class Smoother:
         max_batch_size: the largest ``f_R`` batch the tuner tries when ``batch_size`` is not given.
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
+        protocol: ``"sound"`` (default: a certificate), or ``"paper"`` / ``"published-code"`` (or a
+            :class:`~splitz_fast.protocols.CertificationProtocol` such as ``PublishedCode(data_std=(0.3081,))``), the
+            estimates behind the SPLITZ paper's numbers (:mod:`splitz_fast.protocols`): **not certificates** — their
+            rows say ``paper-estimate`` / ``published-code-estimate`` and a failure probability of NaN.
     """
 
     def __init__(
@@ -244,6 +249,7 @@ class Smoother:
         compile: bool = False,
         max_batch_size: int = DEFAULT_MAX_BATCH,
         overlap_bounds: bool | None = None,
+        protocol: str | CertificationProtocol = "sound",
     ):
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
@@ -258,6 +264,7 @@ class Smoother:
             reference_lipschitz=reference_lipschitz, gamma_max=gamma_max,
         )
         self.radius_search = RadiusSearch(model, self.options)
+        self.protocol = get_protocol(protocol)
         self.precision = precision
         self.compile = bool(compile)
         self.max_batch_size = check_count("max_batch_size", max_batch_size)
@@ -401,7 +408,8 @@ class Smoother:
                                                       source), pending.x.rounding)
                 continue
             radius_latent = latent_radius(self.sigma, p_lower)
-            best: RadiusResult = self.radius_search.search(pending.x.x, radius_latent, pending.stream.generator)
+            best: RadiusResult = self.protocol.radius(self.radius_search, pending.x.x, radius_latent,
+                                                      pending.stream.generator)
             yield about_given_input(CertifyResult(
                 prediction=candidate, radius=best.radius, p_a_lower=p_lower, latent_radius=radius_latent,
                 lipschitz=best.lipschitz, gamma=best.gamma, bound_kind=best.kind, failure_prob=alpha + best.failure,

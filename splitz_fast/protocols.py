@@ -1,0 +1,169 @@
+"""Certification protocols: the sound certificate, and the two estimates behind the SPLITZ paper's numbers.
+
+Users who compare with the paper need to know which part of its numbers comes from the certification protocol and
+which from training. A protocol turns ``R`` (the certified latent radius of the smoothed ``f_R``, the same for all
+three) into a radius in input space:
+
+* ``sound`` (:class:`SoundCertificate`, the default and the only *certificate*): Theorem 1 with a proven upper bound
+  on ``L(x, γ)`` and the configured γ search (:class:`~splitz_fast.radius.RadiusSearch`).
+* ``paper`` (:class:`PaperAlgorithm1`): Algorithm 1 and Remark 1 of the paper as written — the masked operator
+  ``I^v W D`` of every layer (masks from the same float64 interval bounds), its spectral norm by 5 steps of power
+  iteration from a random start, and the one-step γ search: ``γ' = R / L̃_ref``, ``γ* = R / L̃(x, γ')``, radius
+  ``min(R / L̃(x, γ*), γ*)``. ``L̃_ref`` is the search's ``reference_lipschitz`` when given (the paper's mean
+  over inference data), else ``L̃(x, 0)``.
+* ``published-code`` (:class:`PublishedCode`): what the published SPLITZ code computes at certification (SPEC §2) —
+  the masks switched off (a default argument), so ``L`` is the product of the layers' unmasked spectral norms by
+  power iteration; and ``1/sd`` left out: ``L`` is the norm of the map from the *standardized* input
+  ``z = (x − μ)/sd``, so the radius is in standardized units but reported as raw ones (×1/sd ≈ 3.25 on MNIST, the
+  error the ICLR 2024 review found), radius ``R / L̃``. A model that standardizes inside ``f_L`` gets its
+  ``Standardize``'s ``1/sd`` dropped; a model that takes raw inputs (our MNIST LeNets) is read as the published code
+  read its network, behind a standardization by the dataset's ``data_std`` (``W_z = W diag(sd)``: MNIST 0.3081,
+  :data:`PUBLISHED_DATA_STD`). Its carried-over ``L`` (the previous image's ``L`` placing this image's γ) changes
+  nothing once ``L`` ignores the input, and its noise σ differing from the radius formula's cannot happen here (one
+  σ): neither is modelled.
+
+Power iteration (any Rayleigh quotient) is a *lower* estimate of a spectral norm, and the published code's radius is
+in the wrong units, so ``paper`` and ``published-code`` are **estimates, not certificates**: their results carry the
+kind ``paper-estimate`` / ``published-code-estimate`` in every row, a failure probability of NaN (nothing is
+guaranteed), and runs record ``certificate: false`` (analysis and envelope plots draw them dashed, labelled "not a
+certificate"). They exist to decompose the paper's numbers and to be falsified by attacks (docs/results).
+"""
+from __future__ import annotations
+
+import abc
+import math
+
+import torch
+
+from .lipschitz import lipschitz_estimate, masked_operators
+from .radius import RadiusResult, RadiusSearch
+
+# Power steps of the paper's certification (its MNIST/CIFAR setting) and of the published code's estimate.
+PAPER_POWER_ITERS = 5
+# The per-channel std the published code standardized each dataset's inputs with (torchvision's MNIST constants).
+PUBLISHED_DATA_STD: dict[str, tuple[float, ...]] = {"mnist": (0.3081,)}
+
+
+class CertificationProtocol(abc.ABC):
+    """How a latent radius ``R`` becomes an input-space radius for one input (see the module docstring)."""
+
+    name: str
+    certificate: bool
+
+    @abc.abstractmethod
+    def radius(self, search: RadiusSearch, x: torch.Tensor, radius_latent: float,
+               generator: torch.Generator | None) -> RadiusResult:
+        """The radius of input ``x`` (``[*input_shape]``, float32 on the model's device) whose smoothed ``f_R`` is
+        certified at ``radius_latent``; ``search`` holds the model (its current ``f_L``) and the bound options;
+        ``generator`` (the input's own) seeds every random start."""
+
+
+class SoundCertificate(CertificationProtocol):
+    """Theorem 1 with a proven upper bound on ``L(x, γ)``: the configured :class:`RadiusSearch`, unchanged."""
+
+    name, certificate = "sound", True
+
+    def radius(self, search, x, radius_latent, generator):
+        return search.search(x, radius_latent, generator)
+
+
+def _identity(radius_latent: float, kind: str) -> RadiusResult:
+    return RadiusResult(radius_latent, radius_latent, 1.0, kind, math.nan, 0, 0)
+
+
+class PaperAlgorithm1(CertificationProtocol):
+    """The paper's Algorithm 1 with Remark 1's one-step γ search and 5-step masked power iteration (an estimate)."""
+
+    name, certificate = "paper", False
+    kind = "paper-estimate"
+
+    def radius(self, search, x, radius_latent, generator):
+        left = search.left
+        if left.depth == 0:
+            return _identity(radius_latent, self.kind)
+
+        def estimate(gamma: float) -> float:
+            value = lipschitz_estimate(left, x.unsqueeze(0).double(), gamma, n_iter=PAPER_POWER_ITERS,
+                                       generator=generator)
+            return float(value[0].detach())
+
+        reference = search.options.reference_lipschitz
+        evaluations = 0
+        if reference is None:
+            reference, evaluations = estimate(0.0), 1
+        gamma_max = search.options.gamma_max
+        gamma1 = radius_latent / reference if reference > 0 else gamma_max
+        lip1 = estimate(gamma1)
+        gamma_star = radius_latent / lip1 if lip1 > 0 else gamma_max
+        lip_star = estimate(gamma_star)
+        radius = gamma_star if lip_star == 0 else min(radius_latent / lip_star, gamma_star)
+        return RadiusResult(radius, gamma_star, lip_star, self.kind, math.nan, evaluations + 2, evaluations + 2)
+
+
+class PublishedCode(CertificationProtocol):
+    """The published code's certification: unmasked power-iteration norms of the map from standardized inputs (an
+    estimate). ``data_std``: the per-channel std the published code standardized inputs with, needed for a model
+    without ``Standardize`` in ``f_L`` (e.g. ``PUBLISHED_DATA_STD["mnist"]``); a model with one uses its own."""
+
+    name, certificate = "published-code", False
+    kind = "published-code-estimate"
+
+    def __init__(self, data_std: tuple[float, ...] | None = None):
+        self.data_std = None if data_std is None else tuple(float(s) for s in data_std)
+
+    def _input_scale(self, left, x: torch.Tensor) -> torch.Tensor | None:
+        """The first layer's input scale of the standardized-input map: none when ``f_L`` standardizes (its ``1/sd``
+        is what the published code leaves out), else ``diag(data_std)``."""
+        if left.standardize is not None:
+            return None
+        if self.data_std is None:
+            raise ValueError("the published-code protocol reads a model without Standardize in f_L behind the "
+                             "dataset standardization the published code applied: give its std, "
+                             "PublishedCode(data_std=(0.3081,)) for MNIST (splitz certify does this for mnist)")
+        std = torch.tensor(self.data_std, dtype=torch.float64, device=x.device)
+        view = std.view(-1, *([1] * (x.ndim - 1))) if x.ndim > 1 else std
+        return view.expand_as(x).unsqueeze(0)
+
+    def radius(self, search, x, radius_latent, generator):
+        left = search.left
+        if left.depth == 0:
+            return _identity(radius_latent, self.kind)
+        lip = 1.0
+        # No masks (bounds=None), and the first layer seen from standardized inputs.
+        for op in masked_operators(left, None, tuple(x.shape), 1, self._input_scale(left, x)):
+            lip *= _power_iteration_norm(op, PAPER_POWER_ITERS, generator)
+        radius = radius_latent / lip if lip > 0 else search.options.gamma_max
+        return RadiusResult(radius, radius, lip, self.kind, math.nan, 1, 1)
+
+
+def _power_iteration_norm(op, n_iter: int, generator: torch.Generator | None) -> float:
+    """``‖A v‖ / ‖v‖`` after ``n_iter`` power steps on ``AᵀA`` from a Gaussian start: a lower estimate of ``‖A‖₂``."""
+    v = torch.randn((1, *op.in_shape), dtype=op.dtype, device=op.weight.device, generator=generator)
+    with torch.no_grad():
+        for _ in range(n_iter):
+            v = op.gram_matvec(v)
+            v = v / v.norm().clamp_min(1e-300)
+        return float(op.matvec(v).norm() / v.norm().clamp_min(1e-300))
+
+
+PROTOCOLS: dict[str, CertificationProtocol] = {p.name: p for p in (SoundCertificate(), PaperAlgorithm1(),
+                                                                     PublishedCode())}
+
+
+def get_protocol(protocol: str | CertificationProtocol) -> CertificationProtocol:
+    """``protocol`` itself, or the protocol called so (a key of :data:`PROTOCOLS`)."""
+    if isinstance(protocol, CertificationProtocol):
+        return protocol
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)} (or a CertificationProtocol), "
+                         f"got {protocol!r}")
+    return PROTOCOLS[protocol]
+
+
+def is_estimate_kind(bound_kind: str) -> bool:
+    """Whether a result's ``bound`` column names an estimate protocol (not a certificate)."""
+    return bound_kind.endswith("-estimate")
+
+
+__all__ = ["CertificationProtocol", "SoundCertificate", "PaperAlgorithm1", "PublishedCode", "PROTOCOLS",
+           "PUBLISHED_DATA_STD", "get_protocol", "is_estimate_kind", "PAPER_POWER_ITERS"]
