@@ -17,12 +17,7 @@ import splitz_fast as sz
 from splitz_fast.displacement import displacement_bound, displacement_radius
 from splitz_fast.lipschitz import lipschitz_bound
 from splitz_fast.radius import BoundOptions, RadiusSearch
-
-
-def _clipped(shape, low, high, gen):
-    act = sz.ClippedReLU(1.0, shape=shape)
-    act.threshold.copy_(low + (high - low) * torch.rand(shape, generator=gen))
-    return act
+from test_lipschitz import _clipped  # a ClippedReLU with random thresholds in [low, high)
 
 
 def build_left(name: str, seed: int = 0) -> sz.LeftHalf:
