@@ -24,6 +24,7 @@ import torch
 from . import __version__
 from ._checks import (check_count, check_device, check_output_file, check_output_folder, check_positive,
                       check_probability)
+from .checkpoints import load_model  # also importable from here (scripts/ use splitz_fast.cli.load_model)
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
 from .sequential import SequentialCertifier
@@ -193,22 +194,6 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- certify / predict
-def load_model(checkpoint: str, device: str):
-    """Rebuild a model from a checkpoint written by ``splitz train`` (loaded with ``weights_only=True``)."""
-    from .models import build_model
-    from .training import load_checkpoint_file, load_state_into
-
-    ckpt = load_checkpoint_file(checkpoint, device)
-    spec = ckpt.get("model_spec") or {}
-    if "name" not in spec:
-        raise ValueError(f"{checkpoint} does not record its model; it was not written by `splitz train`")
-    try:
-        model = load_state_into(build_model(spec["name"], **spec.get("kwargs", {})), ckpt)
-    except ValueError as err:
-        raise ValueError(f"{checkpoint}: {err}") from None
-    return model.to(device).eval(), ckpt
-
-
 #: The ``--split`` that selects the validation images a checkpoint's training run held out.
 HELD_OUT_SPLIT = "heldout"
 
@@ -448,7 +433,7 @@ def analyze_command(args: argparse.Namespace) -> int:
 def diagnose_command(args: argparse.Namespace) -> int:
     from .analysis import read_certification
     from .diagnostics import diagnose, diagnostics_report
-    from .training import checkpoint_digest
+    from .checkpoints import checkpoint_digest
 
     sidecar_path = Path(args.certification + ".json")
     try:

@@ -3,7 +3,7 @@
 Each row is flushed as soon as it is computed. Image ``i`` is certified with seed ``seed + i``, so a row depends only
 on the image, the model and the seed: a resumed run writes exactly the rows an uninterrupted one would. The run's
 settings go to a sidecar ``OUTFILE.json``; ``resume`` refuses a file written with other settings (or another
-checkpoint, compared by :func:`~splitz_fast.training.checkpoint_digest`: weights and training settings, not file
+checkpoint, compared by :func:`~splitz_fast.checkpoints.checkpoint_digest`: weights and training settings, not file
 bytes, so a bit-identical retrained checkpoint is accepted), drops a torn last line, and skips the indices already
 present.
 
@@ -32,7 +32,7 @@ from .attacks import ATTACK_HEADER
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .smoothing import Smoother
-from .training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 PREDICT_HEADER = "\t".join(("idx", "label", "predict", "correct", "time", "count_top", "count_second", "p_value"))
 HEADERS = {"certify": CERTIFY_HEADER, "predict": PREDICT_HEADER, "attack": ATTACK_HEADER}

@@ -149,6 +149,33 @@ def test_garbage_or_empty_checkpoint_is_one_line(tmp_path, capsys, tiny, content
     assert "written by `splitz train`" in err and not (tmp_path / "out.tsv").exists()
 
 
+def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, capsys, monkeypatch, checkpoint, tiny):
+    """The documented Python way in: ``sz.load_checkpoint`` (weights_only) gives the model `splitz certify` certifies."""
+    import splitz_fast as sz
+    import splitz_fast.checkpoints as checkpoints
+    from splitz_fast.cli import load_model
+
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or real_load(*a, **k))
+    ckpt = sz.load_checkpoint(checkpoint)
+    assert loads == [True]
+    assert isinstance(ckpt, sz.LoadedCheckpoint) and isinstance(ckpt.model, sz.SplitModel) and not ckpt.model.training
+    assert ckpt.sigma == 0.5 and ckpt.dataset == "tiny" and ckpt.model_spec["name"] == "mlp"
+    assert ckpt.digest == checkpoint_digest(load_checkpoint_file(checkpoint)) and ckpt.epoch == ckpt.data["epoch"]
+    # The old import sites are the same functions (moved, not copied).
+    assert load_checkpoint_file is checkpoints.load_checkpoint_file and load_model is checkpoints.load_model
+    assert training.load_state_into is checkpoints.load_state_into
+    out = tmp_path / "out.tsv"
+    assert main(_certify_args(checkpoint, out)) == 0
+    row = out.read_text().splitlines()[1].split("\t")
+    x, _ = tiny.dataset[int(row[0])]
+    r = sz.Smoother(ckpt.model, ckpt.sigma).certify(x, n0=10, n=50, alpha=0.001, batch_size=25, seed=int(row[0]))
+    assert (str(r.prediction), float(row[3])) == (row[2], pytest.approx(r.radius, rel=1e-5, abs=1e-6))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sz.load_checkpoint(tmp_path / "missing.pt")
+
+
 def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys, checkpoint):
     ckpt = load_checkpoint_file(checkpoint)
     ckpt["model_spec"]["kwargs"]["split_index"] = 2
