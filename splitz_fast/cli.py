@@ -476,6 +476,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """Cohen's ``--max``, also spelled ``--max-inputs``: torchrun's own parser reads ``--max`` (and ``--max=N``) after
+    ``-m splitz_fast`` as an abbreviation of its ``--max-restarts`` and stops, so under torchrun only the long
+    spelling gets through."""
+    parser.add_argument("--max", "--max-inputs", dest="max", type=int, default=-1, metavar="MAX",
+                        help=f"at most MAX {what}, -1 = all (under torchrun write --max-inputs: torchrun takes --max "
+                             "for its --max-restarts)")
+
+
 def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
     """``--device`` and ``--shard`` of the commands that run over a dataset (certify, predict, certify-margin)."""
     parser.add_argument("--device", default=None,
@@ -592,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(up to 4096) is used. It never changes the results: an image's noise depends only on "
                             "its seed")
         c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
-        c.add_argument("--max", type=int, default=-1, help="at most MAX images, -1 = all")
+        _add_max_option(c, "images")
         c.add_argument("--split", default="test",
                        help=f"dataset split, or {HELD_OUT_SPLIT}: the validation images the checkpoint's training run "
                             "held out (model selection without test data)")
@@ -642,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("outfile", help="TSV output (Cohen's columns; pA_lower is nan, R_latent is margin/√2)")
     m.add_argument("--root", default=None, help="dataset folder")
     m.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
-    m.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all")
+    _add_max_option(m, "inputs")
     m.add_argument("--split", default="test", help="dataset split")
     m.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
                    help="how γ is searched (every evaluated γ gives a valid radius)")
@@ -680,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
     k.add_argument("--batch", type=int, default=None, help="noise samples per forward pass of f_R in PREDICT")
     k.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
-    k.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all")
+    _add_max_option(k, "inputs")
     k.add_argument("--split", default="test", help="dataset split")
     k.add_argument("--N", type=int, default=10_000, help="PREDICT samples at the clean and at the attacked point")
     k.add_argument("--alpha", type=float, default=0.001, help="PREDICT's significance level")
