@@ -476,6 +476,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` of every command that computes: torch's intra-op threads (``torch.set_num_threads``)."""
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"torch threads of this process (each rank under torchrun); unset, torch's default "
+                             f"({torch.get_num_threads()} here). Trained weights depend on it (float sums are split "
+                             "differently); on a machine shared with other jobs fewer threads can be much faster")
+
+
 def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
     """Cohen's ``--max``, also spelled ``--max-inputs``: torchrun's own parser reads ``--max`` (and ``--max=N``) after
     ``-m splitz_fast`` as an abbreviation of its ``--max-restarts`` and stops, so under torchrun only the long
@@ -524,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-batches", type=int, default=None, help="cap batches per epoch (quick runs; default: all)")
     d.add_argument("--seed", type=int, default=0, help="seed of training and certification")
     d.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
+    _add_threads_option(d)
     d.set_defaults(func=demo)
 
     t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)",
@@ -586,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu, or cuda / cuda:N where a GPU is present; unset, cpu (under torchrun: each rank's "
                         "cuda:LOCAL_RANK when CUDA is available)")
     t.add_argument("--resume", action="store_true", help="continue OUTDIR/last.pt (same settings only)")
+    _add_threads_option(t)
     t.set_defaults(func=train_command)
 
     for name, func, helptext in (("certify", certify_command, "Cohen's CERTIFY with the SPLITZ radius"),
@@ -633,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
         _add_sharding_options(c)
+        _add_threads_option(c)
         c.set_defaults(func=func)
 
     g = sub.add_parser("merge", help="join the shards of a certify/predict run (--shard K/N) into one TSV",
@@ -662,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
     m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
     _add_sharding_options(m)
+    _add_threads_option(m)
     m.set_defaults(func=certify_margin_command)
 
     from .attacks import ATTACKS
@@ -696,6 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="base seed; input i uses SEED+i (attack and PREDICT offsets)")
     k.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
     _add_sharding_options(k)
+    _add_threads_option(k)
     k.set_defaults(func=attack_command)
 
     a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
@@ -714,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
     x.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
     x.add_argument("--out", default=None, help="folder for diagnostics.md/.tsv and the histograms")
+    _add_threads_option(x)
     x.set_defaults(func=diagnose_command)
 
     e = sub.add_parser("envelope", help="best-σ envelopes of methods (one certify TSV per σ) with reference lines",
@@ -779,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"`splitz demo` runs as one process; under torchrun (WORLD_SIZE="
                              f"{os.environ['WORLD_SIZE']}) every rank would write the same files. train runs "
                              "data-parallel; certify, predict and certify-margin are sharded over ranks")
+        if getattr(args, "threads", None) is not None:
+            torch.set_num_threads(check_count("--threads", args.threads))
         if getattr(args, "device", None) is not None and not hasattr(args, "shard"):
             check_device("--device", args.device)  # certify/predict check theirs once torchrun's ranks are known
         return args.func(args)

@@ -214,6 +214,21 @@ def test_option_messages_use_the_options_the_command_has(tmp_path, capsys, check
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_threads_option_on_every_computing_command_sets_torchs_threads(tmp_path, capsys, monkeypatch, checkpoint):
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("demo", "train", "certify", "predict", "certify-margin", "attack", "diagnose"):
+        assert "--threads" in commands[name]._option_string_actions, name
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the test process keeps its threads
+    assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--threads", "1")) == 0
+    assert calls == [1]
+    assert main(_certify_args(checkpoint, tmp_path / "other.tsv")) == 0
+    assert calls == [1]  # unset: torch's default stays
+    capsys.readouterr()
+    assert main(_certify_args(checkpoint, tmp_path / "bad.tsv", "--threads", "0")) == 2
+    assert "--threads must be >= 1, got 0" in _one_line_error(capsys) and not (tmp_path / "bad.tsv").exists()
+
+
 def test_analyze_names_a_binary_file_and_prints_bad_radii_plainly(tmp_path, capsys):
     binary = tmp_path / "model.pt"
     binary.write_bytes(b"PK\x03\x04\xff\xfe\x00binary")
