@@ -784,6 +784,54 @@ def _continue_command(args: argparse.Namespace, argv: list[str]) -> str:
     return "splitz " + shlex.join(words)
 
 
+def _typed_options(argv: list[str]) -> dict[str, str]:
+    """``dest -> option`` for every option typed in ``argv`` (abbreviations and ``--opt=value`` included), defaults
+    left out: the same parser with every default suppressed."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    options = {}
+    for sub in commands.values():
+        for action in sub._actions:
+            if action.option_strings:
+                action.default = argparse.SUPPRESS
+                options[action.dest] = max(action.option_strings, key=len) if action.dest != "max" else "--max"
+    return {dest: options[dest] for dest in vars(parser.parse_args(argv)) if dest in options}
+
+
+_PGD = ("pgd", "smooth-pgd")
+#: command -> (options, the setting under which they do nothing, why): typed together, they are refused.
+_CONFLICTS = {
+    "certify": (
+        (("gamma_batch",), lambda a: a.gamma_search == "one-step", "--gamma-search one-step",
+         "--gamma-batch groups the bisection's γ points; the one-step search evaluates two γ, one after the other"),
+        (("gamma_search", "gamma_batch"), lambda a: a.bound == "global", "--bound global",
+         "the global bound does not depend on γ, so no γ is searched"),
+    ),
+    "certify-margin": (
+        (("gamma_search",), lambda a: a.bound == "global", "--bound global",
+         "the global bound does not depend on γ, so no γ is searched"),
+    ),
+    "attack": (
+        (("steps",), lambda a: a.attack in ("fgsm", "smooth-fgsm"), "--attack {attack}", "FGSM takes one step"),
+        (("step_size", "random_start"), lambda a: a.attack not in _PGD, "--attack {attack}",
+         "only the PGD attacks take a step size and a random start"),
+        (("samples",), lambda a: not a.attack.startswith("smooth-"), "--attack {attack}",
+         "it attacks the base classifier, without noise samples"),
+        (("N", "alpha", "batch"), lambda a: a.evaluate == "base", "--evaluate base",
+         "the base classifier's argmax decides, PREDICT does not run"),
+    ),
+}
+
+
+def _refuse_conflicts(args: argparse.Namespace, typed: dict[str, str]) -> None:
+    """One line for options typed together where one makes the other do nothing (instead of ignoring it silently)."""
+    for dests, applies, setting, why in _CONFLICTS.get(args.command, ()):
+        given = [typed[d] for d in dests if d in typed]
+        if given and applies(args):
+            raise ValueError(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with "
+                             f"{setting.format(**vars(args))} ({why}); drop {'it' if len(given) == 1 else 'them'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; errors are one line on stderr with exit status 2, Ctrl-C exits with 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -793,6 +841,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"`splitz demo` runs as one process; under torchrun (WORLD_SIZE="
                              f"{os.environ['WORLD_SIZE']}) every rank would write the same files. train runs "
                              "data-parallel; certify, predict and certify-margin are sharded over ranks")
+        _refuse_conflicts(args, _typed_options(argv))
         if getattr(args, "threads", None) is not None:
             torch.set_num_threads(check_count("--threads", args.threads))
         if getattr(args, "device", None) is not None and not hasattr(args, "shard"):

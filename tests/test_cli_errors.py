@@ -229,6 +229,37 @@ def test_threads_option_on_every_computing_command_sets_torchs_threads(tmp_path,
     assert "--threads must be >= 1, got 0" in _one_line_error(capsys) and not (tmp_path / "bad.tsv").exists()
 
 
+@pytest.mark.parametrize("extra, typed, setting", [
+    (["--gamma-search", "one-step", "--gamma-batch", "4"], "--gamma-batch", "--gamma-search one-step"),
+    (["--gamma-search=one-step", "--gamma-b=2"], "--gamma-batch", "--gamma-search one-step"),  # abbreviated, = form
+    (["--bound", "global", "--gamma-batch", "4"], "--gamma-batch", "--bound global"),
+    (["--bound", "global", "--gamma-search", "one-step"], "--gamma-search", "--bound global"),
+])
+def test_certify_options_that_do_nothing_together_are_refused(tmp_path, capsys, extra, typed, setting):
+    assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", *extra)) == 2
+    err = _one_line_error(capsys)
+    assert f"{typed} does nothing with {setting} (" in err and err.rstrip().endswith("drop it")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [
+    ["certify-margin", "tiny", "c.pt", "o.tsv", "--bound", "global", "--gamma-search", "bisection"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "fgsm", "--steps", "5"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "smooth-fgsm", "--random-start"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "pgd", "--samples", "8"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--evaluate", "base", "--N", "100", "--alpha", "0.01"],
+])
+def test_other_options_that_do_nothing_together_are_refused(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 2
+    assert "nothing with --" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+
+
+def test_options_that_work_together_are_not_refused(tmp_path, capsys, checkpoint):
+    assert main(_certify_args(checkpoint, tmp_path / "a.tsv", "--gamma-search", "bisection", "--gamma-batch", "4")) == 0
+    assert main(_certify_args(checkpoint, tmp_path / "b.tsv", "--gamma-search", "one-step", "--bound", "local")) == 0
+
+
 def test_analyze_names_a_binary_file_and_prints_bad_radii_plainly(tmp_path, capsys):
     binary = tmp_path / "model.pt"
     binary.write_bytes(b"PK\x03\x04\xff\xfe\x00binary")
