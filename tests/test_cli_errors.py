@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,39 @@ def test_outfile_that_is_a_folder_or_under_a_file_says_so(tmp_path, capsys, chec
     assert main(_certify_args(checkpoint, blocker / "x.tsv")) == 2
     assert f"'{blocker}' is a file, not a folder" in _one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this user cannot create files in: a read-only folder, or /sys for root (whom permissions let through)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    for candidate in (folder, Path("/sys")):
+        try:
+            (candidate / "probe").touch()
+            (candidate / "probe").unlink()
+        except OSError:
+            yield candidate
+            break
+    else:
+        pytest.skip("no folder here that this user cannot write")
+    folder.chmod(0o700)
+
+
+@pytest.mark.parametrize("command", ["certify", "train", "analyze", "merge"])
+def test_output_path_the_user_cannot_write_is_one_line_that_names_it(tmp_path, capsys, tiny, unwritable, command):
+    target = unwritable / "sub" / "out.tsv"
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("idx\tlabel\tpredict\tradius\tcorrect\ttime\n0\t1\t1\t0.5\t1\t0.1\n")
+    args = {"certify": _certify_args(tmp_path / "missing.pt", target),
+            "train": ["train", "tiny", "mlp", str(target), *TRAIN],
+            "analyze": ["analyze", str(tsv), "--out", str(target)],
+            "merge": ["merge", str(target), str(tsv)]}[command]
+    assert main(args) == 2
+    err = _one_line_error(capsys)
+    assert "cannot write " in err and repr(str(target)) in err and f"cannot create files in {str(unwritable)!r}" in err
+    assert "Errno" not in err and not (unwritable / "sub").exists()
 
 
 def test_analyze_out_that_is_a_file_or_under_a_file_says_so(tmp_path, capsys):
