@@ -71,6 +71,22 @@ def _changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded_in: str) -> str:
+    """Why a resume is refused: the settings both runs record with different values (with the values where they are
+    short), else the settings only one of them records (another command or version wrote the file)."""
+    differ = sorted(k for k in set(previous) & set(now) if previous[k] != now[k])
+    if differ:
+        def shown(key: str) -> str:
+            before, after = json.dumps(previous[key]), json.dumps(now[key])
+            return f"{key} ({before} in {recorded_in}, {after} now)" if max(len(before), len(after)) <= 30 else key
+
+        return (f"it was written with different settings: {'; '.join(map(shown, differ))}; use the same arguments "
+                "or a new OUTFILE")
+    only = sorted(set(previous) ^ set(now))
+    return (f"it was written by another command or version, whose settings differ in what they record "
+            f"({', '.join(only)}); use a new OUTFILE")
+
+
 def _prepare_output(out_path: Path, header: str, settings: dict[str, Any], resume: bool) -> set[int]:
     """Create the TSV and sidecar, or validate them for a resume; returns the indices already written."""
     sidecar = _sidecar(out_path)
@@ -85,8 +101,7 @@ def _prepare_output(out_path: Path, header: str, settings: dict[str, Any], resum
         raise ValueError(f"cannot resume {out_path}: its settings file {sidecar} is missing")
     previous = json.loads(sidecar.read_text())
     if previous != settings:
-        raise ValueError(f"cannot resume {out_path}: it was written with different settings "
-                         f"({', '.join(_changed_keys(previous, settings))}); use the same arguments or a new OUTFILE")
+        raise ValueError(f"cannot resume {out_path}: {_settings_difference(previous, settings, sidecar.name)}")
     complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
     if torn:  # a torn last row: drop it, it is recomputed
         with out_path.open("w") as fh:

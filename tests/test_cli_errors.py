@@ -230,6 +230,25 @@ def test_resume_with_other_settings_names_them(tmp_path, capsys, tiny):
     assert "epochs (1 in last.pt, 2 now)" in err and "lr (0.001 in last.pt, 0.01 now)" in err and "sigma" not in err
 
 
+def test_certify_resume_names_only_the_settings_that_differ(tmp_path, capsys, checkpoint):
+    out = tmp_path / "out.tsv"
+    assert main(_certify_args(checkpoint, out)) == 0
+    capsys.readouterr()
+    assert main(_certify_args(checkpoint, out, "--N", "60", "--alpha", "0.01", "--resume")) == 2
+    err = _one_line_error(capsys)
+    assert "different settings: alpha (0.001 in out.tsv.json, 0.01 now); n (50 in out.tsv.json, 60 now); use" in err
+    assert "skip" not in err and "seed" not in err
+    # The demo's sidecar records no skip/max (it selects with --num-images): only N differs, only n is named.
+    sidecar = tmp_path / "out.tsv.json"
+    settings = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({k: v for k, v in settings.items() if k not in ("skip", "max")}))
+    assert main(_certify_args(checkpoint, out, "--N", "60", "--resume")) == 2
+    err = _one_line_error(capsys)
+    assert "different settings: n (50 in out.tsv.json, 60 now); use" in err and "skip" not in err and "max" not in err
+    assert main(_certify_args(checkpoint, out, "--resume")) == 2
+    assert "another command or version" in (err := _one_line_error(capsys)) and "(max, skip)" in err
+
+
 # ------------------------------------------------------------------------------------------------ option messages
 def test_option_messages_use_the_options_the_command_has(tmp_path, capsys, checkpoint):
     assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--skip", "0")) == 2
