@@ -794,7 +794,7 @@ def _typed_options(argv: list[str]) -> dict[str, str]:
         for action in sub._actions:
             if action.option_strings:
                 action.default = argparse.SUPPRESS
-                options[action.dest] = max(action.option_strings, key=len) if action.dest != "max" else "--max"
+                options[action.dest] = action.option_strings[0]
     return {dest: options[dest] for dest in vars(parser.parse_args(argv)) if dest in options}
 
 
