@@ -2,7 +2,9 @@
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja), cached per source digest,
 torch version and compiler flags under torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), so a later process only loads it. ``make install`` builds it ahead of time
+``~/.cache/torch_extensions``), so a later process only loads it — straight from the cache (:func:`load_built`),
+without importing ``torch.utils.cpp_extension``, whose import alone prints torch's "No CUDA runtime is found" warning
+on machines with a CUDA toolkit but no GPU. ``make install`` builds it ahead of time
 (``python -m splitz_fast.kernels.native``). Where it cannot be built (no C++ compiler, no ninja, a failing build) the
 loader warns once, says why and how to fix it, and returns ``None``: every op then runs its PyTorch reference, which
 follows the same contract (the noise stream included), so results do not depend on whether a compiler was found —
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import sys
 import warnings
@@ -27,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch._appdirs  # where torch's extension cache lives (cpp_extension reads it the same way)
 
 NATIVE_ENV = "SPLITZ_NATIVE"
 SOURCES = ("noise_cpu.cpp",)
@@ -79,13 +83,50 @@ def train_module() -> ModuleType | None:
     return _load(TRAIN_SOURCES)
 
 
+def extensions_root() -> Path:
+    """torch's extension cache for this Python and torch build, as ``torch.utils.cpp_extension`` lays it out
+    (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/py311_cu130`` and the like), found without importing
+    that module."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    base = Path(os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")))
+    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+                   f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+    return base / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
+
+
+def load_built(name: str) -> ModuleType | None:
+    """The extension ``name`` imported from a finished build in torch's cache, or ``None`` when there is none (never
+    built, a build in progress holds the cache's ``lock``, the file does not import): then ``cpp_extension.load``
+    builds or waits. ``name`` digests the sources, flags and torch version (:func:`_build_name`), so a finished build
+    of that name is the build ``load`` would make."""
+    directory = extensions_root() / name
+    library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    if not library.is_file():
+        return None
+    try:
+        from filelock import FileLock  # the OS-level lock torch's builder holds while it builds
+
+        with FileLock(str(directory / "lock"), timeout=0):
+            spec = importlib.util.spec_from_file_location(name, library)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+    except Exception:  # being built (Timeout), no filelock, a damaged file: the builder decides
+        return None
+    return module
+
+
 def _load(sources: tuple[str, ...]) -> ModuleType | None:
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         directory = csrc_dir()
+        built = load_built(_build_name(directory, sources))
+        if built is not None:
+            return built
+        from torch.utils.cpp_extension import load  # the builder, only when something is built
+
         return load(
             name=_build_name(directory, sources),
             sources=[str(directory / name) for name in sources],

@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from .native import NATIVE_ENV, csrc_dir
+from .native import NATIVE_ENV, csrc_dir, load_built
 
 CUDA_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes"})  # ops with a CUDA kernel in csrc/
 CUDA_SOURCES = ("noise_votes_cuda_bind.cpp", "noise_votes_cuda.cu")
@@ -64,9 +64,12 @@ def cuda_module() -> ModuleType | None:
     if os.environ.get(NATIVE_ENV, "1") == "0" or not torch.cuda.is_available():
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         directory = csrc_dir()
+        built = load_built(_build_name(directory))
+        if built is not None:
+            return built
+        from torch.utils.cpp_extension import load  # the builder, only when something is built
+
         return load(
             name=_build_name(directory),
             sources=[str(directory / name) for name in CUDA_SOURCES],

@@ -34,9 +34,11 @@ done
 mkdir -p "$OUT"
 attack_all() {  # attack_all RUN: every attack and ε on one model
     for attack in smooth-fgsm smooth-pgd; do
+        local steps=()  # FGSM takes one step: `splitz attack` refuses --steps with it
+        [ "$attack" = smooth-pgd ] && steps=(--steps "$STEPS")
         for eps in $EPS; do
             "$SPLITZ" attack mnist "${RUN[$1]}/best.pt" "$SIGMA" "$OUT/$1-$attack-$eps.tsv" --attack $attack \
-                --eps "$eps" --steps "$STEPS" --samples "$SAMPLES" --clamp 0 1 --skip "$SKIP" --max "$MAX" --N "$N" \
+                --eps "$eps" ${steps[@]+"${steps[@]}"} --samples "$SAMPLES" --clamp 0 1 --skip "$SKIP" --max "$MAX" --N "$N" \
                 --alpha 0.001 --device "$DEVICE" --resume
         done
     done

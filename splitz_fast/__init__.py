@@ -7,8 +7,8 @@ Everything a user needs is importable from here::
     result = sz.Smoother(model, sigma=0.5).certify(x, n0=100, n=100_000, alpha=0.001)
 
 Workflow pieces: ``sz.build_model`` (model zoo), ``sz.get_dataset`` (offline/user datasets), ``sz.train`` (SPLITZ
-loss, resumable), ``sz.run_over_dataset`` (resumable certification TSVs), ``sz.analysis`` (tables and plots),
-``sz.attacks`` (l2 attacks on the smoothed and base classifiers, attack-based checks of certificates).
+loss, resumable), ``sz.load_checkpoint`` (a trained checkpoint's model and σ), ``sz.run_over_dataset`` (resumable
+certification TSVs), ``sz.analysis`` (tables and plots), ``sz.attacks`` (l2 attacks on the smoothed and base classifiers, attack-based checks of certificates).
 """
 from .bounds import BallBounds, ball_bounds
 from .lipschitz import (
@@ -31,6 +31,7 @@ from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_
 from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
 from .datasets import DATASETS, DatasetInfo, get_dataset
 from .training import TrainConfig, splitz_loss, train
+from .checkpoints import LoadedCheckpoint, checkpoint_digest, load_checkpoint
 from .runs import ShardSpec, merge_shards, run_over_dataset
 from .attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
 from .recipes import RECIPES, Recipe, recipe_config
@@ -60,6 +61,9 @@ __all__ = [
     "DatasetInfo",
     "MODELS",
     "TrainConfig",
+    "LoadedCheckpoint",
+    "checkpoint_digest",
+    "load_checkpoint",
     "analysis",
     "build_model",
     "cifar_resnet",

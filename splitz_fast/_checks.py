@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -121,7 +122,27 @@ def check_output_file(name: str, path: str | os.PathLike) -> Path:
     parent = _nearest_existing(path)
     if not parent.is_dir():
         raise ValueError(f"cannot create {name} {str(path)!r}: {str(parent)!r} is a file, not a folder")
+    _check_writable(name, path, parent)
     return path
+
+
+def _check_writable(name: str, path: Path, folder: Path) -> None:
+    """Refuse, naming ``path``, an output this user cannot write: a file is created in ``folder`` (the nearest
+    existing folder on the path) and removed at once, and an existing ``path`` file is opened for appending. Trying is
+    the only reliable test (``os.access`` says yes to root on /sys, /proc and read-only mounts)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".splitz-write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write {name} {str(path)!r}: this user cannot create files in {str(folder)!r} "
+                         f"({err.strerror or type(err).__name__}); choose another path") from None
+    if path.is_file():
+        try:
+            with path.open("a"):
+                pass
+        except OSError as err:
+            raise ValueError(f"cannot write {name} {str(path)!r}: this user cannot write to that file "
+                             f"({err.strerror or type(err).__name__}); choose another path") from None
 
 
 def check_output_folder(name: str, path: str | os.PathLike) -> Path:
@@ -132,4 +153,5 @@ def check_output_folder(name: str, path: str | os.PathLike) -> Path:
     parent = _nearest_existing(path)
     if not path.exists() and not parent.is_dir():
         raise ValueError(f"cannot create {name} {str(path)!r}: {str(parent)!r} is a file, not a folder")
+    _check_writable(name, path, path if path.is_dir() else parent)
     return path

@@ -28,6 +28,7 @@ optionally writes) a markdown table, a LaTeX (booktabs) table and certified-accu
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -404,6 +405,33 @@ def certified_accuracy_curve(table: CertificationTable, max_radius: float, point
     return grid, np.asarray(certified_accuracy(table, grid))
 
 
+def run_protocol(table: CertificationTable) -> str:
+    """How a run was sampled, for captions: ``"n = 10,000, α = 0.001, 30 inputs"``, read from the sidecar
+    ``OUTFILE.json`` that ``splitz certify`` writes beside the TSV (the number of inputs is the file's rows). Margin
+    certificates say that they draw no samples; without a sidecar (Cohen's files, tables built in memory) n and α are
+    "not recorded"."""
+    inputs = f"{len(table)} input{'s' * (len(table) != 1)}"
+    try:
+        settings = json.loads(Path(f"{table.path}.json").read_text(encoding="utf-8")) if table.path else None
+    except (OSError, ValueError):
+        settings = None
+    if not isinstance(settings, dict) or not {"n", "alpha"} <= set(settings):
+        return f"n, α not recorded, {inputs}"
+    if settings.get("certifier") == "margin":
+        return f"margin certificates (no sampling), {inputs}"
+    n = f"budget n = {settings['n']:,}" if settings.get("sequential") else f"n = {settings['n']:,}"
+    return f"{n}, α = {settings['alpha']:g}, {inputs}"
+
+
+def _caption(named_tables: Sequence[tuple[str, CertificationTable]]) -> tuple[str, dict[str, str]]:
+    """``(title line, {run: legend suffix})``: the shared sampling protocol in the title, or, when the runs differ,
+    a title that says so and each run's protocol in its legend entry."""
+    protocols = {name: run_protocol(table) for name, table in named_tables}
+    if len(set(protocols.values())) == 1:
+        return next(iter(protocols.values())), {name: "" for name in protocols}
+    return "runs differ in n, α or inputs (see legend)", {name: f"; {p}" for name, p in protocols.items()}
+
+
 def plot_certified_accuracy(named_tables: Mapping[str, CertificationTable], out_path_stem: PathLike,
                             max_radius: float | None = None, title: str | None = None) -> list[Path]:
     """Plot certified accuracy (%) against l2 radius (input units), one line per run; save PNG and PDF.
@@ -414,7 +442,8 @@ def plot_certified_accuracy(named_tables: Mapping[str, CertificationTable], out_
             are created).
         max_radius: right end of the radius axis; default 5 % beyond the largest certified radius of any run
             (1.0 when no run certifies a positive radius).
-        title: optional figure title.
+        title: optional figure title, put above the caption line: the runs' n, α and number of inputs
+            (:func:`run_protocol`, from each TSV's sidecar), or, when they differ, a note and each run's in the legend.
 
     Returns:
         ``[png_path, pdf_path]``.
@@ -438,18 +467,18 @@ def plot_certified_accuracy(named_tables: Mapping[str, CertificationTable], out_
     fig = Figure(figsize=(6.0, 4.0), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    caption, legend = _caption(items)
     for name, table in items:
         grid, accuracy = certified_accuracy_curve(table, max_radius)
-        ax.step(grid, 100 * accuracy, where="pre", label=f"{name} (ACR {acr(table):.3f})",
+        ax.step(grid, 100 * accuracy, where="pre", label=f"{name} (ACR {acr(table):.3f}{legend[name]})",
                 linestyle="--" if table.is_estimate else "-")  # estimates: dashed, and named so by load_runs
     ax.set_xlim(0.0, max_radius)
     ax.set_ylim(0.0, 100.0)
     ax.set_xlabel("radius (l2, input units)")
     ax.set_ylabel("certified accuracy (%)")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right")
-    if title:
-        ax.set_title(title)
+    ax.legend(loc="upper right", fontsize="small" if any(legend.values()) else None)
+    ax.set_title(f"{title}\n{caption}" if title else caption, fontsize="medium")
 
     stem = Path(out_path_stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -540,6 +569,7 @@ __all__ = [
     "mean_time",
     "plot_certified_accuracy",
     "read_certification",
+    "run_protocol",
     "summarize",
     "summary_markdown_table",
 ]

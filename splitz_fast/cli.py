@@ -24,6 +24,7 @@ import torch
 from . import __version__
 from ._checks import (check_count, check_device, check_output_file, check_output_folder, check_positive,
                       check_probability)
+from .checkpoints import load_model  # also importable from here (scripts/ use splitz_fast.cli.load_model)
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
 from .protocols import PROTOCOLS, PUBLISHED_DATA_STD, CertificationProtocol, PublishedCode, get_protocol
@@ -194,22 +195,6 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- certify / predict
-def load_model(checkpoint: str, device: str):
-    """Rebuild a model from a checkpoint written by ``splitz train`` (loaded with ``weights_only=True``)."""
-    from .models import build_model
-    from .training import load_checkpoint_file, load_state_into
-
-    ckpt = load_checkpoint_file(checkpoint, device)
-    spec = ckpt.get("model_spec") or {}
-    if "name" not in spec:
-        raise ValueError(f"{checkpoint} does not record its model; it was not written by `splitz train`")
-    try:
-        model = load_state_into(build_model(spec["name"], **spec.get("kwargs", {})), ckpt)
-    except ValueError as err:
-        raise ValueError(f"{checkpoint}: {err}") from None
-    return model.to(device).eval(), ckpt
-
-
 #: The ``--split`` that selects the validation images a checkpoint's training run held out.
 HELD_OUT_SPLIT = "heldout"
 
@@ -462,7 +447,7 @@ def analyze_command(args: argparse.Namespace) -> int:
 def diagnose_command(args: argparse.Namespace) -> int:
     from .analysis import read_certification
     from .diagnostics import diagnose, diagnostics_report
-    from .training import checkpoint_digest
+    from .checkpoints import checkpoint_digest
 
     sidecar_path = Path(args.certification + ".json")
     try:
@@ -505,6 +490,23 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` of every command that computes: torch's intra-op threads (``torch.set_num_threads``)."""
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"torch threads of this process (each rank under torchrun); unset, torch's default "
+                             f"({torch.get_num_threads()} here). Trained weights depend on it (float sums are split "
+                             "differently); on a machine shared with other jobs fewer threads can be much faster")
+
+
+def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """Cohen's ``--max``, also spelled ``--max-inputs``: torchrun's own parser reads ``--max`` (and ``--max=N``) after
+    ``-m splitz_fast`` as an abbreviation of its ``--max-restarts`` and stops, so under torchrun only the long
+    spelling gets through."""
+    parser.add_argument("--max", "--max-inputs", dest="max", type=int, default=-1, metavar="MAX",
+                        help=f"at most MAX {what}, -1 = all (under torchrun write --max-inputs: torchrun takes --max "
+                             "for its --max-restarts)")
+
+
 def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
     """``--device`` and ``--shard`` of the commands that run over a dataset (certify, predict, certify-margin)."""
     parser.add_argument("--device", default=None,
@@ -544,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-batches", type=int, default=None, help="cap batches per epoch (quick runs; default: all)")
     d.add_argument("--seed", type=int, default=0, help="seed of training and certification")
     d.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
+    _add_threads_option(d)
     d.set_defaults(func=demo)
 
     t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)",
@@ -606,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu, or cuda / cuda:N where a GPU is present; unset, cpu (under torchrun: each rank's "
                         "cuda:LOCAL_RANK when CUDA is available)")
     t.add_argument("--resume", action="store_true", help="continue OUTDIR/last.pt (same settings only)")
+    _add_threads_option(t)
     t.set_defaults(func=train_command)
 
     for name, func, helptext in (("certify", certify_command, "Cohen's CERTIFY with the SPLITZ radius"),
@@ -621,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(up to 4096) is used. It never changes the results: an image's noise depends only on "
                             "its seed")
         c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
-        c.add_argument("--max", type=int, default=-1, help="at most MAX images, -1 = all")
+        _add_max_option(c, "images")
         c.add_argument("--split", default="test",
                        help=f"dataset split, or {HELD_OUT_SPLIT}: the validation images the checkpoint's training run "
                             "held out (model selection without test data)")
@@ -658,6 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
         _add_sharding_options(c)
+        _add_threads_option(c)
         c.set_defaults(func=func)
 
     g = sub.add_parser("merge", help="join the shards of a certify/predict run (--shard K/N) into one TSV",
@@ -676,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("outfile", help="TSV output (Cohen's columns; pA_lower is nan, R_latent is margin/√2)")
     m.add_argument("--root", default=None, help="dataset folder")
     m.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
-    m.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all")
+    _add_max_option(m, "inputs")
     m.add_argument("--split", default="test", help="dataset split")
     m.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
                    help="how γ is searched (every evaluated γ gives a valid radius)")
@@ -687,6 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
     m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
     _add_sharding_options(m)
+    _add_threads_option(m)
     m.set_defaults(func=certify_margin_command)
 
     from .attacks import ATTACKS
@@ -714,13 +720,14 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
     k.add_argument("--batch", type=int, default=None, help="noise samples per forward pass of f_R in PREDICT")
     k.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
-    k.add_argument("--max", type=int, default=-1, help="at most MAX inputs, -1 = all")
+    _add_max_option(k, "inputs")
     k.add_argument("--split", default="test", help="dataset split")
     k.add_argument("--N", type=int, default=10_000, help="PREDICT samples at the clean and at the attacked point")
     k.add_argument("--alpha", type=float, default=0.001, help="PREDICT's significance level")
     k.add_argument("--seed", type=int, default=0, help="base seed; input i uses SEED+i (attack and PREDICT offsets)")
     k.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
     _add_sharding_options(k)
+    _add_threads_option(k)
     k.set_defaults(func=attack_command)
 
     a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
@@ -739,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
     x.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
     x.add_argument("--out", default=None, help="folder for diagnostics.md/.tsv and the histograms")
+    _add_threads_option(x)
     x.set_defaults(func=diagnose_command)
 
     e = sub.add_parser("envelope", help="best-σ envelopes of methods (one certify TSV per σ) with reference lines",
@@ -795,6 +803,54 @@ def _continue_command(args: argparse.Namespace, argv: list[str]) -> str:
     return "splitz " + shlex.join(words)
 
 
+def _typed_options(argv: list[str]) -> dict[str, str]:
+    """``dest -> option`` for every option typed in ``argv`` (abbreviations and ``--opt=value`` included), defaults
+    left out: the same parser with every default suppressed."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    options = {}
+    for sub in commands.values():
+        for action in sub._actions:
+            if action.option_strings:
+                action.default = argparse.SUPPRESS
+                options[action.dest] = action.option_strings[0]
+    return {dest: options[dest] for dest in vars(parser.parse_args(argv)) if dest in options}
+
+
+_PGD = ("pgd", "smooth-pgd")
+#: command -> (options, the setting under which they do nothing, why): typed together, they are refused.
+_CONFLICTS = {
+    "certify": (
+        (("gamma_batch",), lambda a: a.gamma_search == "one-step", "--gamma-search one-step",
+         "--gamma-batch groups the bisection's γ points; the one-step search evaluates two γ, one after the other"),
+        (("gamma_search", "gamma_batch"), lambda a: a.bound == "global", "--bound global",
+         "the global bound does not depend on γ, so no γ is searched"),
+    ),
+    "certify-margin": (
+        (("gamma_search",), lambda a: a.bound == "global", "--bound global",
+         "the global bound does not depend on γ, so no γ is searched"),
+    ),
+    "attack": (
+        (("steps",), lambda a: a.attack in ("fgsm", "smooth-fgsm"), "--attack {attack}", "FGSM takes one step"),
+        (("step_size", "random_start"), lambda a: a.attack not in _PGD, "--attack {attack}",
+         "only the PGD attacks take a step size and a random start"),
+        (("samples",), lambda a: not a.attack.startswith("smooth-"), "--attack {attack}",
+         "it attacks the base classifier, without noise samples"),
+        (("N", "alpha", "batch"), lambda a: a.evaluate == "base", "--evaluate base",
+         "the base classifier's argmax decides, PREDICT does not run"),
+    ),
+}
+
+
+def _refuse_conflicts(args: argparse.Namespace, typed: dict[str, str]) -> None:
+    """One line for options typed together where one makes the other do nothing (instead of ignoring it silently)."""
+    for dests, applies, setting, why in _CONFLICTS.get(args.command, ()):
+        given = [typed[d] for d in dests if d in typed]
+        if given and applies(args):
+            raise ValueError(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with "
+                             f"{setting.format(**vars(args))} ({why}); drop {'it' if len(given) == 1 else 'them'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; errors are one line on stderr with exit status 2, Ctrl-C exits with 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -804,6 +860,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"`splitz demo` runs as one process; under torchrun (WORLD_SIZE="
                              f"{os.environ['WORLD_SIZE']}) every rank would write the same files. train runs "
                              "data-parallel; certify, predict and certify-margin are sharded over ranks")
+        _refuse_conflicts(args, _typed_options(argv))
+        if getattr(args, "threads", None) is not None:
+            torch.set_num_threads(check_count("--threads", args.threads))
         if getattr(args, "device", None) is not None and not hasattr(args, "shard"):
             check_device("--device", args.device)  # certify/predict check theirs once torchrun's ranks are known
         return args.func(args)

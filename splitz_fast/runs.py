@@ -3,7 +3,7 @@
 Each row is flushed as soon as it is computed. Image ``i`` is certified with seed ``seed + i``, so a row depends only
 on the image, the model and the seed: a resumed run writes exactly the rows an uninterrupted one would. The run's
 settings go to a sidecar ``OUTFILE.json``; ``resume`` refuses a file written with other settings (or another
-checkpoint, compared by :func:`~splitz_fast.training.checkpoint_digest`: weights and training settings, not file
+checkpoint, compared by :func:`~splitz_fast.checkpoints.checkpoint_digest`: weights and training settings, not file
 bytes, so a bit-identical retrained checkpoint is accepted), drops a torn last line, and skips the indices already
 present.
 
@@ -32,7 +32,7 @@ from .attacks import ATTACK_HEADER
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .smoothing import Smoother
-from .training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 PREDICT_HEADER = "\t".join(("idx", "label", "predict", "correct", "time", "count_top", "count_second", "p_value"))
 HEADERS = {"certify": CERTIFY_HEADER, "predict": PREDICT_HEADER, "attack": ATTACK_HEADER}
@@ -71,6 +71,22 @@ def _changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded_in: str) -> str:
+    """Why a resume is refused: the settings both runs record with different values (with the values where they are
+    short), else the settings only one of them records (another command or version wrote the file)."""
+    differ = sorted(k for k in set(previous) & set(now) if previous[k] != now[k])
+    if differ:
+        def shown(key: str) -> str:
+            before, after = json.dumps(previous[key]), json.dumps(now[key])
+            return f"{key} ({before} in {recorded_in}, {after} now)" if max(len(before), len(after)) <= 30 else key
+
+        return (f"it was written with different settings: {'; '.join(map(shown, differ))}; use the same arguments "
+                "or a new OUTFILE")
+    only = sorted(set(previous) ^ set(now))
+    return (f"it was written by another command or version, whose settings differ in what they record "
+            f"({', '.join(only)}); use a new OUTFILE")
+
+
 def _prepare_output(out_path: Path, header: str, settings: dict[str, Any], resume: bool) -> set[int]:
     """Create the TSV and sidecar, or validate them for a resume; returns the indices already written."""
     sidecar = _sidecar(out_path)
@@ -85,8 +101,7 @@ def _prepare_output(out_path: Path, header: str, settings: dict[str, Any], resum
         raise ValueError(f"cannot resume {out_path}: its settings file {sidecar} is missing")
     previous = json.loads(sidecar.read_text())
     if previous != settings:
-        raise ValueError(f"cannot resume {out_path}: it was written with different settings "
-                         f"({', '.join(_changed_keys(previous, settings))}); use the same arguments or a new OUTFILE")
+        raise ValueError(f"cannot resume {out_path}: {_settings_difference(previous, settings, sidecar.name)}")
     complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
     if torn:  # a torn last row: drop it, it is recomputed
         with out_path.open("w") as fh:

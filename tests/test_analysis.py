@@ -288,6 +288,39 @@ def test_plot_writes_png_and_pdf_without_touching_the_backend(tmp_path, table_a,
         an.plot_certified_accuracy({"A": table_a}, tmp_path / "x", max_radius=0.0)
 
 
+def test_plot_title_states_n_alpha_and_inputs_from_the_sidecars(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from matplotlib.axes import Axes
+
+    titles, labels = [], []
+    monkeypatch.setattr(Axes, "set_title", lambda ax, text, **kw: titles.append(text))
+    real_step = Axes.step
+    monkeypatch.setattr(Axes, "step", lambda ax, *a, **kw: labels.append(kw["label"]) or real_step(ax, *a, **kw))
+
+    def run(name, rows, **settings):
+        path = write(tmp_path / f"{name}.tsv", SPLITZ_HEADER, rows)
+        if settings:
+            (tmp_path / f"{name}.tsv.json").write_text(json.dumps({"kind": "certify", "n0": 100, **settings}))
+        return an.read_certification(path)
+
+    a = run("a", A_ROWS, n=10_000, alpha=0.001)
+    b = run("b", A_ROWS, n=10_000, alpha=0.001)
+    an.plot_certified_accuracy({"A": a, "B": b}, tmp_path / "same", title="MNIST")
+    assert titles[-1] == "MNIST\nn = 10,000, α = 0.001, 5 inputs" and labels[-2:] == ["A (ACR 0.350)", "B (ACR 0.350)"]
+    c = run("c", A_ROWS[:3], n=100_000, alpha=0.001)
+    an.plot_certified_accuracy({"A": a, "C": c}, tmp_path / "differ")
+    assert titles[-1] == "runs differ in n, α or inputs (see legend)"
+    assert labels[-2:] == ["A (ACR 0.350; n = 10,000, α = 0.001, 5 inputs)",
+                           "C (ACR 0.167; n = 100,000, α = 0.001, 3 inputs)"]
+    assert an.run_protocol(run("cohen", A_ROWS)) == "n, α not recorded, 5 inputs"
+    assert an.run_protocol(run("m", A_ROWS[:1], n=1, alpha=0.5, certifier="margin")) == \
+        "margin certificates (no sampling), 1 input"
+    assert an.run_protocol(run("s", A_ROWS, n=5000, alpha=0.01, sequential=True)) == \
+        "budget n = 5,000, α = 0.01, 5 inputs"
+
+
 def test_plot_keeps_a_backend_the_user_chose(tmp_path, table_a):
     matplotlib = pytest.importorskip("matplotlib")
     previous = matplotlib.get_backend()  # both backends here are non-interactive: switching is harmless

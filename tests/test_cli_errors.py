@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,39 @@ def test_outfile_that_is_a_folder_or_under_a_file_says_so(tmp_path, capsys, chec
     assert main(_certify_args(checkpoint, blocker / "x.tsv")) == 2
     assert f"'{blocker}' is a file, not a folder" in _one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this user cannot create files in: a read-only folder, or /sys for root (whom permissions let through)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    for candidate in (folder, Path("/sys")):
+        try:
+            (candidate / "probe").touch()
+            (candidate / "probe").unlink()
+        except OSError:
+            yield candidate
+            break
+    else:
+        pytest.skip("no folder here that this user cannot write")
+    folder.chmod(0o700)
+
+
+@pytest.mark.parametrize("command", ["certify", "train", "analyze", "merge"])
+def test_output_path_the_user_cannot_write_is_one_line_that_names_it(tmp_path, capsys, tiny, unwritable, command):
+    target = unwritable / "sub" / "out.tsv"
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("idx\tlabel\tpredict\tradius\tcorrect\ttime\n0\t1\t1\t0.5\t1\t0.1\n")
+    args = {"certify": _certify_args(tmp_path / "missing.pt", target),
+            "train": ["train", "tiny", "mlp", str(target), *TRAIN],
+            "analyze": ["analyze", str(tsv), "--out", str(target)],
+            "merge": ["merge", str(target), str(tsv)]}[command]
+    assert main(args) == 2
+    err = _one_line_error(capsys)
+    assert "cannot write " in err and repr(str(target)) in err and f"cannot create files in {str(unwritable)!r}" in err
+    assert "Errno" not in err and not (unwritable / "sub").exists()
 
 
 def test_analyze_out_that_is_a_file_or_under_a_file_says_so(tmp_path, capsys):
@@ -149,6 +183,33 @@ def test_garbage_or_empty_checkpoint_is_one_line(tmp_path, capsys, tiny, content
     assert "written by `splitz train`" in err and not (tmp_path / "out.tsv").exists()
 
 
+def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, capsys, monkeypatch, checkpoint, tiny):
+    """The documented Python way in: ``sz.load_checkpoint`` (weights_only) gives the model `splitz certify` certifies."""
+    import splitz_fast as sz
+    import splitz_fast.checkpoints as checkpoints
+    from splitz_fast.cli import load_model
+
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or real_load(*a, **k))
+    ckpt = sz.load_checkpoint(checkpoint)
+    assert loads == [True]
+    assert isinstance(ckpt, sz.LoadedCheckpoint) and isinstance(ckpt.model, sz.SplitModel) and not ckpt.model.training
+    assert ckpt.sigma == 0.5 and ckpt.dataset == "tiny" and ckpt.model_spec["name"] == "mlp"
+    assert ckpt.digest == checkpoint_digest(load_checkpoint_file(checkpoint)) and ckpt.epoch == ckpt.data["epoch"]
+    # The old import sites are the same functions (moved, not copied).
+    assert load_checkpoint_file is checkpoints.load_checkpoint_file and load_model is checkpoints.load_model
+    assert training.load_state_into is checkpoints.load_state_into
+    out = tmp_path / "out.tsv"
+    assert main(_certify_args(checkpoint, out)) == 0
+    row = out.read_text().splitlines()[1].split("\t")
+    x, _ = tiny.dataset[int(row[0])]
+    r = sz.Smoother(ckpt.model, ckpt.sigma).certify(x, n0=10, n=50, alpha=0.001, batch_size=25, seed=int(row[0]))
+    assert (str(r.prediction), float(row[3])) == (row[2], pytest.approx(r.radius, rel=1e-5, abs=1e-6))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sz.load_checkpoint(tmp_path / "missing.pt")
+
+
 def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys, checkpoint):
     ckpt = load_checkpoint_file(checkpoint)
     ckpt["model_spec"]["kwargs"]["split_index"] = 2
@@ -169,6 +230,25 @@ def test_resume_with_other_settings_names_them(tmp_path, capsys, tiny):
     assert "epochs (1 in last.pt, 2 now)" in err and "lr (0.001 in last.pt, 0.01 now)" in err and "sigma" not in err
 
 
+def test_certify_resume_names_only_the_settings_that_differ(tmp_path, capsys, checkpoint):
+    out = tmp_path / "out.tsv"
+    assert main(_certify_args(checkpoint, out)) == 0
+    capsys.readouterr()
+    assert main(_certify_args(checkpoint, out, "--N", "60", "--alpha", "0.01", "--resume")) == 2
+    err = _one_line_error(capsys)
+    assert "different settings: alpha (0.001 in out.tsv.json, 0.01 now); n (50 in out.tsv.json, 60 now); use" in err
+    assert "skip" not in err and "seed" not in err
+    # The demo's sidecar records no skip/max (it selects with --num-images): only N differs, only n is named.
+    sidecar = tmp_path / "out.tsv.json"
+    settings = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({k: v for k, v in settings.items() if k not in ("skip", "max")}))
+    assert main(_certify_args(checkpoint, out, "--N", "60", "--resume")) == 2
+    err = _one_line_error(capsys)
+    assert "different settings: n (50 in out.tsv.json, 60 now); use" in err and "skip" not in err and "max" not in err
+    assert main(_certify_args(checkpoint, out, "--resume")) == 2
+    assert "another command or version" in (err := _one_line_error(capsys)) and "(max, skip)" in err
+
+
 # ------------------------------------------------------------------------------------------------ option messages
 def test_option_messages_use_the_options_the_command_has(tmp_path, capsys, checkpoint):
     assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--skip", "0")) == 2
@@ -185,6 +265,52 @@ def test_option_messages_use_the_options_the_command_has(tmp_path, capsys, check
     assert main(["demo", "--skip", "0", "--out", str(tmp_path / "demo")]) == 2
     assert "--skip must be >= 1" in _one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_threads_option_on_every_computing_command_sets_torchs_threads(tmp_path, capsys, monkeypatch, checkpoint):
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("demo", "train", "certify", "predict", "certify-margin", "attack", "diagnose"):
+        assert "--threads" in commands[name]._option_string_actions, name
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the test process keeps its threads
+    assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--threads", "1")) == 0
+    assert calls == [1]
+    assert main(_certify_args(checkpoint, tmp_path / "other.tsv")) == 0
+    assert calls == [1]  # unset: torch's default stays
+    capsys.readouterr()
+    assert main(_certify_args(checkpoint, tmp_path / "bad.tsv", "--threads", "0")) == 2
+    assert "--threads must be >= 1, got 0" in _one_line_error(capsys) and not (tmp_path / "bad.tsv").exists()
+
+
+@pytest.mark.parametrize("extra, typed, setting", [
+    (["--gamma-search", "one-step", "--gamma-batch", "4"], "--gamma-batch", "--gamma-search one-step"),
+    (["--gamma-search=one-step", "--gamma-b=2"], "--gamma-batch", "--gamma-search one-step"),  # abbreviated, = form
+    (["--bound", "global", "--gamma-batch", "4"], "--gamma-batch", "--bound global"),
+    (["--bound", "global", "--gamma-search", "one-step"], "--gamma-search", "--bound global"),
+])
+def test_certify_options_that_do_nothing_together_are_refused(tmp_path, capsys, extra, typed, setting):
+    assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", *extra)) == 2
+    err = _one_line_error(capsys)
+    assert f"{typed} does nothing with {setting} (" in err and err.rstrip().endswith("drop it")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [
+    ["certify-margin", "tiny", "c.pt", "o.tsv", "--bound", "global", "--gamma-search", "bisection"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "fgsm", "--steps", "5"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "smooth-fgsm", "--random-start"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "pgd", "--samples", "8"],
+    ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--evaluate", "base", "--N", "100", "--alpha", "0.01"],
+])
+def test_other_options_that_do_nothing_together_are_refused(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 2
+    assert "nothing with --" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+
+
+def test_options_that_work_together_are_not_refused(tmp_path, capsys, checkpoint):
+    assert main(_certify_args(checkpoint, tmp_path / "a.tsv", "--gamma-search", "bisection", "--gamma-batch", "4")) == 0
+    assert main(_certify_args(checkpoint, tmp_path / "b.tsv", "--gamma-search", "one-step", "--bound", "local")) == 0
 
 
 def test_analyze_names_a_binary_file_and_prints_bad_radii_plainly(tmp_path, capsys):

@@ -303,6 +303,45 @@ def test_torchrun_rank_killed_mid_run_resumes_and_merges_to_the_single_process_r
     assert json.loads(Path(f"{out}.json").read_text()) == json.loads(Path(f"{single}.json").read_text())
 
 
+def test_every_option_of_the_torchrun_commands_gets_through_torchruns_parser(capsys):
+    """torchrun parses the whole command line with abbreviations on, so an option of ours that is a prefix of two of
+    its own (``--max`` of ``--max-restarts``/``--max_restarts``) stops it before any rank starts. Only ``--max``
+    does, and ``--max-inputs`` is its spelling for torchrun."""
+    from torch.distributed.run import get_args_parser
+
+    from splitz_fast.cli import build_parser
+
+    torchrun = get_args_parser()
+
+    def script_args(words):
+        try:
+            return torchrun.parse_args(["--standalone", "-m", "splitz_fast", *words]).training_script_args
+        except SystemExit:  # torchrun's one-line error, on stderr
+            return None
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    blocked = set()
+    for name in ("certify", "predict", "certify-margin", "attack", "train"):
+        for option in (o for a in commands[name]._actions for o in a.option_strings if o.startswith("--")):
+            for words in ([name, option, "1"], [name, f"{option}=1"]):
+                if script_args(words) != words:
+                    blocked.add(option)
+    assert blocked == {"--max"}, capsys.readouterr().err
+    for name in ("certify", "predict", "certify-margin", "attack"):
+        words = [name, "d", "c.pt", *(["0.5"] if name != "certify-margin" else []), "o.tsv", "--max-inputs", "6",
+                 *(["--eps", "1"] if name == "attack" else [])]
+        assert script_args(words) == words and build_parser().parse_args(words).max == 6, name
+
+
+@pytest.mark.slow  # ~15 s on 2 CPU cores
+@needs_torchrun
+def test_torchrun_certify_takes_max_inputs(tmp_path, law_checkpoint):
+    out = tmp_path / "dist.tsv"
+    code, log = _finish(_torchrun(_law_args("certify", law_checkpoint, out, 50, "--max-inputs", "6")), 180)
+    assert code == 0 and "certify: 6 images on 2 ranks" in log, log[-3000:]
+    assert [row[0] for row in _rows(out)] == ["0", "50", "100", "150", "200", "250"]
+
+
 @pytest.mark.slow  # ~15 s on 2 CPU cores
 @needs_torchrun
 def test_torchrun_predict_merges_to_the_single_process_rows(tmp_path, law_checkpoint):

@@ -122,3 +122,27 @@ def test_fused_max_pool_propagates_nan_and_refuses_odd_sizes():
     assert fused[:, 1, 1, 1].isnan().all() and fused.isnan().sum() == 3  # the window (rows 2-3, cols 2-3) of channel 1
     with pytest.raises(ValueError, match="even"):
         noisy_latents_maxpool2_native(torch.randn(4, 5, 6), 3, 0.5, 1, 0)
+
+
+def test_no_extension_builder_import_unless_something_is_built():
+    """Importing torch.utils.cpp_extension prints torch's "No CUDA runtime is found, using CUDA_HOME=..." on machines
+    with a CUDA toolkit but no GPU; splitz_fast imports it only to build. Here: `import splitz_fast`, `splitz --help`
+    and loading already-built native modules from torch's cache, each in a fresh process."""
+    built = HAS_COMPILER and os.environ.get(NATIVE_ENV) != "0" and native_available("noisy_latents") and \
+        native_available("conv_power")  # built into the cache by this process, if they can be
+    load = ("from splitz_fast.kernels import native; assert native.native_module() is not None; "
+            "assert native.train_module() is not None; " if built else "")
+    script = textwrap.dedent(f"""
+        import sys
+        import splitz_fast
+        from splitz_fast.cli import main
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        {load}
+        print("builder imported:", "torch.utils.cpp_extension" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "builder imported: False" in done.stdout and "No CUDA runtime" not in done.stderr, done.stderr
