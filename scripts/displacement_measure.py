@@ -49,7 +49,7 @@ def main() -> None:
             for x in images:
                 x = x.flatten() if args.model == "mlp" else x
                 t0 = time.perf_counter()
-                b = RadiusSearch(left, opts).search(x, r_latent, None)
+                b = RadiusSearch.of_left(left, opts).search(x, r_latent, None)
                 t1 = time.perf_counter()
                 d = displacement_radius(left, x, r_latent, options=opts, baseline=b)
                 t2 = time.perf_counter()

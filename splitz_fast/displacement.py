@@ -356,7 +356,7 @@ def displacement_radius(
     """
     opts = options if options is not None else BoundOptions()
     if baseline is None:
-        baseline = RadiusSearch(left, opts).search(x, radius_latent, generator)
+        baseline = RadiusSearch.of_left(left, opts).search(x, radius_latent, generator)
     best = DisplacementRadius(baseline.radius, baseline.gamma, math.nan, "baseline", baseline.kind.split("-")[-1],
                               baseline.failure, baseline.evaluations, baseline)
     if left.depth == 0 or radius_latent <= 0:

@@ -144,6 +144,11 @@ class RadiusSearch:
         self.options = options
         self._global: tuple[LeftHalf, ModuleSnapshot, LipschitzBound] | None = None
 
+    @classmethod
+    def of_left(cls, left: LeftHalf, options: BoundOptions) -> "RadiusSearch":
+        """A search for a bare ``f_L`` (no ``f_R``: e.g. to compare another radius with Theorem 1's)."""
+        return cls(SplitModel(left, torch.nn.Identity(), num_classes=1), options)
+
     @property
     def left(self) -> LeftHalf:
         """``f_L`` as the model holds it now, checked (:meth:`~splitz_fast.modules.SplitModel.check_structure`)."""

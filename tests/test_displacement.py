@@ -274,7 +274,7 @@ def test_radius_never_below_lipschitz_radius_and_sound(name, radius_latent):
     x = _input(left, 6)[0]
     model = sz.SplitModel(left, nn.Sequential(nn.Flatten(), nn.Linear(left(x.float()[None]).numel(), 3)), 3)
     opts = BoundOptions(method="exact")
-    lip = RadiusSearch(model.left, opts).search(x.float(), radius_latent, None)
+    lip = RadiusSearch(model, opts).search(x.float(), radius_latent, None)
     result = displacement_radius(model.left, x.float(), radius_latent, options=opts, gamma_steps=6)
     assert result.radius >= lip.radius
     assert result.baseline.radius == lip.radius
@@ -290,7 +290,7 @@ def test_radius_strictly_larger_where_clipping_binds():
     left = build_left("linear-small-theta")
     x = _input(left, 0)[0].float()
     opts = BoundOptions(method="exact", gamma_max=4.0)
-    lip = RadiusSearch(left, opts).search(x, 0.2, None)
+    lip = RadiusSearch.of_left(left, opts).search(x, 0.2, None)
     result = displacement_radius(left, x, 0.2, options=opts)
     assert result.radius > 2 * lip.radius
     assert result.candidate != "baseline"
