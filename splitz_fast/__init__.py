@@ -25,7 +25,8 @@ from .margin import MarginCertifier
 from .sequential import (BetaBinomialCS, Decision, SequentialCertifier, SequentialCertifyResult, SequentialResult,
                          certify_sequential, latent_thresholds)
 from .radius import BoundOptions, RadiusSearch
-from .protocols import PROTOCOLS, CertificationProtocol, PaperAlgorithm1, PublishedCode, SoundCertificate
+from .protocols import (PROTOCOLS, CertificationProtocol, DisplacementCertificate, PaperAlgorithm1, PublishedCode,
+                        SoundCertificate)
 from .sampling import NoiseStream, SamplingEngine
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
 from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
@@ -84,6 +85,7 @@ __all__ = [
     "PROTOCOLS",
     "CertificationProtocol",
     "SoundCertificate",
+    "DisplacementCertificate",
     "PaperAlgorithm1",
     "PublishedCode",
     "SamplingEngine",

@@ -268,8 +268,10 @@ def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
         settings["precision"] = smoother.precision
     if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
         settings["gamma_batch"] = smoother.options.gamma_batch
-    if not smoother.protocol.certificate:  # recorded only for estimates, so sound files written before still resume
-        settings.update(protocol=smoother.protocol.name, certificate=False)
+    if smoother.protocol.name != "sound":  # recorded only when set, so sound files written before still resume
+        settings["protocol"] = smoother.protocol.name
+        if not smoother.protocol.certificate:
+            settings["certificate"] = False
     n0 = args.N0 if kind == "certify" else 0
     certifier, n = smoother, args.N
     if sequential:  # recorded only when set, so files written before the option still resume
@@ -651,7 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--budget", type=int, default=None,
                            help="with --sequential: most estimation samples per image; --N when unset")
             c.add_argument("--protocol", choices=tuple(PROTOCOLS), default="sound",
-                           help="sound: a certificate. paper (Algorithm 1: masked 5-step power iteration, one-step "
+                           help="sound: a certificate; displacement: a certificate never smaller than sound (the "
+                                "latent-displacement bound of clipped neurons; slower). paper (Algorithm 1: masked "
+                                "5-step power iteration, one-step "
                                 "γ) and published-code (the published code: no masks, radius in standardized units) "
                                 "are ESTIMATES, NOT CERTIFICATES, for comparing with the paper's numbers: every row's "
                                 "bound column and the sidecar say so")

@@ -4,8 +4,12 @@ Users who compare with the paper need to know which part of its numbers comes fr
 which from training. A protocol turns ``R`` (the certified latent radius of the smoothed ``f_R``, the same for all
 three) into a radius in input space:
 
-* ``sound`` (:class:`SoundCertificate`, the default and the only *certificate*): Theorem 1 with a proven upper bound
-  on ``L(x, γ)`` and the configured γ search (:class:`~splitz_fast.radius.RadiusSearch`).
+* ``sound`` (:class:`SoundCertificate`, the default, a *certificate*): Theorem 1 with a proven upper bound on
+  ``L(x, γ)`` and the configured γ search (:class:`~splitz_fast.radius.RadiusSearch`).
+* ``displacement`` (:class:`DisplacementCertificate`, a *certificate*, never smaller than ``sound``): the same search,
+  then the latent-displacement bound of :mod:`splitz_fast.displacement` (clipped output ranges of the varying
+  neurons), which only needs ``sup ‖f_L(x') − f_L(x)‖ < R`` on the ball rather than ``L·γ ≤ R``. An option until it
+  shows a gain on real models (docs/results/displacement: none on LeNet).
 * ``paper`` (:class:`PaperAlgorithm1`): Algorithm 1 and Remark 1 of the paper as written — the masked operator
   ``I^v W D`` of every layer (masks from the same float64 interval bounds), its spectral norm by 5 steps of power
   iteration from a random start, and the one-step γ search: ``γ' = R / L̃_ref``, ``γ* = R / L̃(x, γ')``, radius
@@ -31,10 +35,12 @@ certificate"). They exist to decompose the paper's numbers and to be falsified b
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 
 import torch
 
+from .displacement import displacement_radius
 from .lipschitz import lipschitz_estimate, masked_operators
 from .radius import RadiusResult, RadiusSearch
 
@@ -69,6 +75,25 @@ class SoundCertificate(CertificationProtocol):
 
 def _identity(radius_latent: float, kind: str) -> RadiusResult:
     return RadiusResult(radius_latent, radius_latent, 1.0, kind, math.nan, 0, 0)
+
+
+class DisplacementCertificate(CertificationProtocol):
+    """Theorem 1's search, then :func:`~splitz_fast.displacement.displacement_radius` from its result (sound; rows say
+    ``displacement-exact`` / ``-probabilistic`` where the displacement bound won, with ``L`` = ``Δ(x, γ)/γ``, the
+    effective Lipschitz constant over the ball, and the search's own kind where it did not)."""
+
+    name, certificate = "displacement", True
+
+    def radius(self, search, x, radius_latent, generator):
+        baseline = search.search(x, radius_latent, generator)
+        if search.left.depth == 0:
+            return baseline
+        found = displacement_radius(search.left, x, radius_latent, options=search.options, baseline=baseline,
+                                    generator=generator)
+        if found.candidate == "baseline":
+            return dataclasses.replace(baseline, failure=found.failure, evaluations=found.evaluations)
+        return RadiusResult(found.radius, found.gamma, found.displacement / found.gamma, f"displacement-{found.kind}",
+                            found.failure, found.evaluations, found.evaluations)
 
 
 class PaperAlgorithm1(CertificationProtocol):
@@ -146,8 +171,8 @@ def _power_iteration_norm(op, n_iter: int, generator: torch.Generator | None) ->
         return float(op.matvec(v).norm() / v.norm().clamp_min(1e-300))
 
 
-PROTOCOLS: dict[str, CertificationProtocol] = {p.name: p for p in (SoundCertificate(), PaperAlgorithm1(),
-                                                                     PublishedCode())}
+PROTOCOLS: dict[str, CertificationProtocol] = {p.name: p for p in (SoundCertificate(), DisplacementCertificate(),
+                                                                     PaperAlgorithm1(), PublishedCode())}
 
 
 def get_protocol(protocol: str | CertificationProtocol) -> CertificationProtocol:
@@ -165,5 +190,5 @@ def is_estimate_kind(bound_kind: str) -> bool:
     return bound_kind.endswith("-estimate")
 
 
-__all__ = ["CertificationProtocol", "SoundCertificate", "PaperAlgorithm1", "PublishedCode", "PROTOCOLS",
+__all__ = ["CertificationProtocol", "SoundCertificate", "DisplacementCertificate", "PaperAlgorithm1", "PublishedCode", "PROTOCOLS",
            "PUBLISHED_DATA_STD", "get_protocol", "is_estimate_kind", "PAPER_POWER_ITERS"]

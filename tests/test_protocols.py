@@ -99,13 +99,32 @@ def test_estimates_at_split_0_are_labelled_too(protocol):
     assert r.bound_kind == f"{protocol}-estimate" and r.lipschitz == 1.0
 
 
+def test_displacement_protocol_is_never_below_sound_and_gains_where_clipping_binds():
+    """A narrow clipped layer (θ = 0.05): every neuron's output range is tiny, so the latent cannot move by R however
+    far the input goes — the displacement certificate reaches the search ceiling, the Lipschitz one does not."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        net[-1].bias.copy_(torch.tensor([4.0, 0.0]))
+    model = sz.split_sequential(net, 1, num_classes=2, input_shape=(8,), threshold=0.05)
+    x = torch.rand(8, generator=torch.Generator().manual_seed(2))
+    sound = sz.Smoother(model, SIGMA, bound_method="exact").certify(x, **CERTIFY, seed=0)
+    moved = sz.Smoother(model, SIGMA, bound_method="exact", protocol="displacement").certify(x, **CERTIFY, seed=0)
+    assert sound.prediction == moved.prediction == 0
+    assert moved.radius > 2 * sound.radius and moved.bound_kind == "displacement-exact"
+    conv, image = _model(False)
+    plain = sz.Smoother(conv, SIGMA).certify(image, **CERTIFY, seed=0)
+    tighter = sz.Smoother(conv, SIGMA, protocol="displacement").certify(image, **CERTIFY, seed=0)
+    assert tighter.radius >= plain.radius
+
+
 def test_power_iteration_steps_are_the_papers():
     assert PAPER_POWER_ITERS == 5
 
 
 def test_unknown_protocol_and_sequential_estimates_are_refused():
     model, _ = _model(False)
-    with pytest.raises(ValueError, match="protocol must be one of sound, paper, published-code"):
+    with pytest.raises(ValueError, match="protocol must be one of sound, displacement, paper, published-code"):
         sz.Smoother(model, SIGMA, protocol="cohen")
     with pytest.raises(ValueError, match="estimate"):
         SequentialCertifier(sz.Smoother(model, SIGMA, protocol="paper"), radii=[0.5])
