@@ -491,7 +491,7 @@ def test_splitz_local_bisection_radius():
     assert r.prediction == 1
     assert r.bound_kind == "local-exact"
     assert r.failure_prob == pytest.approx(alpha)
-    assert r.gamma_evaluations == 2 + steps
+    assert r.gamma_evaluations <= 2 + steps  # a γ certified by a larger bounded ball is not bounded again
     p_lower = beta.ppf(alpha, r.count_a, n - r.count_a + 1)
     assert r.p_a_lower == pytest.approx(p_lower, rel=1e-12)
     R = sigma * norm.ppf(p_lower)
