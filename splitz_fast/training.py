@@ -9,7 +9,10 @@ How the estimate enters the loss is the config's ``lip_objective`` (:data:`LIP_O
 hinge above, the published code's hinge on the batch mean, or a Lagrangian that holds the mean estimate at a target
 ``L*`` with a multiplier updated by dual ascent. Training objectives decide which model is found, never whether a
 certificate holds: certification bounds the trained ``f_L`` soundly whatever produced it. Named recipes
-(:mod:`splitz_fast.recipes`) bundle these choices.
+(:mod:`splitz_fast.recipes`) bundle these choices. With ``stability_weight > 0`` the loss also holds
+``stability_weight · mean_i S(x_i, γ)``, a soft count of ``f_L``'s neurons that vary on the training ball, from the
+certificate's interval bounds made differentiable (:func:`ball_intervals`, :func:`stability_penalty`): the ``stable``
+recipe's way of making ``f_L`` flat where it is certified.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
