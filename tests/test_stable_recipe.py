@@ -172,7 +172,8 @@ def test_stability_term_enters_the_loss_with_its_weight():
     plain, plain_parts = splitz_loss(model, x, y, base, 0.0, None, torch.Generator().manual_seed(0), gamma=0.4)
     config = TrainConfig(sigma=0.5, lambda_start=0.0, lambda_end=0.0, stability_weight=0.7)
     loss, parts = splitz_loss(model, x, y, config, 0.0, None, torch.Generator().manual_seed(0), gamma=0.4)
-    assert float(loss) == pytest.approx(float(plain) + 0.7 * float(penalty.mean()), rel=1e-6)
+    penalty = penalty.detach()
+    assert float(loss.detach()) == pytest.approx(float(plain.detach()) + 0.7 * float(penalty.mean()), rel=1e-6)
     assert parts["stability"] == pytest.approx(float(penalty.mean()))
     assert parts["varying"] == pytest.approx(float(varying.mean())) and "stability" not in plain_parts
 
