@@ -129,7 +129,8 @@ _TRAIN_OPTIONS = {
     "weight_decay": "--weight-decay", "lr_schedule": "--lr-schedule", "lr_step": "--lr-step", "lr_decay": "--lr-decay",
     "val_fraction": "--val-fraction", "max_batches": "--max-batches", "seed": "--seed", "num_workers": "--workers",
     "lip_objective": "--lip-objective", "lip_target": "--lip-target", "dual_step": "--dual-step",
-    "gamma_ramp": "--gamma-ramp", "init_checkpoint": "--init",
+    "gamma_ramp": "--gamma-ramp", "init_checkpoint": "--init", "gamma_ramp_fraction": "--gamma-ramp-fraction",
+    "stability_weight": "--stability-weight", "stability_scale": "--stability-scale",
 }
 _DEMO_TRAIN_OPTIONS = {"sigma": "--sigma", "epochs": "--epochs", "batch_size": "--train-batch",
                        "lambda_start": "--lambda-start", "lambda_end": "--lambda-end", "seed": "--seed",
@@ -593,6 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="γ of the training estimate (unset: the recipe's, else 0.1)")
     t.add_argument("--gamma-ramp", action=argparse.BooleanOptionalAction, default=None,
                    help="ramp γ linearly from 0 to --gamma-train over the epochs (unset: the recipe's, else off)")
+    t.add_argument("--gamma-ramp-fraction", type=float, default=None,
+                   help="ramp γ per step, reaching --gamma-train after this share of training (unset: the recipe's)")
+    t.add_argument("--stability-weight", type=float, default=None,
+                   help="weight of the term rewarding neurons constant on the training ball (unset: the recipe's, "
+                        "else 0)")
+    t.add_argument("--stability-scale", type=float, default=None,
+                   help="τ of the stability term, pre-activation units (unset: the recipe's, else 1)")
     t.add_argument("--power-iters", type=int, default=None,
                    help="power steps per training step (unset: the recipe's, else 5)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer (sgd: momentum 0.9)")

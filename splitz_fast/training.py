@@ -9,7 +9,10 @@ How the estimate enters the loss is the config's ``lip_objective`` (:data:`LIP_O
 hinge above, the published code's hinge on the batch mean, or a Lagrangian that holds the mean estimate at a target
 ``L*`` with a multiplier updated by dual ascent. Training objectives decide which model is found, never whether a
 certificate holds: certification bounds the trained ``f_L`` soundly whatever produced it. Named recipes
-(:mod:`splitz_fast.recipes`) bundle these choices.
+(:mod:`splitz_fast.recipes`) bundle these choices. With ``stability_weight > 0`` the loss also holds
+``stability_weight · mean_i S(x_i, γ)``, a soft count of ``f_L``'s neurons that vary on the training ball, from the
+certificate's interval bounds made differentiable (:func:`ball_intervals`, :func:`stability_penalty`): the ``stable``
+recipe's way of making ``f_L`` flat where it is certified.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
@@ -49,7 +52,7 @@ from ._checks import check_count, check_nonnegative, check_positive, check_tenso
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .models import build_model
 from .modules import AFFINE_TYPES, SplitModel
-from .bounds import BallBounds, first_layer_row_norms, input_scale
+from .bounds import BallBounds, first_layer_row_norms, input_scale, linear_part
 # Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
 from .checkpoints import (CHECKPOINT_DIGEST_COVERS, CHECKPOINT_FORMAT, checkpoint_digest, load_checkpoint_file,
                           load_state_into, save_checkpoint)
@@ -81,6 +84,14 @@ class TrainConfig:
             multiplier's dual ascent ``μ ← max(0, μ + dual_step · (mean L̂ − L*))`` after every training step, and
             ``μ``'s start. Read by ``"lagrangian"`` only.
         gamma_ramp: ramp the estimate's ball radius linearly from 0 (first epoch) to ``gamma_train`` (last epoch).
+        gamma_ramp_fraction: with ``gamma_ramp``, ramp per training step instead: from 0 at the first step to
+            ``gamma_train`` after this share of all steps, then constant (Huang et al. 2021 ramp over the first half:
+            0.5). ``None`` (default): the per-epoch ramp above. The stability term's ball follows the same ramp.
+        stability_weight: weight κ_s of the stability term added to the loss, ``κ_s · mean_i S(x_i, γ)``
+            (:func:`stability_penalty`: a soft count of ``f_L``'s neurons that vary on the training ball, from the
+            certificate's interval bounds); 0 (default) leaves it out.
+        stability_scale: τ of the stability term (pre-activation units): a varying neuron that must move its bounds
+            by ``d`` to become constant costs ``tanh(d / τ)``.
         init_checkpoint: a ``splitz train`` checkpoint whose affine layers initialise the model (warm start, e.g. from
             an RS model of the same σ); ``None`` = fresh weights from ``seed``.
     """
@@ -111,6 +122,9 @@ class TrainConfig:
     dual_init: float = 1.0
     gamma_ramp: bool = False
     init_checkpoint: str | None = None
+    gamma_ramp_fraction: float | None = None
+    stability_weight: float = 0.0
+    stability_scale: float = 1.0
 
     def validate(self) -> "TrainConfig":
         check_positive("sigma", self.sigma)
@@ -144,6 +158,13 @@ class TrainConfig:
         check_positive("lip_target", self.lip_target)
         check_positive("dual_step", self.dual_step)
         check_nonnegative("dual_init", self.dual_init)
+        if self.gamma_ramp_fraction is not None:
+            if not 0.0 < self.gamma_ramp_fraction <= 1.0:
+                raise ValueError(f"gamma_ramp_fraction must lie in (0, 1], got {self.gamma_ramp_fraction}")
+            if not self.gamma_ramp:
+                raise ValueError("gamma_ramp_fraction needs gamma_ramp (the ramp it shapes)")
+        check_nonnegative("stability_weight", self.stability_weight)
+        check_positive("stability_scale", self.stability_scale)
         return self
 
     @property
@@ -155,9 +176,17 @@ class TrainConfig:
             return self.lambda_start
         return self.lambda_start + (self.lambda_end - self.lambda_start) * epoch / (self.epochs - 1)
 
-    def gamma_at(self, epoch: int) -> float:
-        """The estimate's ball radius at ``epoch``: ``gamma_train``, or its linear ramp from 0 (``gamma_ramp``)."""
-        if not self.gamma_ramp or self.epochs == 1:
+    def gamma_at(self, epoch: int, step: int = 0, steps: int = 1) -> float:
+        """The training ball's radius at step ``step`` (0-based) of the ``steps`` of ``epoch``: ``gamma_train``, or its
+        linear ramp from 0 (``gamma_ramp``) — per epoch, reaching ``gamma_train`` at the last epoch, or, with
+        ``gamma_ramp_fraction`` f, per step, reaching it after a share f of all ``epochs · steps`` steps. A function of
+        the step's position alone, so a resumed run sees the radii of an uninterrupted one."""
+        if not self.gamma_ramp:
+            return self.gamma_train
+        if self.gamma_ramp_fraction is not None:
+            done = (epoch * steps + step) / (self.gamma_ramp_fraction * self.epochs * steps)
+            return self.gamma_train * min(1.0, done)
+        if self.epochs == 1:
             return self.gamma_train
         return self.gamma_train * epoch / (self.epochs - 1)
 
@@ -336,17 +365,92 @@ def splitz_loss(
     noisy = training_noise(latent, q, config.sigma, generator, rows)
     cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q)) * rows.share
     parts = {"ce": float(cross_entropy.detach())}
-    if not need_lip:
-        return cross_entropy, parts
-    lip = lipschitz_estimate(model.left, x, gamma, n_iter=config.power_iters, state=state,
-                             generator=generator, bounds=bounds)
-    local_mean = float(lip.detach().mean())
-    parts["lip"] = local_mean * rows.share
-    batch_mean = None
-    if objective.reads_batch_mean:  # one all-reduce per step under torchrun, only for the objectives that need it
-        batch_mean = local_mean if rows.count == rows.total else _global_batch_mean(lip.detach(), rows)
-        parts["lip_batch_mean"] = batch_mean
-    return objective.combine(cross_entropy, lip, lam, config, rows.share, batch_mean), parts
+    loss = cross_entropy
+    if need_lip:
+        lip = lipschitz_estimate(model.left, x, gamma, n_iter=config.power_iters, state=state,
+                                 generator=generator, bounds=bounds)
+        local_mean = float(lip.detach().mean())
+        parts["lip"] = local_mean * rows.share
+        batch_mean = None
+        if objective.reads_batch_mean:  # one all-reduce per step under torchrun, only for the objectives that need it
+            batch_mean = local_mean if rows.count == rows.total else _global_batch_mean(lip.detach(), rows)
+            parts["lip_batch_mean"] = batch_mean
+        loss = objective.combine(cross_entropy, lip, lam, config, rows.share, batch_mean)
+    if model.split_index > 0 and config.stability_weight > 0:
+        penalty, varying = stability_penalty(model.left, ball_intervals(model.left, x, gamma),
+                                             config.stability_scale)
+        parts["stability"] = float(penalty.detach().mean()) * rows.share
+        parts["varying"] = float(varying.mean()) * rows.share
+        loss = loss + config.stability_weight * penalty.mean() * rows.share
+    return loss, parts
+
+
+def ball_intervals(left, x: torch.Tensor, gamma: float | torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pre-activation bounds ``(lower_k, upper_k)``, each ``[B, *shape_k]``, of every affine layer of ``f_L`` over the
+    l2 ball ``B(x, γ)`` — the intervals of :func:`~splitz_fast.bounds.ball_bounds` (first layer: the exact ball bound
+    ``w_i·x + b_i ± γ‖w_i D‖₂`` over the taps inside the image; deeper layers: center/radius interval arithmetic with
+    the clipped ReLU's clamp and max-pools of the interval's ends) — but differentiable with respect to the weights,
+    biases and thresholds of ``f_L``, in ``x``'s dtype and without the certificate's rounding margin. For training
+    objectives only (:func:`stability_penalty`); certificates use ``ball_bounds``.
+
+    ``gamma``: a scalar or ``[B]`` radii in raw input units."""
+    g = torch.as_tensor(gamma, dtype=x.dtype, device=x.device).flatten()
+    intervals: list[tuple[torch.Tensor, torch.Tensor]] = []
+    h = left.standardize(x) if left.standardize is not None else x
+    center = radius = None
+    for k, layer in enumerate(left.layers):
+        if k == 0:
+            z = layer(left.layer_input(layer, h))
+            scale = input_scale(left, x.detach())
+            s2 = torch.ones_like(x[:1]) if scale is None else scale.square()
+            # ‖w_i D‖₂ with gradient to the weights; sqrt's gradient at 0 is kept finite (a row of zeros only).
+            r = linear_part(layer, s2, weight=layer.weight.square()).clamp_min(1e-30).sqrt()
+            r = g.view(-1, *([1] * (z.ndim - 1))) * r
+        else:
+            z = layer(left.layer_input(layer, center))
+            r = linear_part(layer, radius, weight=layer.weight.abs())
+        lower, upper = z - r, z + r
+        intervals.append((lower, upper))
+        if k < left.depth - 1:
+            act = left.activation(k)
+            lo, hi = (act(lower), act(upper)) if act is not None else (lower, upper)  # monotone: ends map to ends
+            pool = left.pool(k)
+            if pool is not None:
+                lo, hi = pool(lo), pool(hi)
+            center, radius = (lo + hi) / 2, (hi - lo) / 2
+    return intervals
+
+
+def stability_penalty(left, intervals: list[tuple[torch.Tensor, torch.Tensor]],
+                      scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stability term of the ``stable`` recipe: per input, a soft count of ``f_L``'s clipped-ReLU neurons that vary
+    over the ball, and the hard count it stands for. Returns ``(penalty, varying)``, both ``[B]`` means over the
+    neurons (``varying`` without gradient).
+
+    A clipped ReLU ``min(max(z, 0), θ)`` with ``z ∈ [l, u]`` on the ball is constant there exactly when it is
+    inactive (``u ≤ 0``) or saturated (``l ≥ θ``) — the certificate's mask is ``u > 0 and l < θ``. Its violation
+    ``d = min(u, θ − l)`` is positive exactly for varying neurons and is how far the cheaper of its two bounds must
+    move for it to become constant. Each neuron costs ``tanh(max(d, 0) / scale)``: 0 when constant, close to 1 when
+    far from both stable regions (a bounded cost, so a neuron that carries signal costs at most 1), with the largest
+    gradient near the boundary — Xiao et al.'s (ICLR 2019) ReLU-stability loss ``−tanh(1 + l·u)`` adapted to the two
+    stable regions of the clipped ReLU. The gradient moves ``u`` down (bias, weights) or ``l`` up and θ down
+    (learnable thresholds: saturation is the other way to be constant).
+
+    ``intervals``: :func:`ball_intervals` of ``left``; layers without an activation are skipped."""
+    penalty = varying = 0.0
+    neurons = 0
+    for k, (lower, upper) in enumerate(intervals):
+        act = left.activation(k)
+        if act is None:
+            continue
+        theta = act.broadcast_threshold(lower)
+        violation = torch.minimum(upper, theta - lower).flatten(1)
+        penalty = penalty + torch.tanh(F.relu(violation) / scale).sum(1)
+        varying = varying + (violation > 0).sum(1).to(lower.dtype)
+        neurons += violation.shape[1]
+    if neurons == 0:
+        raise ValueError("f_L has no clipped-ReLU neurons: the stability term needs split_index > 0")
+    return penalty / neurons, (varying / neurons).detach()
 
 
 def _global_batch_mean(values: torch.Tensor, rows: BatchRows) -> float:
@@ -708,7 +812,6 @@ def train(
         if stop_after_epochs is not None and epochs_run >= stop_after_epochs:
             break
         lam = config.lambda_at(epoch)
-        gamma = config.gamma_at(epoch)
         for param_group in optimizer.param_groups:
             param_group["lr"] = config.lr_at(epoch)
         # The epoch's data order and noise depend only on (seed, epoch): resuming reproduces them. A loader (datasets
@@ -718,13 +821,15 @@ def train(
         positions, rows = _rank_batches(_batches_of(order, config.batch_size, config.max_batches), group)
         noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
         model.train()
-        sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0}
+        sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0}
+        gamma = config.gamma_at(epoch)
         start = time.perf_counter()
         progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
                         total=len(positions), desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
                         disable=group.rank != 0)
         for batch, ((x, y), share) in enumerate(progress, start=1):
             weight = multiplier if objective.has_multiplier else lam
+            gamma = config.gamma_at(epoch, batch - 1, len(positions))
             loss, parts = training_step(model, x, y, share, config, weight, state, noise_gen, optimizer, group,
                                         gamma=gamma)
             if "lip_batch_mean" in parts and objective.has_multiplier:  # dual ascent, the same on every rank
@@ -732,6 +837,8 @@ def train(
             sums["loss"] += float(loss.detach())
             sums["ce"] += parts["ce"]
             sums["lip"] += parts.get("lip", share.share)  # no Lipschitz term: the estimate counts as 1
+            sums["stability"] += parts.get("stability", 0.0)
+            sums["varying"] += parts.get("varying", 0.0)
             progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
         progress.close()
         seconds = time.perf_counter() - start
@@ -740,6 +847,8 @@ def train(
         record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam, "gamma_train": gamma,
                   "train_loss": totals[0] / batches, "train_ce": totals[1] / batches,
                   "train_lip_estimate": totals[2] / batches}
+        if config.stability_weight > 0 and model.split_index > 0:  # the stability term and the share it counts
+            record.update(train_stability=totals[3] / batches, train_varying=totals[4] / batches)
         val_batches = ((x, y, share) for (x, y), share in zip(val_part.batches(val_positions, None), val_rows))
         record.update(evaluate(model, val_batches, config, device, group))
         if objective.has_multiplier:  # the Lagrangian's μ after the epoch's last step
