@@ -92,6 +92,15 @@ class BallBounds:
     gamma: torch.Tensor
     in_masks: list[torch.Tensor | None]
 
+    def rows(self, start: int, stop: int) -> "BallBounds":
+        """The bounds of inputs ``start .. stop − 1`` of the batch (every per-input tensor sliced, views)."""
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop]
+
+        return BallBounds(lower=[part(t) for t in self.lower], upper=[part(t) for t in self.upper],
+                          masks=[part(t) for t in self.masks], input_scale=self.input_scale,
+                          gamma=self.gamma[start:stop], in_masks=[part(t) for t in self.in_masks])
+
     def in_mask(self, k: int) -> torch.Tensor | None:
         """The varying mask of layer ``k``'s *input* (``None`` for the first layer): the previous layer's mask, or,
         after a max-pool, :func:`pool_interval`'s mask of the pooled activations."""

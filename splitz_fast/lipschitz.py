@@ -440,8 +440,26 @@ def lipschitz_bound(
     if left.depth == 0:
         return LipschitzBound(torch.ones(batch, dtype=torch.float64), ["identity"] * batch, [0.0] * batch, True,
                               torch.as_tensor(gamma, dtype=torch.float64).expand(batch).clone())
-    bounds = ball_bounds(left, x, gamma)
-    ops = masked_operators(left, bounds, tuple(x.shape[1:]), batch, bounds.input_scale)
+    return bound_from_ball(left, ball_bounds(left, x, gamma), tuple(x.shape[1:]), method=method, delta=delta,
+                           n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator)
+
+
+def bound_from_ball(
+    left: LeftHalf,
+    bounds: BallBounds,
+    input_shape: tuple[int, ...],
+    *,
+    method: str = "auto",
+    delta: float = 1e-6,
+    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
+    generator: torch.Generator | None = None,
+) -> LipschitzBound:
+    """:func:`lipschitz_bound` from ball bounds already computed (:func:`~splitz_fast.bounds.ball_bounds`, or a
+    :meth:`~splitz_fast.bounds.BallBounds.rows` slice of a larger batch's): the same factors and the same value."""
+    _check_method(method)
+    batch = bounds.gamma.shape[0]
+    ops = masked_operators(left, bounds, input_shape, batch, bounds.input_scale)
     value, kind, failure = _bound_factors(
         ops, batch, method=method, delta=delta, n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator
     )

@@ -63,6 +63,11 @@ class CertificationProtocol(abc.ABC):
         certified at ``radius_latent``; ``search`` holds the model (its current ``f_L``) and the bound options;
         ``generator`` (the input's own) seeds every random start."""
 
+    def radii(self, search: RadiusSearch, xs: list[torch.Tensor], radii_latent: list[float],
+              generators: list[torch.Generator | None]) -> list[RadiusResult]:
+        """:meth:`radius` of several inputs (a certify_many window), each equal to its own call."""
+        return [self.radius(search, x, r, g) for x, r, g in zip(xs, radii_latent, generators)]
+
 
 class SoundCertificate(CertificationProtocol):
     """Theorem 1 with a proven upper bound on ``L(x, γ)``: the configured :class:`RadiusSearch`, unchanged."""
@@ -71,6 +76,9 @@ class SoundCertificate(CertificationProtocol):
 
     def radius(self, search, x, radius_latent, generator):
         return search.search(x, radius_latent, generator)
+
+    def radii(self, search, xs, radii_latent, generators):
+        return search.search_many(xs, radii_latent, generators)  # the window's searches in lockstep
 
 
 def _identity(radius_latent: float, kind: str) -> RadiusResult:

@@ -19,17 +19,19 @@ bound evaluations in each pass — worth it where a batched pass costs little mo
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ._checks import check_count, check_positive, check_probability
+from .bounds import ball_bounds
 from .lipschitz import (
     DEFAULT_EXACT_MAX_DIM,
     DEFAULT_PROBABILISTIC_ITERS,
     LipschitzBound,
+    bound_from_ball,
     global_lipschitz_bound,
-    lipschitz_bound,
 )
 from .modules import LeftHalf, ModuleSnapshot, SplitModel
 
@@ -177,16 +179,57 @@ class RadiusSearch:
     def search(self, x: torch.Tensor, radius_latent: float, generator: torch.Generator | None) -> RadiusResult:
         """Best ``min(R/L(x, γ), γ)`` over the γ evaluated by the configured search, for one input ``x`` (no batch
         dimension) whose latent radius is ``radius_latent``; ``generator`` seeds probabilistic bounds."""
+        return self.search_many([x], [radius_latent], [generator])[0]
+
+    def search_many(self, xs: Sequence[torch.Tensor], radii_latent: Sequence[float],
+                    generators: Sequence[torch.Generator | None]) -> list[RadiusResult]:
+        """:meth:`search` for several inputs at once (one generator each): their searches advance in lockstep, and
+        each round's new γ's — of every input — get their ball bounds in **one** batched pass
+        (:func:`~splitz_fast.bounds.ball_bounds`); each input's factors are then certified from its own rows with its
+        own generator, so every result equals :meth:`search` of that input alone."""
         opts = self.options
         left = self.left
         if left.depth == 0:
-            return RadiusResult(radius_latent, radius_latent, 1.0, "identity", 0.0, 0, 0)
+            return [RadiusResult(r, r, 1.0, "identity", 0.0, 0, 0) for r in radii_latent]
         if opts.bound == "global":
             g = self.global_bound()
             lip = float(g.value[0])
-            radius = radius_latent / lip if lip > 0 else opts.gamma_max
-            return RadiusResult(radius, radius, lip, f"global-{g.kind[0]}", g.failure_prob[0], 0, 0)
-        return _LocalSearch(left, opts, x, radius_latent, generator).run()
+            results = []
+            for r in radii_latent:
+                radius = r / lip if lip > 0 else opts.gamma_max
+                results.append(RadiusResult(radius, radius, lip, f"global-{g.kind[0]}", g.failure_prob[0], 0, 0))
+            return results
+        searches = [_LocalSearch(left, opts, x, r, gen) for x, r, gen in zip(xs, radii_latent, generators)]
+        steps = [search.steps() for search in searches]
+        asked = {i: next(step) for i, step in enumerate(steps)}
+        while asked:
+            fresh = {i: searches[i].fresh(gammas) for i, gammas in asked.items()}
+            bounded = _bound_rounds(left, opts, {i: (searches[i], gammas) for i, gammas in fresh.items() if gammas})
+            for i in list(asked):
+                lips = searches[i].record(asked[i], bounded.get(i))
+                try:
+                    asked[i] = steps[i].send(lips)
+                except StopIteration:
+                    del asked[i]
+        return [search.result() for search in searches]
+
+
+def _bound_rounds(left: LeftHalf, opts: BoundOptions, rounds: dict) -> dict[int, LipschitzBound]:
+    """``{i: L(x_i, γ) for each of its γ's}`` for ``rounds = {i: (search_i, γ's)}``: one ball-bound pass over every
+    (input, γ) row, then each input's factors from its own rows, delta and generator."""
+    if not rounds:
+        return {}
+    rows = torch.cat([search.x.unsqueeze(0).expand(len(gammas), *search.x.shape) for search, gammas in rounds.values()])
+    gammas = torch.tensor([g for _, round_gammas in rounds.values() for g in round_gammas], dtype=torch.float64)
+    ball = ball_bounds(left, rows, gammas)
+    bounded, start = {}, 0
+    for i, (search, round_gammas) in rounds.items():
+        stop = start + len(round_gammas)
+        bounded[i] = bound_from_ball(left, ball.rows(start, stop), tuple(search.x.shape), method=opts.method,
+                                     delta=search.delta_eval, n_iter=opts.power_iters,
+                                     exact_max_dim=opts.exact_max_dim, generator=search.generator)
+        start = stop
+    return bounded
 
 
 class _LocalSearch:
@@ -201,34 +244,36 @@ class _LocalSearch:
         self.passes = 0
         self.bounded: list[tuple[float, float, str]] = []  # (γ, L(x, γ), kind) of every γ bounded so far
 
-    def evaluate(self, gammas: list[float]) -> list[float]:
-        """A bound on ``L(x, γ)`` for each γ, the new ones in one batched bound call; records every γ's radius.
+    def fresh(self, gammas: list[float]) -> list[float]:
+        """The γ's of a round that need a bound of their own.
 
-        A γ at or below an already bounded γ' whose radius reaches it (``R / L(x, γ') ≥ γ``) gets no bound of its own:
+        A γ at or below an already bounded γ' whose radius reaches it (``R / L(x, γ') ≥ γ``) does not:
         ``L(x, γ')`` bounds ``f_L`` on ``B(x, γ') ⊇ B(x, γ)``, so it is a valid bound at γ, the radius there is γ
         itself and ``h(γ) ≤ 0`` as with ``L(x, γ)``. That skips about 30 % of the bisection's bound evaluations on
         trained LeNets (the radius is the same; the ``L`` reported for such a γ is the larger ball's)."""
-        covered = {g: self._covering(g) for g in gammas}
-        fresh = [g for g in gammas if covered[g] is None]
-        if fresh:
-            batch = self.x.unsqueeze(0).expand(len(fresh), *self.x.shape).contiguous()
-            bound = lipschitz_bound(
-                self.left, batch, torch.tensor(fresh, dtype=torch.float64), method=self.opts.method,
-                delta=self.delta_eval, n_iter=self.opts.power_iters, exact_max_dim=self.opts.exact_max_dim,
-                generator=self.generator,
-            )
+        return [g for g in gammas if self._covering(g) is None]
+
+    def record(self, gammas: list[float], bound: LipschitzBound | None) -> list[float]:
+        """Take the bounds of this round's fresh γ's (in :meth:`fresh`'s order), record every γ's radius, and return
+        the bound used at each γ of the round."""
+        if bound is not None:
             self.passes += 1
-            for gamma, value, kind, failure in zip(fresh, bound.value, bound.kind, bound.failure_prob):
+            for gamma, value, kind, failure in zip(self.fresh(gammas), bound.value, bound.kind, bound.failure_prob):
                 self.failure += failure
                 self.evaluations += 1
-                covered[gamma] = (float(value), f"local-{kind}")
                 self.bounded.append((gamma, float(value), f"local-{kind}"))
+        lips = []
         for gamma in gammas:
-            lip, kind = covered[gamma]
+            lip, kind = self._own(gamma) or self._covering(gamma)
             radius = gamma if lip == 0 else min(self.radius_latent / lip, gamma)
             if radius > self.best.radius or math.isnan(self.best.lipschitz):
                 self.best = RadiusResult(radius, gamma, lip, kind, 0.0, 0, 0)
-        return [covered[g][0] for g in gammas]
+            lips.append(lip)
+        return lips
+
+    def _own(self, gamma: float) -> tuple[float, str] | None:
+        """``(L(x, γ), kind)`` if γ itself was bounded, else ``None``."""
+        return next(((lip, kind) for bounded, lip, kind in self.bounded if bounded == gamma), None)
 
     def _covering(self, gamma: float) -> tuple[float, str] | None:
         """``(L(x, γ'), kind)`` of a bounded γ' ≥ γ whose radius reaches γ, or ``None``."""
@@ -241,32 +286,33 @@ class _LocalSearch:
         """``h(γ) ≤ 0``: γ is at or below the crossing, so the radius at γ is γ itself."""
         return lip == 0 or self.radius_latent / lip >= gamma
 
-    def run(self) -> RadiusResult:
+    def steps(self) -> Generator[list[float], list[float], None]:
+        """The search as a coroutine: yields the γ's of each round, receives the bound used at each (the driver,
+        :meth:`RadiusSearch.search_many`, bounds several inputs' rounds together)."""
         opts = self.opts
-        (lip0,) = self.evaluate([0.0])
+        (lip0,) = yield [0.0]
         ceiling = self.radius_latent / lip0 if lip0 > 0 else opts.gamma_max
         if opts.gamma_search == "bisection":
-            self.bisect(ceiling)
+            k = opts.gamma_batch
+            lo, hi = 0.0, ceiling
+            for p in range(opts.passes):
+                points = [lo + (hi - lo) * j / k for j in range(1, k)]
+                if p == 0:
+                    points.append(hi)  # the ceiling itself: valid, and the best radius when L(x, γ) = L(x, 0)
+                lips = yield points
+                below = [g for g, lip in zip(points, lips) if self.holds(g, lip)]
+                new_lo = max(below, default=lo)
+                above = [g for g in points if g > new_lo]
+                lo, hi = new_lo, min(above, default=hi)
         else:
             reference = opts.reference_lipschitz if opts.reference_lipschitz is not None else lip0
             gamma1 = self.radius_latent / reference if reference > 0 else opts.gamma_max
-            (lip1,) = self.evaluate([gamma1])
+            (lip1,) = yield [gamma1]
             gamma2 = self.radius_latent / lip1 if lip1 > 0 else opts.gamma_max
             if gamma2 != gamma1:
-                self.evaluate([gamma2])
+                yield [gamma2]
+
+    def result(self) -> RadiusResult:
         best = self.best
         return RadiusResult(best.radius, best.gamma, best.lipschitz, best.kind, self.failure, self.evaluations,
                             self.passes)
-
-    def bisect(self, ceiling: float) -> None:
-        k = self.opts.gamma_batch
-        lo, hi = 0.0, ceiling
-        for p in range(self.opts.passes):
-            points = [lo + (hi - lo) * j / k for j in range(1, k)]
-            if p == 0:
-                points.append(hi)  # the ceiling itself: valid, and the best radius when L(x, γ) = L(x, 0)
-            lips = self.evaluate(points)
-            below = [g for g, lip in zip(points, lips) if self.holds(g, lip)]
-            new_lo = max(below, default=lo)
-            above = [g for g in points if g > new_lo]
-            lo, hi = new_lo, min(above, default=hi)

@@ -349,10 +349,10 @@ class Smoother:
                         yield from self._finish(guard, window, counts, seconds, n, alpha)
                         continue
                     if finishing is not None:
-                        yield from finishing.result()
+                        yield from _checked(guard, finishing.result())
                     finishing = pool.submit(self._finish_on_side_stream, guard, window, counts, seconds, n, alpha)
                 if finishing is not None:
-                    yield from finishing.result()
+                    yield from _checked(guard, finishing.result())
 
     def _windows(self, engine, guard: CallGuard, inputs, seeds, n0, n, batch_size):
         """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``."""
@@ -395,26 +395,36 @@ class Smoother:
         return results
 
     def _finish(self, guard: CallGuard, window, counts, seconds, n, alpha) -> Iterator[CertifyResult]:
+        """The window's results in order. The radius searches of its non-abstaining inputs run together
+        (:meth:`~splitz_fast.protocols.CertificationProtocol.radii`: one batched ball-bound pass per round of all of
+        them), each equal to its own search; each input's ``seconds`` adds an equal share of that time."""
+        guard.check()  # the caller's code ran since the previous window: the bounds must be of the sampled f_L
+        start = time.perf_counter()
+        decided = []
         for i, pending in enumerate(window):
-            guard.check()  # the caller's code ran since the previous result: the bound must be of the sampled f_L
-            start = time.perf_counter()
             candidate = int(counts[0, i].argmax())  # ties go to the lowest class index
             count_a = int(counts[1, i, candidate])
-            p_lower = clopper_pearson_lower(count_a, n, alpha)
+            decided.append((candidate, count_a, clopper_pearson_lower(count_a, n, alpha)))
+        certified = [i for i, (_, _, p_lower) in enumerate(decided) if p_lower >= 0.5]
+        found = dict(zip(certified, self.protocol.radii(
+            self.radius_search, [window[i].x.x for i in certified],
+            [latent_radius(self.sigma, decided[i][2]) for i in certified],
+            [window[i].stream.generator for i in certified])))
+        seconds = seconds + (time.perf_counter() - start) / len(window)
+        for i, pending in enumerate(window):
+            guard.check()  # results already computed describe the model as it was sampled: not an edited one
+            candidate, count_a, p_lower = decided[i]
             source, seed = pending.stream.source, pending.stream.seed
-            if p_lower < 0.5:
+            if i not in found:
                 yield about_given_input(CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha,
-                                                      count_a, n, 0, seed, seconds + time.perf_counter() - start,
-                                                      source), pending.x.rounding)
+                                                      count_a, n, 0, seed, seconds, source), pending.x.rounding)
                 continue
-            radius_latent = latent_radius(self.sigma, p_lower)
-            best: RadiusResult = self.protocol.radius(self.radius_search, pending.x.x, radius_latent,
-                                                      pending.stream.generator)
+            best: RadiusResult = found[i]
             yield about_given_input(CertifyResult(
-                prediction=candidate, radius=best.radius, p_a_lower=p_lower, latent_radius=radius_latent,
-                lipschitz=best.lipschitz, gamma=best.gamma, bound_kind=best.kind, failure_prob=alpha + best.failure,
-                count_a=count_a, n=n, gamma_evaluations=best.evaluations, seed=seed,
-                seconds=seconds + time.perf_counter() - start, noise_source=source,
+                prediction=candidate, radius=best.radius, p_a_lower=p_lower,
+                latent_radius=latent_radius(self.sigma, p_lower), lipschitz=best.lipschitz, gamma=best.gamma,
+                bound_kind=best.kind, failure_prob=alpha + best.failure, count_a=count_a, n=n,
+                gamma_evaluations=best.evaluations, seed=seed, seconds=seconds, noise_source=source,
             ), pending.x.rounding)
 
     # ------------------------------------------------------------------ PREDICT
@@ -439,6 +449,13 @@ class Smoother:
             for window, _, counts, seconds in self._windows(engine, guard, inputs, seeds, 0, n, batch_size):
                 for i, pending in enumerate(window):
                     yield _predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
+
+
+def _checked(guard: CallGuard, results: list[CertifyResult]) -> Iterator[CertifyResult]:
+    """``results`` one by one, each after checking that the caller has not edited the model since the previous one."""
+    for result in results:
+        guard.check()
+        yield result
 
 
 def _predict_result(counts: torch.Tensor, alpha: float, seed: int, seconds: float) -> PredictResult:

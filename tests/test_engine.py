@@ -389,3 +389,22 @@ def test_bound_options_say_what_is_wrong():
     assert BoundOptions(gamma_steps=8, gamma_batch=2).max_evaluations == 10  # L(x, 0), the ceiling, 8 midpoints
     assert BoundOptions(gamma_steps=8, gamma_batch=4).passes == 4
     assert BoundOptions(gamma_search="one-step").max_evaluations == 3
+
+
+@pytest.mark.parametrize("method,search", [("exact", "bisection"), ("exact", "one-step"),
+                                           ("probabilistic", "bisection")])
+def test_batched_searches_of_a_window_equal_each_inputs_own_search(method, search):
+    """RadiusSearch.search_many advances several inputs' searches in lockstep with one ball-bound pass per round; every
+    result (radius, γ, L, kind, failure, evaluations) equals the input's own search, random starts included."""
+    torch.manual_seed(0)
+    model = sz.build_model("lenet-splitz", split_index=1).eval()
+    xs = list(torch.rand(3, 1, 28, 28, generator=_gen(5)))
+    radii = [0.3, 0.8, 1.4]
+    smoother = Smoother(model, 0.5, bound_method=method, gamma_search=search, power_iters=8)
+
+    def generators():
+        return [torch.Generator().manual_seed(100 + i) for i in range(len(xs))]
+
+    together = smoother.radius_search.search_many(xs, radii, generators())
+    alone = [smoother.radius_search.search(x, r, g) for x, r, g in zip(xs, radii, generators())]
+    assert together == alone
