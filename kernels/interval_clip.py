@@ -164,14 +164,6 @@ def interval_clip_reference(
 # Triton kernel (built lazily: importing this module never imports triton)
 # --------------------------------------------------------------------------------------------------------------------
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @functools.lru_cache(maxsize=None)
 def _kernels():
     import triton

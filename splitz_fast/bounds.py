@@ -118,10 +118,6 @@ def _as_gamma(gamma: float | torch.Tensor, batch: int, device: torch.device) -> 
     return g.clone()
 
 
-def _batch_view(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return v.view(-1, *([1] * (like.ndim - 1)))
-
-
 def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch.Tensor, theta, rigorous: bool,
                  need_next: bool):
     """Layer 1 of :func:`ball_bounds` through the fused op; a Linear first layer sees the flattened input."""

@@ -243,10 +243,6 @@ def _torchvision(name: str):
     return torchvision
 
 
-def _as_tuple(values: Sequence[float]) -> tuple[float, ...]:
-    return tuple(float(v) for v in values)
-
-
 # ------------------------------------------------------------------------------------------------------------- images
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ._checks import check_output_folder
-from .analysis import CertificationTable, read_certification
+from .analysis import CertificationTable
 from .bounds import ball_bounds
 from .modules import LeftHalf, SplitModel
 
