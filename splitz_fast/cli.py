@@ -28,6 +28,8 @@ from .checkpoints import load_model  # also importable from here (scripts/ use s
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
 from .protocols import PROTOCOLS, PUBLISHED_DATA_STD, CertificationProtocol, PublishedCode, get_protocol
+from .radius import BOUND_METHODS, BOUNDS, GAMMA_SEARCHES
+from .sampling import PRECISIONS
 from .sequential import SequentialCertifier
 from .smoothing import Smoother
 from .stats import max_latent_radius
@@ -644,14 +646,14 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--N", type=int, default=100_000, help="estimation samples")
         c.add_argument("--alpha", type=float, default=0.001, help="failure probability")
         if name == "certify":
-            c.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
+            c.add_argument("--gamma-search", choices=GAMMA_SEARCHES, default="bisection",
                            help="how γ is searched (every evaluated γ gives a valid radius)")
             c.add_argument("--gamma-batch", type=int, default=2,
                            help="bisection: γ candidates per batched bound pass (2 = classic bisection; 4 = a "
                                 "superset of its points in half the passes)")
-            c.add_argument("--bound", choices=("local", "global"), default="local",
+            c.add_argument("--bound", choices=BOUNDS, default="local",
                            help="local L(x, γ) or the global product of norms")
-            c.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
+            c.add_argument("--bound-method", choices=BOUND_METHODS, default="auto",
                            help="exact (deterministic) or probabilistic (δ added to α); auto picks by size")
             c.add_argument("--sequential", action="store_true",
                            help="anytime-valid sequential certification: decide each radius of --radii with a "
@@ -667,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "γ) and published-code (the published code: no masks, radius in standardized units) "
                                 "are ESTIMATES, NOT CERTIFICATES, for comparing with the paper's numbers: every row's "
                                 "bound column and the sidecar say so")
-        c.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default="float32",
+        c.add_argument("--precision", choices=tuple(PRECISIONS), default="float32",
                        help="dtype of f_R while sampling (noise stays float32)")
         c.add_argument("--compile", action="store_true",
                        help="sample through torch.compile(f_R) with static batch shapes (eager if compiling fails)")
@@ -695,11 +697,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--skip", type=int, default=1, help="every SKIP-th input")
     _add_max_option(m, "inputs")
     m.add_argument("--split", default="test", help="dataset split")
-    m.add_argument("--gamma-search", choices=("bisection", "one-step"), default="bisection",
+    m.add_argument("--gamma-search", choices=GAMMA_SEARCHES, default="bisection",
                    help="how γ is searched (every evaluated γ gives a valid radius)")
-    m.add_argument("--bound", choices=("local", "global"), default="local",
+    m.add_argument("--bound", choices=BOUNDS, default="local",
                    help="local L(x, γ) or the global product of norms")
-    m.add_argument("--bound-method", choices=("auto", "exact", "probabilistic"), default="auto",
+    m.add_argument("--bound-method", choices=BOUND_METHODS, default="auto",
                    help="exact (deterministic) or probabilistic; auto picks by size")
     m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
     m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
