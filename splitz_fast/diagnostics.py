@@ -28,11 +28,14 @@ __all__ = ["NeuronStates", "neuron_states", "CertificateDiagnostics", "diagnose"
 @dataclass(frozen=True)
 class NeuronStates:
     """Per input (``[B]`` float64 fractions over all clipped-ReLU neurons of ``f_L``): neurons inactive on the whole
-    ball, saturated at θ on the whole ball, and varying (the local bound's mask). The three add up to 1."""
+    ball, saturated at θ on the whole ball, and varying (the local bound's mask). The three add up to 1.
+    ``ever_awake`` (``[neurons]`` bool): the neurons not inactive on the ball of at least one input of the batch —
+    the others are dead for every input (a switched-off channel: constant, but carrying no signal)."""
 
     inactive: np.ndarray
     saturated: np.ndarray
     varying: np.ndarray
+    ever_awake: np.ndarray
 
 
 @torch.no_grad()
@@ -40,6 +43,7 @@ def neuron_states(left: LeftHalf, x: torch.Tensor, gamma: torch.Tensor | float) 
     """How the clipped-ReLU neurons of ``f_L`` behave on ``B(x_b, γ_b)`` for a batch ``x`` (certificate bounds)."""
     bounds = ball_bounds(left, x, gamma)
     inactive = saturated = varying = total = 0
+    awake = []
     for k, (lower, upper, mask) in enumerate(zip(bounds.lower, bounds.upper, bounds.masks)):
         act = left.activation(k)
         if act is None:
@@ -50,11 +54,13 @@ def neuron_states(left: LeftHalf, x: torch.Tensor, gamma: torch.Tensor | float) 
         inactive = inactive + dead.sum(1)
         saturated = saturated + stuck.sum(1)
         varying = varying + mask.flatten(1).sum(1)
+        awake.append((~dead).any(0))
         total += dead.shape[1]
     if total == 0:
         raise ValueError("f_L has no clipped-ReLU neurons (split 0, or no activations): nothing to diagnose")
     as_fraction = lambda count: (count.double() / total).cpu().numpy()  # noqa: E731
-    return NeuronStates(as_fraction(inactive), as_fraction(saturated), as_fraction(varying))
+    return NeuronStates(as_fraction(inactive), as_fraction(saturated), as_fraction(varying),
+                        torch.cat(awake).cpu().numpy())
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,8 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
         g = torch.as_tensor(gamma[start:start + batch], dtype=torch.float64, device=device)
         parts.append(neuron_states(model.left, x, g))
     states = NeuronStates(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("inactive", "saturated",
-                                                                                        "varying")))
+                                                                                        "varying")),
+                          np.logical_or.reduce([p.ever_awake for p in parts]))
     return CertificateDiagnostics(idx=idx, lipschitz=np.asarray(table.extra["L"], dtype=np.float64)[keep],
                                   gamma=gamma, p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],
                                   states=states)
@@ -107,8 +114,10 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
                "saturated at θ (%)": 100 * diag.states.saturated}
     head = "| quantity | " + " | ".join("min" if q == 0 else "max" if q == 1 else f"q{int(100 * q)}"
                                         for q in _QUANTILES) + " | mean |"
-    lines = [f"{title}: {diag.idx.size} certified inputs (correct, radius > 0).", "", head,
-             "|---" + "|---:" * (len(_QUANTILES) + 1) + "|"]
+    dead = 100 * (1 - diag.states.ever_awake.mean())
+    lines = [f"{title}: {diag.idx.size} certified inputs (correct, radius > 0). {dead:.1f} % of f_L's neurons are "
+             "inactive on the ball of every one of them (dead: constant, but carrying no signal to f_R; the constant "
+             "neurons that buy radius are the others).", "", head, "|---" + "|---:" * (len(_QUANTILES) + 1) + "|"]
     for name, values in columns.items():
         cells = [f"{v:.4g}" for v in np.quantile(values, _QUANTILES)] + [f"{values.mean():.4g}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -230,6 +230,22 @@ def test_constant_neurons_never_change_state_inside_the_ball():
         assert torch.all(z[bounds.lower[0] >= 0.3] >= 0.3 - 1e-6)
 
 
+def test_dead_neurons_are_those_inactive_on_every_ball():
+    """ever_awake marks exactly the neurons not inactive on at least one input's ball; a channel switched off (its
+    bias far below zero) is dead for every input, and diagnose's report names the dead share."""
+    torch.manual_seed(0)
+    model = sz.lenet(split_index=1, threshold=1.0)
+    with torch.no_grad():
+        model.left.layers[0].bias[:4] = -1e3  # four channels never fire
+    x, _ = _batch(n=3)
+    states = neuron_states(model.left, x, 0.5)
+    from splitz_fast.bounds import ball_bounds
+    upper = ball_bounds(model.left, x, 0.5).upper[0]
+    assert np.array_equal(states.ever_awake, (upper > 0).flatten(1).any(0).numpy())
+    per_channel = states.ever_awake.reshape(upper.shape[1], -1)
+    assert not per_channel[:4].any() and per_channel[4:].any()
+
+
 def test_cli_diagnose_reads_the_certified_split_and_refuses_another_checkpoint(tmp_path, capsys):
     common = ["--sigma", "0.25", "--epochs", "1", "--batch", "32", "--max-batches", "1", "--val-fraction", "0.01"]
     for name, seed in (("a", "0"), ("b", "1")):
