@@ -118,7 +118,7 @@ def load_inputs(workload: Workload, split: int, count: int, device: torch.device
             model = sz.build_model(workload.model, split_index=split, pretrained=True)
             weights = "advertorch clean-trained"
         except Exception as exc:  # the offline advertorch package is optional
-            print(f"  (no trained LeNet: {str(exc).splitlines()[0][:120]}; random weights)", flush=True)
+            print(f"  (no trained LeNet: {error_text(exc)}; random weights)", flush=True)
     if model is None:
         model = sz.build_model(workload.model, split_index=split)
     if model.input_shape not in (None, workload.shape):  # quick mode's small inputs for ResNet-50
@@ -131,7 +131,7 @@ def load_inputs(workload: Workload, split: int, count: int, device: torch.device
             xs = load_mnist("test")[0][:count].clone()
             inputs = "MNIST test digits"
         except Exception as exc:
-            print(f"  (no MNIST digits: {str(exc).splitlines()[0][:120]}; synthetic inputs)", flush=True)
+            print(f"  (no MNIST digits: {error_text(exc)}; synthetic inputs)", flush=True)
     return model.eval().to(device), xs.to(device), weights, inputs
 
 
@@ -186,12 +186,17 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     def radius(x, p_lower):  # the same sound radius search as ours, for every input the loop certifies
         reference.radius_search.search(x, sz.latent_radius(SIGMA, p_lower), None)
 
-    naive_by_batch, naive_predictions = {}, []
-    if naive:
-        for b in workload.naive_batches:
+    naive_by_batch, naive_predictions, naive_errors = {}, [], {}
+    for b in workload.naive_batches if naive else ():
+        try:  # a batch the loop cannot run (memory) is recorded; its other batches and ours still run
             cohen_style_certify(model, warm, n0, min(n, 2 * b), ALPHA, b, radius, sigma=SIGMA)  # warm-up
             naive_by_batch[b] = timed(lambda b=b: naive_predictions.append(cohen_style_certify(
                 model, data, n0, n, ALPHA, b, radius, sigma=SIGMA)), device) / images
+        except Exception as exc:
+            traceback.print_exc()
+            naive_errors[str(b)] = error_text(exc)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     naive_s = min(naive_by_batch.values()) if naive_by_batch else None
     naive_batch = min(naive_by_batch, key=naive_by_batch.get) if naive_by_batch else None
     for precision in precisions:
@@ -204,6 +209,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                    naive_certified=(sum(p != sz.ABSTAIN for p in naive_predictions[-1]) if naive_predictions
                                     else None),
                    naive_s_per_image_by_batch={str(b): s for b, s in naive_by_batch.items()},
+                   naive_errors=naive_errors,
                    target_s=workload.targets.get(precision))
         smoother = None
         try:
@@ -227,11 +233,16 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                 row["target_met"] = row["ours_s_per_image"] <= row["target_s"]
         except Exception as exc:  # a failed row is recorded; the next one runs
             traceback.print_exc()
-            row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+            row.update(status="error", error=error_text(exc))
         yield row
         del smoother
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def error_text(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def device_name(device: torch.device) -> str:
@@ -253,7 +264,7 @@ def run_targets(recorder: Recorder, workloads, images: int, device: torch.device
             except Exception as exc:  # e.g. the naive loop itself failed: record it, go on
                 traceback.print_exc()
                 recorder.add(dict(workload=workload.key, label=workload.label, n=workload.n, split=split,
-                                  status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                                  status="error", error=error_text(exc)))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -292,7 +303,7 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
             row.update(result, status="ok")
         except Exception as exc:
             traceback.print_exc()
-            row.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            row.update(status="error", error=error_text(exc))
         print("  " + json.dumps(row, default=str), flush=True)
         recorder.add(row)
     lenet = (QUICK if quick else FULL)[0]
@@ -311,7 +322,7 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
             row.update(status="ok", native_speedup=row["auto_s_per_image"] / row["native_s_per_image"])
         except Exception as exc:
             traceback.print_exc()
-            row.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            row.update(status="error", error=error_text(exc))
         finally:
             os.environ.pop("SPLITZ_BACKEND", None)
         print("  " + json.dumps(row, default=str), flush=True)

@@ -30,30 +30,35 @@
 #      bf16, 3 images each.
 #   3. training speed on the still quiet GPU (issue #12 item 1, ≤ 90 s): 2 epochs of the SPLITZ paper recipe in one
 #      process (the second epoch's seconds count; the first compiles the Triton kernels).
-#   4. the results runs start in the background (issue #12 item 3, ENVELOPE=0 skips them): scripts/mnist_envelope.sh,
-#      one process per model (RS at RS_SIGMAS, SPLITZ paper recipe at SPLITZ_SIGMAS), EPOCHS epochs each (default 40),
-#      then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the budget ends; runs killed at
-#      their limit resume (`--resume`) in the next call with CHECKS=0.
-#   5. meanwhile the correctness checks, whose timings do not matter (each its own limit): the CUDA kernels' tests,
-#      the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references), a one-epoch
-#      `torchrun --nproc_per_node=1` training (NCCL; issue #14).
+#   4. the results runs in the background (issue #12 item 3; only with ENVELOPE=1, the default when CHECKS=0):
+#      scripts/mnist_envelope.sh, one process per model (RS at RS_SIGMAS, SPLITZ paper recipe at SPLITZ_SIGMAS), EPOCHS
+#      epochs each (default 40), then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the
+#      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
+#   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
+#      CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references), a
+#      one-epoch `torchrun --nproc_per_node=1` training (NCCL; issue #14).
 #   6. waiting for the results runs, then packing.
 # Every stage is time-limited (`timeout`, capped by what is left of BUDGET) and independent: one that fails or runs out
 # of time is recorded in gpu.txt ("stage NAME: rc R after S s", rc 124 = its limit) and the next one runs. Each stage
-# prints a UTC timestamp. Worst case with the defaults: setup ≤ 60 s, stage 1 ≤ 300 s, stage 2 ≤ 150 s, then stages
-# 3–6 in what is left of the 560 s (typically 150–250 s: stage 1 takes about 2–3 minutes on an H100/H200).
+# prints a UTC timestamp. Worst case with the defaults: setup ≤ 150 s (typically 20), stage 1 ≤ 300 s, stage 2 ≤
+# 150 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
+# 45 s after results runs, else 10 s). An estimate from the last H200 figures, not a measurement: stage 1 takes 2–3
+# minutes, leaving 2–4 for the tests.
 # Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
-# runs were over): stage 1 measures the same table first. The results runs got the whole budget before; now they get
-# what the measurements leave: more epochs take further calls with CHECKS=0 (runs/ stays on a warm machine).
+# runs were over): stage 1 measures the same table first. The results runs no longer start in the first call (they
+# would get two minutes of a GPU shared with the tests; the 40-epoch run is in docs/results/mnist-envelope-e40/): a
+# second call, `CHECKS=0 bash scripts/gpu_checks.sh` (e.g. with EPOCHS=150 and fewer RS_SIGMAS/SPLITZ_SIGMAS), gives
+# them its whole budget.
 #
-# Knobs: CHECKS=0 skips stages 1, 2, 3 and 5 (a second call on the still-warm machine that only resumes the results
-# runs); SPEED=0 skips stages 1–2 alone; ENVELOPE=0 skips the results runs; QUICK=1 runs stage 1–2 in the quick mode
-# (CPU smoke test, not results); TARGETS_S, NATIVE_S, IMAGES; EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
+# Knobs: CHECKS=0 skips stages 1, 2, 3 and 5 and runs the results runs (stage 4) with the whole budget; SPEED=0 skips
+# stages 1–2 alone; ENVELOPE=1/0 forces stage 4 on/off; INSTALL=0 skips the install; QUICK=1 runs stages 1–2 in the
+# quick mode (a CPU smoke test, not results: `QUICK=1 INSTALL=0 PYTHON=.venv/bin/python bash scripts/gpu_checks.sh`
+# on a machine without a GPU); TARGETS_S, NATIVE_S, IMAGES; EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
 # What comes back ($OUT, 8 files, the device tool's limit): gpu.txt (summary: versions, stage timestamps and rcs, the
 # tables), stages.log (every stage's full output), targets.json (machine-readable: environment, settings and every
-# row), targets.csv, targets.md (the tables ready to paste into benchmarks/RESULTS.md, the card named), results.tar.gz
-# (the TSVs, train logs and per-model logs), checkpoints-rs.tar and checkpoints-splitz.tar (each model's best.pt
-# without the optimizer state: enough to certify, diagnose and attack, not to resume training).
+# row), targets.csv, targets.md (the tables ready to paste into benchmarks/RESULTS.md, the card named); after stage 4
+# also results.tar.gz (the TSVs, train logs and per-model logs), checkpoints-rs.tar and checkpoints-splitz.tar (each
+# model's best.pt without the optimizer state: enough to certify, diagnose and attack, not to resume training).
 # The device stack has no network: wheels carried in .whl/ go to /tmp/site, and the package is installed from this
 # tree without build isolation or deps.
 set -uo pipefail
@@ -68,10 +73,10 @@ XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 3")
 EPOCHS=${EPOCHS:-40}; SKIP=${SKIP:-20}; N=${N:-100000}
 RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-"0.25 0.5 0.75 1.0"}
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
-CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-1}; INSTALL=${INSTALL:-1}
+CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
 TARGETS_S=${TARGETS_S:-300}; NATIVE_S=${NATIVE_S:-150}; IMAGES=${IMAGES:-3}
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
-PACKING=45  # seconds kept for stripping and packing the checkpoints
+PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
 
 stage() {  # stage NAME LIMIT COMMAND...: run COMMAND within LIMIT s (capped by the budget left), record rc and time

@@ -59,15 +59,20 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
 
 
 def test_every_failed_row_is_recorded_and_the_next_one_runs(tmp_path: Path):
-    """On the meta device every measurement fails: each (workload, split) records its error, the run goes on to the
-    end, the native part still runs, and the files are written; then a second part merges into the same files."""
+    """On the meta device every measurement fails (at s = 0 the loop, then each of ours; at s = 1 already the radius
+    search's set-up, for the whole group): every failure is recorded, the run goes on to the end, the native part still
+    runs, and the files are written; then a second part merges into the same files."""
     done = run_targets(tmp_path, "--device", "meta")
     assert done.returncode == 0, done.stderr[-3000:]
     data, csv_rows, md = outputs(tmp_path)
     rows = data["parts"]["targets"]["rows"]
-    assert [(r["workload"], r["split"], r["status"]) for r in rows] == [
-        (w, s, "error") for w in WORKLOADS for s in (0, 1)]
-    assert all(r["error"] for r in rows) and md.count("| error: ") == len(rows)
+    groups = [(r["workload"], r["split"]) for r in rows]
+    assert sorted(set(groups), key=groups.index) == [(w, s) for w in WORKLOADS for s in (0, 1)]
+    assert all(r["status"] == "error" and r["error"] for r in rows)
+    per_precision = [r for r in rows if "precision" in r]  # s = 0: the loop failed, ours was still tried
+    assert [r["precision"] for r in per_precision] == ["float32", "bfloat16"] * 3
+    assert all(r["naive_errors"] and r["naive_s_per_image"] is None for r in per_precision)
+    assert md.count("| error: ") == len(rows) and len(csv_rows) == len(rows) + 1
     done = run_targets(tmp_path, "--part", "targets", "--budget", "0")  # budget spent: every group skipped
     assert done.returncode == 0, done.stderr[-3000:]
     data, _, md = outputs(tmp_path)
