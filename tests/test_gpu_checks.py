@@ -58,6 +58,7 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
     assert md.count("| s = ") == len(rows) and "SPLITZ / RS" in md and "Native CUDA kernels" in md
 
 
+@pytest.mark.slow
 def test_every_failed_row_is_recorded_and_the_next_one_runs(tmp_path: Path):
     """On the meta device every measurement fails (at s = 0 the loop, then each of ours; at s = 1 already the radius
     search's set-up, for the whole group): every failure is recorded, the run goes on to the end, the native part still
