@@ -70,14 +70,14 @@ def _time(fn, repeats: int = 1 if QUICK else 3) -> float:
 
 
 def cohen_style_certify(model: sz.SplitModel, xs: torch.Tensor, n0: int, n: int, alpha: float, batch: int,
-                        finish) -> list[int]:
+                        finish, sigma: float = SIGMA) -> list[int]:
     """CERTIFY over a dataset the way locuslab/smoothing's certify.py does it: per input, selection and estimation
     counts from :func:`cohen_style_counts`, the Clopper–Pearson bound, then ``finish(x, p_lower)`` (the radius)."""
     predictions = []
     for x in xs:
-        c_a = int(cohen_style_counts(model, x, n0, batch, SIGMA).argmax())
-        n_a = int(cohen_style_counts(model, x, n, batch, SIGMA)[c_a])
-        p_lower = sz.clopper_pearson_lower(n_a, n, ALPHA)
+        c_a = int(cohen_style_counts(model, x, n0, batch, sigma).argmax())
+        n_a = int(cohen_style_counts(model, x, n, batch, sigma)[c_a])
+        p_lower = sz.clopper_pearson_lower(n_a, n, alpha)
         predictions.append(c_a if p_lower >= 0.5 else sz.ABSTAIN)
         if p_lower >= 0.5:
             finish(x, p_lower)

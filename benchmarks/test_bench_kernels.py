@@ -122,18 +122,15 @@ CUDA_KERNEL_CASES = ["noise fp32 channels_last", "noise fp32 contiguous", "noise
                      "votes 10 classes", "votes 1000 classes"]
 
 
-@pytest.mark.parametrize("case", CUDA_KERNEL_CASES)
-def test_cuda_kernels_vs_triton_vs_reference(benchmark, record_env, case):
-    """The CUDA kernels of csrc/noise_votes_cuda.cu (``SPLITZ_BACKEND=native``) against the Triton kernels (the
-    ``auto`` default on CUDA) and eager PyTorch, same inputs, same process: 10,000 noisy LeNet split-1 latents into a
-    preallocated batch, or the vote count of 10,000 rows. Both ratios are recorded; ``auto`` should switch to the CUDA
-    kernel (kernels/__init__.py: AUTO_CUDA_NATIVE_OPS) only where ``cuda_vs_triton`` > 1 on the GPU that matters."""
+def cuda_kernel_case(case: str, samples: int) -> dict:
+    """One case of :func:`test_cuda_kernels_vs_triton_vs_reference`: median CUDA-event milliseconds of the CUDA kernel,
+    the Triton kernel and eager PyTorch on the same inputs (also run by ``python -m benchmarks.targets --part
+    native``, stage 2 of scripts/gpu_checks.sh)."""
     from splitz_fast.kernels.native_cuda import cuda_native_available
     from splitz_fast.kernels.noise_votes import count_votes_cuda, noisy_latents_cuda
 
     assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build here (see the warning)"
     torch.manual_seed(0)
-    samples = 1000 if QUICK else 10_000
     if case.startswith("noise"):
         dtype = torch.bfloat16 if "bf16" in case else torch.float32
         channels_last = "channels_last" in case
@@ -157,9 +154,20 @@ def test_cuda_kernels_vs_triton_vs_reference(benchmark, record_env, case):
         triton_fn = lambda: count_votes(logits, counts)  # noqa: E731
         reference = lambda: count_votes_reference(logits, counts)  # noqa: E731
     cuda_ms, triton_ms, reference_ms = _cuda_ms(cuda_fn), _cuda_ms(triton_fn), _cuda_ms(reference)
-    benchmark.pedantic(cuda_fn, rounds=1, iterations=1)
-    record_env.update(op=f"{case}, {samples} rows", cuda_ms=cuda_ms, triton_ms=triton_ms, reference_ms=reference_ms,
-                      cuda_vs_triton=triton_ms / cuda_ms, cuda_vs_reference=reference_ms / cuda_ms)
-    print(f"\n{case}, {samples} rows on {torch.cuda.get_device_name(0)}: cuda {cuda_ms:.3f} ms, triton "
-          f"{triton_ms:.3f} ms, reference {reference_ms:.3f} ms; cuda speedup {triton_ms / cuda_ms:.2f}x vs triton, "
-          f"{reference_ms / cuda_ms:.2f}x vs reference")
+    return dict(op=f"{case}, {samples} rows", cuda_ms=cuda_ms, triton_ms=triton_ms, reference_ms=reference_ms,
+                cuda_vs_triton=triton_ms / cuda_ms, cuda_vs_reference=reference_ms / cuda_ms, run=cuda_fn)
+
+
+@pytest.mark.parametrize("case", CUDA_KERNEL_CASES)
+def test_cuda_kernels_vs_triton_vs_reference(benchmark, record_env, case):
+    """The CUDA kernels of csrc/noise_votes_cuda.cu (``SPLITZ_BACKEND=native``) against the Triton kernels (the
+    ``auto`` default on CUDA) and eager PyTorch, same inputs, same process: 10,000 noisy LeNet split-1 latents into a
+    preallocated batch, or the vote count of 10,000 rows. Both ratios are recorded; ``auto`` should switch to the CUDA
+    kernel (kernels/__init__.py: AUTO_CUDA_NATIVE_OPS) only where ``cuda_vs_triton`` > 1 on the GPU that matters."""
+    samples = 1000 if QUICK else 10_000
+    result = cuda_kernel_case(case, samples)
+    benchmark.pedantic(result.pop("run"), rounds=1, iterations=1)
+    record_env.update(result)
+    print(f"\n{case}, {samples} rows on {torch.cuda.get_device_name(0)}: cuda {result['cuda_ms']:.3f} ms, triton "
+          f"{result['triton_ms']:.3f} ms, reference {result['reference_ms']:.3f} ms; cuda speedup "
+          f"{result['cuda_vs_triton']:.2f}x vs triton, {result['cuda_vs_reference']:.2f}x vs reference")
