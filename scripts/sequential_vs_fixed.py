@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from splitz_fast import SequentialCertifier, Smoother, run_over_dataset
+from splitz_fast.runs import CertifyRun
 from splitz_fast.analysis import read_certification
 from splitz_fast.cli import load_model
 from splitz_fast.datasets import get_dataset
@@ -44,9 +45,8 @@ def certify(certifier, dataset, out: Path, args, settings: dict, indices: list[i
             fh.write(f"{idx}\t{result.n}\t{result.count_a}\t{getattr(result, 'stop_reason', 'fixed')}\t{decisions}\n")
 
     started = time.perf_counter()
-    run_over_dataset("certify", certifier, dataset, out, settings=settings, indices=indices, n0=args.n0, n=n,
-                     alpha=args.alpha, batch_size=args.batch, seed=args.seed, resume=True,
-                     checkpoint=args.checkpoint, on_row=record)
+    run_over_dataset(CertifyRun(certifier, args.n0, n, args.alpha, args.batch), dataset, out, settings=settings,
+                     indices=indices, seed=args.seed, resume=True, checkpoint=args.checkpoint, on_row=record)
     print(f"{out.name}: {time.perf_counter() - started:.0f} s this call", flush=True)
 
 

@@ -33,7 +33,7 @@ from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet,
 from .datasets import DATASETS, DatasetInfo, get_dataset
 from .training import TrainConfig, splitz_loss, train
 from .checkpoints import LoadedCheckpoint, checkpoint_digest, load_checkpoint
-from .runs import ShardSpec, merge_shards, run_over_dataset
+from .runs import AttackRun, CertifyRun, MarginRun, PredictRun, RunTask, ShardSpec, merge_shards, run_over_dataset
 from .attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
 from .recipes import RECIPES, Recipe, recipe_config
 from .envelope import envelope_report
@@ -72,6 +72,11 @@ __all__ = [
     "imagenet_resnet50",
     "lenet",
     "run_over_dataset",
+    "RunTask",
+    "CertifyRun",
+    "PredictRun",
+    "MarginRun",
+    "AttackRun",
     "ShardSpec",
     "merge_shards",
     "splitz_loss",

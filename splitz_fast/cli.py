@@ -17,7 +17,9 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +48,7 @@ def demo(args: argparse.Namespace) -> int:
     from .analysis import analyze
     from .datasets import get_dataset
     from .models import build_model
-    from .runs import run_over_dataset, select_indices
+    from .runs import CertifyRun, run_over_dataset, select_indices
     from .training import train
 
     # Check every setting up front: a bad value must not cost a training run first.
@@ -88,11 +90,10 @@ def demo(args: argparse.Namespace) -> int:
         smoother = Smoother(best, args.sigma, gamma_search="bisection")
         tsv = out / f"{name.lower()}.tsv"
         started = time.perf_counter()
-        run_over_dataset("certify", smoother, test_info.dataset, tsv,
+        run_over_dataset(CertifyRun(smoother, args.n0, args.n, args.alpha, args.batch), test_info.dataset, tsv,
                          settings={"dataset": "mnist", "split": "test", "model_spec": spec, "bound": "local",
                                    "bound_method": "auto", "gamma_search": "bisection"},
-                         indices=indices, n0=args.n0, n=args.n, alpha=args.alpha, batch_size=args.batch,
-                         seed=args.seed, resume=True, checkpoint=run_dir / "best.pt")
+                         indices=indices, seed=args.seed, resume=True, checkpoint=run_dir / "best.pt")
         print(f"{name}: certified in {time.perf_counter() - started:.0f} s this call → {tsv}", flush=True)
         tsvs[f"{name} (s={split_index}, σ={args.sigma})"] = tsv
     print()
@@ -233,63 +234,6 @@ def _model_and_dataset(args: argparse.Namespace):
     return model, ckpt, info
 
 
-def _smoothing_run(args: argparse.Namespace, kind: str) -> int:
-    from .runs import run_over_dataset, select_indices
-
-    # The sampling options under their command-line names, before the model and data are loaded.
-    check_positive("SIGMA", args.sigma)
-    if args.batch is not None:
-        check_count("--batch", args.batch)
-    check_count("--N", args.N)
-    sequential = getattr(args, "sequential", False)
-    if sequential:
-        budget = _sequential_budget(args)
-    elif getattr(args, "radii", None) is not None or getattr(args, "budget", None) is not None:
-        raise ValueError("--radii and --budget belong to sequential certification: add --sequential")
-    if kind == "certify" and not sequential:
-        check_count("--N0", args.N0)
-        if args.N0 > args.N:
-            raise ValueError(f"--N0 ({args.N0}) must not exceed --N ({args.N})")
-    check_probability("--alpha", args.alpha)
-    check_count("--seed", args.seed, 0)
-    check_output_file("OUTFILE", args.outfile)
-    protocol_name = getattr(args, "protocol", "sound")
-    if sequential and protocol_name != "sound":
-        raise ValueError(f"--sequential decides certificates; --protocol {protocol_name} is an estimate")
-    env, shard = _sharding(args)
-    model, ckpt, info = _model_and_dataset(args)
-    smoother = Smoother(model, args.sigma, bound=getattr(args, "bound", "local"),
-                        bound_method=getattr(args, "bound_method", "auto"),
-                        gamma_search=getattr(args, "gamma_search", "bisection"),
-                        gamma_batch=getattr(args, "gamma_batch", 2), precision=args.precision,
-                        compile=args.compile, protocol=_protocol(protocol_name, args.dataset))
-    indices = select_indices(len(info.dataset), args.skip, args.max)
-    settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
-                "model_spec": ckpt.get("model_spec"), "bound": smoother.bound,
-                "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
-    if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
-        settings["precision"] = smoother.precision
-    if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
-        settings["gamma_batch"] = smoother.options.gamma_batch
-    if smoother.protocol.name != "sound":  # recorded only when set, so sound files written before still resume
-        settings["protocol"] = smoother.protocol.name
-        if not smoother.protocol.certificate:
-            settings["certificate"] = False
-    n0 = args.N0 if kind == "certify" else 0
-    certifier, n = smoother, args.N
-    if sequential:  # recorded only when set, so files written before the option still resume
-        certifier, n = SequentialCertifier(smoother, args.radii), budget
-        settings.update(sequential=True, radii=list(args.radii), budget=budget)
-
-    def run(shard_spec, progress):
-        return run_over_dataset(kind, certifier, info.dataset, args.outfile, settings=settings, indices=indices,
-                                n0=n0, n=n, alpha=args.alpha, batch_size=args.batch, seed=args.seed,
-                                resume=args.resume, checkpoint=args.checkpoint, shard=shard_spec, progress=progress)
-
-    _run_whole_or_sharded(args, kind, env, shard, indices, run)
-    return 0
-
-
 def _protocol(name: str, dataset: str) -> CertificationProtocol:
     """The protocol ``--protocol NAME`` means for ``dataset``: ``published-code`` reads a model without
     standardization behind the dataset's published normalization (MNIST's std 0.3081)."""
@@ -298,25 +242,95 @@ def _protocol(name: str, dataset: str) -> CertificationProtocol:
     return get_protocol(name)
 
 
-def _run_whole_or_sharded(args: argparse.Namespace, kind: str, env, shard, indices: list[int], run) -> None:
-    """The one dispatch of certify / predict / certify-margin: ``run(shard_spec, progress)`` (``run_over_dataset``)
-    for the whole selection, for ``--shard K/N``, or for this torchrun rank's shard followed by rank 0's merge."""
-    what = "inputs" if kind == "certify-margin" else "images"
-    if env is not None:
-        from .distributed import run_sharded
+@dataclass
+class _DatasetRun:
+    """What every dataset command (certify, predict, certify-margin, attack) shares once its arguments are checked:
+    the model and data, the selected indices, torchrun ranks or a ``--shard``, and the settings every sidecar
+    records (dataset, split, selection, model)."""
 
-        merged = run_sharded(env, args.device, args.outfile, lambda spec: run(spec, env.rank == 0))
-        if merged is not None:
-            ranks = f"{env.world_size} rank{'s' * (env.world_size > 1)}"
-            print(f"{kind}: {len(indices)} {what} on {ranks} → {merged} (merged from "
-                  f"{Path(args.outfile).name}.shard-*-of-{env.world_size})")
-    elif shard is not None:
-        path = run(shard, True)
-        print(f"{kind}: shard {shard}, {len(shard.select(indices))} of {len(indices)} {what} → {path}; when all "
-              f"{shard.count} shards are done: splitz merge {shlex.quote(str(args.outfile))}")
-    else:
-        run(None, True)
-        print(f"{kind}: {len(indices)} {what} → {args.outfile}")
+    args: argparse.Namespace
+    model: Any
+    info: Any
+    indices: list[int]
+    env: Any
+    shard: Any
+    settings: dict[str, Any]
+
+    @classmethod
+    def open(cls, args: argparse.Namespace) -> "_DatasetRun":
+        from .runs import select_indices
+
+        check_count("--seed", args.seed, 0)
+        check_output_file("OUTFILE", args.outfile)
+        env, shard = _sharding(args)
+        model, ckpt, info = _model_and_dataset(args)
+        indices = select_indices(len(info.dataset), args.skip, args.max)
+        settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
+                    "model_spec": ckpt.get("model_spec")}
+        return cls(args, model, info, indices, env, shard, settings)
+
+    def run(self, task, settings: dict[str, Any]) -> int:
+        """``task`` (:mod:`splitz_fast.runs`) over the selection: whole, one ``--shard K/N``, or this torchrun rank's
+        shard followed by rank 0's merge."""
+        from .runs import run_over_dataset
+
+        args, indices = self.args, self.indices
+        settings = {**self.settings, **settings}
+
+        def run(shard_spec, progress):
+            return run_over_dataset(task, self.info.dataset, args.outfile, settings=settings, indices=indices,
+                                    seed=args.seed, resume=args.resume, checkpoint=args.checkpoint, shard=shard_spec,
+                                    progress=progress)
+
+        what = "inputs" if task.kind == "certify-margin" else "images"
+        if self.env is not None:
+            from .distributed import run_sharded
+
+            env = self.env
+            merged = run_sharded(env, args.device, args.outfile, lambda spec: run(spec, env.rank == 0))
+            if merged is not None:
+                ranks = f"{env.world_size} rank{'s' * (env.world_size > 1)}"
+                print(f"{task.kind}: {len(indices)} {what} on {ranks} → {merged} (merged from "
+                      f"{Path(args.outfile).name}.shard-*-of-{env.world_size})")
+        elif self.shard is not None:
+            path = run(self.shard, True)
+            print(f"{task.kind}: shard {self.shard}, {len(self.shard.select(indices))} of {len(indices)} {what} → "
+                  f"{path}; when all {self.shard.count} shards are done: splitz merge {shlex.quote(str(args.outfile))}")
+        else:
+            run(None, True)
+            print(f"{task.kind}: {len(indices)} {what} → {args.outfile}")
+        return 0
+
+
+def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, Smoother, dict[str, Any]]:
+    """certify / predict: the sampling options checked under their command-line names (before the model and data are
+    loaded), the run, the Smoother and the settings its sidecar records. ``selection``: the command draws ``--N0``."""
+    check_positive("SIGMA", args.sigma)
+    if args.batch is not None:
+        check_count("--batch", args.batch)
+    check_count("--N", args.N)
+    if selection and not args.sequential:
+        check_count("--N0", args.N0)
+        if args.N0 > args.N:
+            raise ValueError(f"--N0 ({args.N0}) must not exceed --N ({args.N})")
+    check_probability("--alpha", args.alpha)
+    protocol_name = getattr(args, "protocol", "sound")
+    run = _DatasetRun.open(args)
+    smoother = Smoother(run.model, args.sigma, bound=getattr(args, "bound", "local"),
+                        bound_method=getattr(args, "bound_method", "auto"),
+                        gamma_search=getattr(args, "gamma_search", "bisection"),
+                        gamma_batch=getattr(args, "gamma_batch", 2), precision=args.precision,
+                        compile=args.compile, protocol=_protocol(protocol_name, args.dataset))
+    settings = {"bound": smoother.bound, "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
+    if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
+        settings["precision"] = smoother.precision
+    if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
+        settings["gamma_batch"] = smoother.options.gamma_batch
+    if smoother.protocol.name != "sound":  # recorded only when set, so sound files written before still resume
+        settings["protocol"] = smoother.protocol.name
+        if not smoother.protocol.certificate:
+            settings["certificate"] = False
+    return run, smoother, settings
 
 
 def _sharding(args: argparse.Namespace):
@@ -355,41 +369,46 @@ def _sequential_budget(args: argparse.Namespace) -> int:
 
 
 def certify_command(args: argparse.Namespace) -> int:
-    return _smoothing_run(args, "certify")
+    from .runs import CertifyRun
+
+    if args.sequential:
+        budget = _sequential_budget(args)
+        if getattr(args, "protocol", "sound") != "sound":
+            raise ValueError(f"--sequential decides certificates; --protocol {args.protocol} is an estimate")
+    elif args.radii is not None or args.budget is not None:
+        raise ValueError("--radii and --budget belong to sequential certification: add --sequential")
+    run, smoother, settings = _smoother(args, selection=True)
+    if not args.sequential:
+        return run.run(CertifyRun(smoother, args.N0, args.N, args.alpha, args.batch), settings)
+    # recorded only when set, so files written before the option still resume
+    settings.update(sequential=True, radii=list(args.radii), budget=budget)
+    return run.run(CertifyRun(SequentialCertifier(smoother, args.radii), args.N0, budget, args.alpha, args.batch),
+                   settings)
 
 
 def certify_margin_command(args: argparse.Namespace) -> int:
     """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
-    from .runs import run_over_dataset, select_indices
+    from .runs import MarginRun
 
-    check_count("--seed", args.seed, 0)
-    check_output_file("OUTFILE", args.outfile)
-    env, shard = _sharding(args)
-    model, ckpt, info = _model_and_dataset(args)
-    certifier = MarginCertifier(model, bound=args.bound, bound_method=args.bound_method,
+    run = _DatasetRun.open(args)
+    certifier = MarginCertifier(run.model, bound=args.bound, bound_method=args.bound_method,
                                 gamma_search=args.gamma_search)
-    indices = select_indices(len(info.dataset), args.skip, args.max)
-    settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
-                "model_spec": ckpt.get("model_spec"), "certifier": "margin", "bound": certifier.bound,
-                "bound_method": certifier.bound_method, "gamma_search": certifier.gamma_search}
-    # No sampling: n0 = n = batch = 1 are placeholders for the run machinery (the TSV's count columns stay 0).
-    def run(shard_spec, progress):
-        return run_over_dataset("certify", certifier, info.dataset, args.outfile, settings=settings, indices=indices,
-                                n0=1, n=1, alpha=0.5, batch_size=1, seed=args.seed, resume=args.resume,
-                                checkpoint=args.checkpoint, shard=shard_spec, progress=progress)
-
-    _run_whole_or_sharded(args, "certify-margin", env, shard, indices, run)
-    return 0
+    return run.run(MarginRun(certifier), {"certifier": "margin", "bound": certifier.bound,
+                                          "bound_method": certifier.bound_method,
+                                          "gamma_search": certifier.gamma_search})
 
 
 def predict_command(args: argparse.Namespace) -> int:
-    return _smoothing_run(args, "predict")
+    from .runs import PredictRun
+
+    run, smoother, settings = _smoother(args, selection=False)
+    return run.run(PredictRun(smoother, args.N, args.alpha, args.batch), settings)
 
 
 def attack_command(args: argparse.Namespace) -> int:
     """l2 attacks (:mod:`splitz_fast.attacks`) on each selected input; PREDICT decides the clean and attacked points."""
     from .attacks import Attacker
-    from .runs import run_over_dataset, select_indices
+    from .runs import AttackRun
 
     check_positive("SIGMA", args.sigma)
     check_positive("--eps", args.eps)
@@ -402,24 +421,11 @@ def attack_command(args: argparse.Namespace) -> int:
     if args.batch is not None:
         check_count("--batch", args.batch)
     check_probability("--alpha", args.alpha)
-    check_count("--seed", args.seed, 0)
-    check_output_file("OUTFILE", args.outfile)
-    env, shard = _sharding(args)
-    model, ckpt, info = _model_and_dataset(args)
-    attacker = Attacker(Smoother(model, args.sigma), args.attack, args.eps, steps=args.steps, step_size=args.step_size,
-                        samples=args.samples, random_start=args.random_start, clamp=args.clamp,
-                        evaluate=args.evaluate, group=args.group)
-    indices = select_indices(len(info.dataset), args.skip, args.max)
-    settings = {"dataset": args.dataset, "split": args.split, "skip": args.skip, "max": args.max,
-                "model_spec": ckpt.get("model_spec"), **attacker.settings()}
-
-    def run(shard_spec, progress):
-        return run_over_dataset("attack", attacker, info.dataset, args.outfile, settings=settings, indices=indices,
-                                n0=0, n=args.N, alpha=args.alpha, batch_size=args.batch, seed=args.seed,
-                                resume=args.resume, checkpoint=args.checkpoint, shard=shard_spec, progress=progress)
-
-    _run_whole_or_sharded(args, "attack", env, shard, indices, run)
-    return 0
+    run = _DatasetRun.open(args)
+    attacker = Attacker(Smoother(run.model, args.sigma), args.attack, args.eps, steps=args.steps,
+                        step_size=args.step_size, samples=args.samples, random_start=args.random_start,
+                        clamp=args.clamp, evaluate=args.evaluate, group=args.group)
+    return run.run(AttackRun(attacker, args.N, args.alpha, args.batch), attacker.settings())
 
 
 def merge_command(args: argparse.Namespace) -> int:

@@ -49,8 +49,8 @@ class MarginCertifier:
     Logits are computed in float64 from a float64 copy of ``f_L`` (rebuilt whenever ``f_L`` changes; the README's
     caveat applies: the guarantee is for the real-valued network). Results carry ``p_a_lower = nan``,
     ``latent_radius = m/√2``, ``count_a = n = 0`` and ``failure_prob`` = the bounds' δ (0 when exact); a tie at the
-    top logit abstains. ``certify`` takes Cohen's arguments so dataset runs and TSVs work unchanged; ``n0``, ``n``,
-    ``alpha`` and ``batch_size`` are ignored (nothing is sampled), ``seed`` seeds probabilistic bounds only.
+    top logit abstains. Nothing is sampled: ``seed`` seeds probabilistic bounds only (dataset runs:
+    :class:`~splitz_fast.runs.MarginRun`).
     """
 
     def __init__(self, model: SplitModel, **bound_options_kw):
@@ -81,15 +81,13 @@ class MarginCertifier:
             self._left64 = (left, ModuleSnapshot(left), copy.deepcopy(left).double().eval())
         return self._left64[2]
 
-    def certify(self, x: torch.Tensor, n0: int | None = None, n: int | None = None, alpha: float | None = None,
-                batch_size: int | None = None, seed: int | None = None) -> CertifyResult:
+    def certify(self, x: torch.Tensor, seed: int | None = None) -> CertifyResult:
         check_margin_model(self.model)  # as the model is now: either half may have been replaced since __init__
         with evaluating(self.model):
             prepared = prepare_input(self.model, x)
             return about_given_input(self._certify(prepared.x, resolve_seed(seed)), prepared.rounding)
 
-    def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor], n0: int | None = None, n: int | None = None,
-                     alpha: float | None = None, batch_size: int | None = None,
+    def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor],
                      seeds: Iterable[int | None] | None = None) -> Iterator[CertifyResult]:
         """Certificates of every input, in order (one seed per input)."""
         for x, seed in zip(inputs_of(inputs), seeds_for(seeds)):

@@ -16,26 +16,145 @@ one that run would have written. ``splitz certify --shard K/N`` / ``splitz merge
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from ._checks import check_certify_counts, check_count, check_output_file
-from .attacks import ATTACK_HEADER
+from .attacks import ATTACK_HEADER, Attacker
+from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+from .margin import MarginCertifier
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
-from .smoothing import Smoother
-from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+from .sequential import SequentialCertifier
+from .smoothing import PredictResult, Smoother
 
 PREDICT_HEADER = "\t".join(("idx", "label", "predict", "correct", "time", "count_top", "count_second", "p_value"))
-HEADERS = {"certify": CERTIFY_HEADER, "predict": PREDICT_HEADER, "attack": ATTACK_HEADER}
+
+
+# ------------------------------------------------------------------------------------------------------ run tasks
+class RunTask(abc.ABC):
+    """One kind of run over a dataset: its TSV header, the settings its sidecar records, how it computes results for
+    labelled inputs and their seeds, and how a result becomes a row. :func:`run_over_dataset` (resume, sharding,
+    progress, interruption) and :func:`merge_shards` know nothing else about it. Constructing a task validates its
+    arguments (once)."""
+
+    kind: str  # recorded in the sidecar; names the header when shards are merged (HEADERS)
+    header: str
+
+    @abc.abstractmethod
+    def settings(self) -> dict[str, Any]:
+        """What determines the rows besides the model, the data, the indices and the seed (the sidecar's entries)."""
+
+    @abc.abstractmethod
+    def results(self, pairs: Iterable[tuple[torch.Tensor, int]], seeds: list[int]) -> Iterator[Any]:
+        """One result per ``(input, label)`` pair, in order, input ``i`` drawing its noise from ``seeds[i]``."""
+
+    @abc.abstractmethod
+    def row(self, idx: int, label: int, result: Any) -> str:
+        """The TSV line of one result (no newline)."""
+
+
+def _inputs(pairs: Iterable[tuple[torch.Tensor, int]]) -> Iterator[torch.Tensor]:
+    return (x for x, _ in pairs)
+
+
+class CertifyRun(RunTask):
+    """Cohen's CERTIFY with the SPLITZ radius (``splitz certify``): a :class:`~splitz_fast.smoothing.Smoother` or a
+    :class:`~splitz_fast.sequential.SequentialCertifier` (``n`` is then its budget)."""
+
+    kind, header = "certify", CERTIFY_HEADER
+
+    def __init__(self, certifier: Smoother | SequentialCertifier, n0: int, n: int, alpha: float,
+                 batch_size: int | None = None):
+        check_certify_counts(n0, n, alpha, batch_size)
+        self.certifier, self.n0, self.n, self.alpha, self.batch_size = certifier, n0, n, alpha, batch_size
+
+    def settings(self) -> dict[str, Any]:
+        return {"kind": self.kind, "n0": self.n0, "n": self.n, "alpha": self.alpha, "sigma": self.certifier.sigma}
+
+    def results(self, pairs, seeds):
+        return self.certifier.certify_many(_inputs(pairs), self.n0, self.n, self.alpha, batch_size=self.batch_size,
+                                           seeds=seeds)
+
+    def row(self, idx, label, result):
+        return format_row(idx, label, result)
+
+
+class PredictRun(RunTask):
+    """Cohen's PREDICT (``splitz predict``)."""
+
+    kind, header = "predict", PREDICT_HEADER
+
+    def __init__(self, smoother: Smoother, n: int, alpha: float, batch_size: int | None = None):
+        check_certify_counts(None, n, alpha, batch_size)
+        self.smoother, self.n, self.alpha, self.batch_size = smoother, n, alpha, batch_size
+
+    def settings(self) -> dict[str, Any]:
+        # n0 = 0: PREDICT draws no selection samples (recorded so that sidecars written before stay resumable).
+        return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.smoother.sigma}
+
+    def results(self, pairs, seeds):
+        return self.smoother.predict_many(_inputs(pairs), self.n, self.alpha, batch_size=self.batch_size,
+                                          seeds=seeds)
+
+    def row(self, idx, label, result: PredictResult):
+        return "\t".join([str(idx), str(label), str(result.prediction), str(int(result.prediction == label)),
+                          f"{result.seconds:.4f}", str(result.count_top), str(result.count_second),
+                          f"{result.p_value:.6g}"])
+
+
+class MarginRun(RunTask):
+    """Deterministic logit-margin certificates (``splitz certify-margin``): nothing is sampled, so there are no
+    sampling settings; the rows are CERTIFY's."""
+
+    kind, header = "certify-margin", CERTIFY_HEADER
+
+    def __init__(self, certifier: MarginCertifier):
+        self.certifier = certifier
+
+    def settings(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def results(self, pairs, seeds):
+        return self.certifier.certify_many(_inputs(pairs), seeds=seeds)
+
+    def row(self, idx, label, result):
+        return format_row(idx, label, result)
+
+
+class AttackRun(RunTask):
+    """l2 attacks with PREDICT at the clean and the attacked point (``splitz attack``)."""
+
+    kind, header = "attack", ATTACK_HEADER
+
+    def __init__(self, attacker: Attacker, n: int, alpha: float, batch_size: int | None = None):
+        check_certify_counts(None, n, alpha, batch_size)
+        self.attacker, self.n, self.alpha, self.batch_size = attacker, n, alpha, batch_size
+
+    def settings(self) -> dict[str, Any]:
+        # n0 = 0 as for PREDICT (sidecars written before stay resumable); the attack's own settings come from the caller.
+        return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.attacker.sigma}
+
+    def results(self, pairs, seeds):
+        return self.attacker.attack_many(pairs, self.n, self.alpha, batch_size=self.batch_size, seeds=seeds)
+
+    def row(self, idx, label, result):
+        return result.row(idx)
+
+
+#: The header of each task kind, by the ``kind`` its sidecars record (what merge_shards reads).
+HEADERS = {task.kind: task.header for task in (CertifyRun, PredictRun, MarginRun, AttackRun)}
 
 
 def select_indices(n_items: int, skip: int, max_count: int) -> list[int]:
@@ -228,7 +347,7 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
                          f"{'them' if len(missing) > 1 else 'it'} (--shard K/N), then merge all {count}")
     kind = settings.get("kind")
     if kind not in HEADERS:
-        raise ValueError(f"cannot merge: {shards[0].where} records no run kind (certify or predict)")
+        raise ValueError(f"cannot merge: {shards[0].where} records no run kind ({', '.join(HEADERS)})")
     header = HEADERS[kind]
     rows: list[tuple[int, str]] = []
     for k in range(count):
@@ -259,17 +378,12 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
 
 
 def run_over_dataset(
-    kind: str,
-    smoother: Smoother,
+    task: RunTask,
     dataset: Dataset,
     out_path: str | os.PathLike,
     *,
     settings: dict[str, Any],
     indices: list[int],
-    n0: int,
-    n: int,
-    alpha: float,
-    batch_size: int | None,
     seed: int,
     resume: bool = False,
     checkpoint: str | os.PathLike | None = None,
@@ -278,69 +392,52 @@ def run_over_dataset(
     on_row: Callable[[int, Any], None] | None = None,
     shard: ShardSpec | None = None,
 ) -> Path:
-    """CERTIFY (``kind="certify"``) or PREDICT (``kind="predict"``) every selected dataset index into ``out_path``;
-    ``kind="attack"`` takes an :class:`~splitz_fast.attacks.Attacker` as ``smoother`` (``attack_many``; ``n0`` unused).
+    """Run ``task`` (:class:`CertifyRun`, :class:`PredictRun`, :class:`MarginRun`, :class:`AttackRun`) over every
+    selected dataset index into ``out_path``.
 
-    ``settings`` (everything that determines the rows) is stored in the sidecar together with the checkpoint's
-    digest (``checkpoint_digest``, described by ``checkpoint_digest_covers``); ``stop_after`` stops after that many
-    new rows (as an interruption would). The inputs stream through ``smoother.certify_many`` / ``predict_many``
-    (shared ``f_R`` batches, one host sync per group of inputs); each row is written as soon as its input is done.
-    ``batch_size`` (``None``: measured) does not change the rows — the noise of an input depends only on its seed —
-    so it is not part of the settings a resume must match.
+    ``settings`` (what else determines the rows: dataset, split, model, bound options…) is stored in the sidecar
+    together with the task's own settings, the seed, the indices and the checkpoint's digest (``checkpoint_digest``,
+    described by ``checkpoint_digest_covers``); ``stop_after`` stops after that many new rows (as an interruption
+    would). The inputs stream through the task (shared ``f_R`` batches, one host sync per group of inputs); each row
+    is written as soon as its input is done. The ``f_R`` batch size does not change the rows — the noise of an input
+    depends only on its seed — so it is not part of the settings a resume must match.
 
     ``shard`` (a :class:`ShardSpec`) runs only that shard of ``indices`` into ``shard.path(out_path)`` (returned),
     whose sidecar holds these settings plus the ``shard`` record; :func:`merge_shards` makes ``out_path`` from them.
     """
-    if kind not in HEADERS:
-        raise ValueError(f"kind must be 'certify', 'predict' or 'attack', got {kind!r}")
+    if not isinstance(task, RunTask):
+        raise TypeError(f"task must be a RunTask (CertifyRun, PredictRun, MarginRun, AttackRun), got "
+                        f"{type(task).__name__}")
     # Check every argument before the output file is created, so a typo leaves nothing behind.
-    check_certify_counts(n0 if kind == "certify" else None, n, alpha, batch_size)
     check_count("seed", seed, 0)
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")
     out_path = check_output_file("output file", out_path)
-    settings = dict(settings, kind=kind, n0=n0, n=n, alpha=alpha, seed=seed,
-                    sigma=getattr(smoother, "sigma", None), indices=[indices[0], indices[-1], len(indices)] if indices else [])
+    settings = dict(settings, **task.settings(), seed=seed,
+                    indices=[indices[0], indices[-1], len(indices)] if indices else [])
     if checkpoint is not None:
         settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint))
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
     if shard is not None:
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
-    header = HEADERS[kind]
-    done = _prepare_output(out_path, header, settings, resume)
+    done = _prepare_output(out_path, task.header, settings, resume)
     todo = [i for i in indices if i not in done]
     if stop_after is not None:
         todo = todo[:stop_after]
     labels: dict[int, int] = {}
 
-    def inputs():
+    def pairs():
         for idx in todo:
             x, label = dataset[idx]
             labels[idx] = int(label)
-            yield x
+            yield x, labels[idx]
 
-    seeds = [seed + idx for idx in todo]
-    if kind == "certify":
-        results = smoother.certify_many(inputs(), n0, n, alpha, batch_size=batch_size, seeds=seeds)
-    elif kind == "attack":
-        results = smoother.attack_many(((x, labels[idx]) for idx, x in zip(todo, inputs())), n, alpha,
-                                       batch_size=batch_size, seeds=seeds)
-    else:
-        results = smoother.predict_many(inputs(), n, alpha, batch_size=batch_size, seeds=seeds)
-    with out_path.open("a") as fh, tqdm(total=len(todo), desc=kind, unit="img", file=sys.stderr,
+    results = task.results(pairs(), [seed + idx for idx in todo])
+    with out_path.open("a") as fh, tqdm(total=len(todo), desc=task.kind, unit="img", file=sys.stderr,
                                         disable=not progress) as bar:
         for idx, result in zip(todo, results):
-            label = labels.pop(idx)
-            if kind == "certify":
-                line = format_row(idx, label, result)
-            elif kind == "attack":
-                line = result.row(idx)
-            else:
-                line = "\t".join([str(idx), str(label), str(result.prediction), str(int(result.prediction == label)),
-                                  f"{result.seconds:.4f}", str(result.count_top), str(result.count_second),
-                                  f"{result.p_value:.6g}"])
-            fh.write(line + "\n")
+            fh.write(task.row(idx, labels.pop(idx), result) + "\n")
             fh.flush()
             bar.update()
             if on_row is not None:
@@ -348,5 +445,6 @@ def run_over_dataset(
     return out_path
 
 
-__all__ = ["run_over_dataset", "select_indices", "PREDICT_HEADER", "HEADERS", "ShardSpec", "ShardData", "merge_shards",
+__all__ = ["run_over_dataset", "select_indices", "PREDICT_HEADER", "HEADERS", "RunTask", "CertifyRun", "PredictRun",
+           "MarginRun", "AttackRun", "ShardSpec", "ShardData", "merge_shards",
            "shard_files"]

@@ -399,7 +399,7 @@ class SequentialCertifier:
                      ) -> Iterator[SequentialCertifyResult]:
         """:meth:`certify` for every input (a ``[M, *input_shape]`` tensor or an iterable, consumed lazily), one seed
         per input (``None``: fresh random seeds); results in order. Same call shape as ``Smoother.certify_many`` with
-        ``n = budget``, so :func:`~splitz_fast.runs.run_over_dataset` takes this object in place of a Smoother."""
+        ``n = budget``, so a :class:`~splitz_fast.runs.CertifyRun` takes this object in place of a Smoother."""
         check_certify_counts(n0, budget, alpha, batch_size, n_name="budget")
         return self._certify_stream(inputs_of(inputs), n0, budget, alpha, batch_size, seeds_for(seeds))
 

@@ -16,7 +16,7 @@ import splitz_fast as sz
 from splitz_fast.attacks import (ATTACK_HEADER, ATTACKS, Attacker, deepfool_l2, falsify_certificates, fgsm_l2, pgd_l2,
                                  project_l2)
 from splitz_fast.cli import main
-from splitz_fast.runs import run_over_dataset
+from splitz_fast.runs import AttackRun, run_over_dataset
 
 
 def _norms(t: torch.Tensor) -> torch.Tensor:
@@ -149,11 +149,12 @@ def test_attack_run_resumes_to_the_rows_of_an_uninterrupted_one(tmp_path):
     gen = torch.Generator().manual_seed(4)
     data = TensorDataset(torch.rand(12, 6, generator=gen), torch.randint(0, 3, (12,), generator=gen))
     attacker = Attacker(sz.Smoother(_mlp(6, 1), 0.5), "smooth-pgd", eps=0.5, steps=3, samples=8, group=2)
-    kwargs = dict(settings={"dataset": "t", **attacker.settings()}, indices=list(range(0, 12, 2)), n0=0, n=200,
-                  alpha=0.01, batch_size=None, seed=7, progress=False)
-    whole = run_over_dataset("attack", attacker, data, tmp_path / "whole.tsv", **kwargs)
-    part = run_over_dataset("attack", attacker, data, tmp_path / "part.tsv", stop_after=3, **kwargs)
-    run_over_dataset("attack", attacker, data, part, resume=True, **kwargs)
+    kwargs = dict(settings={"dataset": "t", **attacker.settings()}, indices=list(range(0, 12, 2)), seed=7,
+                  progress=False)
+    task = AttackRun(attacker, 200, 0.01)
+    whole = run_over_dataset(task, data, tmp_path / "whole.tsv", **kwargs)
+    part = run_over_dataset(task, data, tmp_path / "part.tsv", stop_after=3, **kwargs)
+    run_over_dataset(task, data, part, resume=True, **kwargs)
     drop_time = lambda p: [line.rsplit("\t", 1)[0] for line in p.read_text().splitlines()]  # noqa: E731
     assert drop_time(part) == drop_time(whole)
     lines = whole.read_text().splitlines()
@@ -161,8 +162,8 @@ def test_attack_run_resumes_to_the_rows_of_an_uninterrupted_one(tmp_path):
     assert json.loads((tmp_path / "whole.tsv.json").read_text())["attack"] == "smooth-pgd"
     with pytest.raises(ValueError, match="different settings"):
         other = Attacker(attacker.smoother, "smooth-pgd", eps=0.6, steps=3, samples=8)
-        run_over_dataset("attack", other, data, whole, resume=True, **dict(kwargs, settings={"dataset": "t",
-                                                                                             **other.settings()}))
+        run_over_dataset(AttackRun(other, 200, 0.01), data, whole, resume=True,
+                         **dict(kwargs, settings={"dataset": "t", **other.settings()}))
 
 
 def test_attack_command_writes_resumable_rows_shards_and_refuses_bad_options(tmp_path, capsys, monkeypatch, tiny):

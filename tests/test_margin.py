@@ -27,7 +27,7 @@ def test_linear_classifier_radius_is_sound_and_tight_in_the_binary_case():
         w, b = layer.weight.detach().double(), layer.bias.detach().double()
         for _ in range(10):
             x = torch.randn(6)
-            result = certifier.certify(x, 1, 1, 0.5, seed=0)
+            result = certifier.certify(x, seed=0)
             z = w @ x.double() + b
             y = int(z.argmax())
             exact = min(float((z[y] - z[j]) / (w[y] - w[j]).norm()) for j in range(classes) if j != y)
@@ -44,7 +44,7 @@ def test_no_attack_inside_the_certified_radius_changes_the_prediction(seed):
     certifier = sz.MarginCertifier(model)
     for _ in range(5):
         x = torch.randn(4)
-        result = certifier.certify(x, 1, 1, 0.5, seed=0)
+        result = certifier.certify(x, seed=0)
         if result.prediction < 0 or result.radius == 0:
             continue
         # Projected gradient ascent on the best other logit minus the predicted one, inside the certified ball.
@@ -76,7 +76,7 @@ def test_margin_certifier_refuses_models_it_cannot_certify():
         layer.weight.zero_()
         layer.bias.zero_()
     tied = sz.SplitModel(sz.LeftHalf([layer], [None], input_shape=(3,)), nn.Sequential(), 2)
-    result = sz.MarginCertifier(tied).certify(torch.randn(3), 1, 1, 0.5, seed=0)
+    result = sz.MarginCertifier(tied).certify(torch.randn(3), seed=0)
     assert result.prediction == sz.ABSTAIN and result.radius == 0.0 and math.isnan(result.p_a_lower)
 
 
@@ -89,9 +89,9 @@ def test_the_float64_copy_follows_weight_changes():
     model = sz.SplitModel(sz.LeftHalf([layer], [None], input_shape=(2,)), nn.Sequential(), 2)
     certifier = sz.MarginCertifier(model, bound_method="exact")
     x = torch.tensor([1.0, 0.0])
-    first = certifier.certify(x, 1, 1, 0.5, seed=0)
+    first = certifier.certify(x, seed=0)
     assert first.prediction == 0 and first.radius == pytest.approx(1.0, rel=1e-6)  # (1 − (−1)) / ‖w_0 − w_1‖ = 1
     with torch.no_grad():
         layer.weight.mul_(-1)  # the prediction flips
-    second = certifier.certify(x, 1, 1, 0.5, seed=0)
+    second = certifier.certify(x, seed=0)
     assert second.prediction == 1 and second.radius == pytest.approx(1.0, rel=1e-6)

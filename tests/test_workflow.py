@@ -14,7 +14,7 @@ from splitz_fast.cli import main
 from splitz_fast.data import load_mnist
 from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
 from splitz_fast.results import COHEN_COLUMNS
-from splitz_fast.runs import run_over_dataset, select_indices
+from splitz_fast.runs import CertifyRun, run_over_dataset, select_indices
 from splitz_fast.training import TrainConfig, load_checkpoint_file, splitz_loss, train
 from _helpers import installed
 
@@ -143,32 +143,34 @@ def test_interrupted_certification_resumes_without_loss_or_duplicates(tmp_path, 
     model = _model().eval()
     smoother = sz.Smoother(model, 0.5)
     indices = select_indices(len(mnist_small), 100, -1)
-    args = dict(settings={"dataset": "mnist-small"}, indices=indices, n0=10, n=100, alpha=0.01, batch_size=50, seed=7,
-                progress=False)
-    whole = run_over_dataset("certify", smoother, mnist_small, tmp_path / "whole.tsv", **args)
+    args = dict(settings={"dataset": "mnist-small"}, indices=indices, seed=7, progress=False)
+    task = CertifyRun(smoother, 10, 100, 0.01, 50)
+    whole = run_over_dataset(task, mnist_small, tmp_path / "whole.tsv", **args)
     part = tmp_path / "part.tsv"
-    run_over_dataset("certify", smoother, mnist_small, part, stop_after=2, **args)
+    run_over_dataset(task, mnist_small, part, stop_after=2, **args)
     with part.open("a") as fh:
         fh.write("200\t3\t")  # a row torn by the interruption
-    run_over_dataset("certify", smoother, mnist_small, part, resume=True, **args)
+    run_over_dataset(task, mnist_small, part, resume=True, **args)
     drop_time = [[f for i, f in enumerate(row) if i != 5] for row in _certify_rows(part)]
     assert drop_time == [[f for i, f in enumerate(row) if i != 5] for row in _certify_rows(whole)]
     assert [int(r[0]) for r in _certify_rows(part)] == indices
     with pytest.raises(FileExistsError, match="resume"):
-        run_over_dataset("certify", smoother, mnist_small, part, **args)
+        run_over_dataset(task, mnist_small, part, **args)
     with pytest.raises(ValueError, match="sigma"):
-        run_over_dataset("certify", sz.Smoother(model, 0.3), mnist_small, part, resume=True, **args)
+        run_over_dataset(CertifyRun(sz.Smoother(model, 0.3), 10, 100, 0.01, 50), mnist_small, part, resume=True,
+                         **args)
 
 
 def test_run_over_dataset_checks_arguments_before_writing(tmp_path, mnist_small):
     smoother = sz.Smoother(_model().eval(), 0.5)
     out = tmp_path / "x.tsv"
     with pytest.raises(ValueError, match="n0"):
-        run_over_dataset("certify", smoother, mnist_small, out, settings={}, indices=[0], n0=50, n=10, alpha=0.01,
-                         batch_size=10, seed=0)
+        CertifyRun(smoother, 50, 10, 0.01, 10)
     with pytest.raises(ValueError, match="indices"):
-        run_over_dataset("certify", smoother, mnist_small, out, settings={}, indices=[10_000], n0=5, n=10,
-                         alpha=0.01, batch_size=10, seed=0)
+        run_over_dataset(CertifyRun(smoother, 5, 10, 0.01, 10), mnist_small, out, settings={}, indices=[10_000],
+                         seed=0)
+    with pytest.raises(TypeError, match="RunTask"):
+        run_over_dataset("certify", mnist_small, out, settings={}, indices=[0], seed=0)
     assert not out.exists()
     with pytest.raises(ValueError, match="skip"):
         select_indices(10, 0, -1)
