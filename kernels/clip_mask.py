@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .interval_clip import _gamma_vector, interval_clip_reference
+from ._utils import gamma_vector
+from .interval_clip import interval_clip_reference
 from .thresholds import normalize_threshold
 
 __all__ = ["clip_mask", "clip_mask_native", "clip_mask_reference"]
@@ -92,7 +93,7 @@ def clip_mask_native(z: torch.Tensor, r: torch.Tensor, gamma: float | torch.Tens
     th = normalize_threshold(torch.as_tensor(theta, device=z.device), sample).to(z.dtype)
     theta_vec = th.expand(sample).reshape(-1)  # differentiable: a learnable θ's gradient is summed back by autograd
     r_vec = r.detach().to(z.dtype).reshape(-1).contiguous()
-    g = _gamma_vector(gamma, z)
+    g = gamma_vector(gamma, z)
     return _ClipMask.apply(z, theta_vec, r_vec, g, module)
 
 

@@ -36,7 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import interpreting
-from .interval_clip import _gamma_vector, interval_clip_reference
+from ._utils import gamma_vector
+from .interval_clip import interval_clip_reference
 from .thresholds import theta_broadcast, theta_mode
 
 __all__ = ["FirstLayerBounds", "first_layer_bounds", "first_layer_bounds_reference", "first_layer_bounds_triton"]
@@ -117,7 +118,7 @@ def first_layer_bounds_reference(
         bias = layer.bias.detach().to(x.dtype)
         z = z + (bias.view(1, -1, 1, 1) if z.ndim == 4 else bias)
     r = _linear_part(layer, s2, w.square()).clamp_min(0).sqrt()
-    g = _gamma_vector(gamma, z)
+    g = gamma_vector(gamma, z)
     margin = None
     if rel_rounding:
         magnitude = _linear_part(layer, h.abs(), w.abs())
@@ -269,7 +270,7 @@ def first_layer_bounds_triton(
     weight = layer.weight.detach().to(x.dtype).contiguous()
     bias = None if layer.bias is None else layer.bias.detach().to(x.dtype).contiguous()
     probe = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    g = _gamma_vector(gamma, probe)
+    g = gamma_vector(gamma, probe)
     mode, theta_t = theta_mode(theta, probe)
     lower, upper = torch.empty_like(probe), torch.empty_like(probe)
     mask = torch.empty(out_shape, dtype=torch.uint8, device=x.device)

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from . import interpreting
+from ._utils import gamma_vector
 from .thresholds import theta_broadcast, theta_mode
 
 __all__ = [
@@ -87,19 +88,6 @@ def _per_sample_or_shared(name: str, t: torch.Tensor, z: torch.Tensor) -> tuple[
     raise ValueError(f"{name} must have shape {tuple(z.shape)}, {sample} or {(1, *sample)}, got {tuple(t.shape)}")
 
 
-def _gamma_vector(gamma: float | torch.Tensor | None, z: torch.Tensor) -> torch.Tensor | None:
-    if gamma is None:
-        return None
-    # A Python float goes through float64, never torch's float32 default: a γ rounded down would bound a smaller ball.
-    g = gamma if isinstance(gamma, torch.Tensor) else torch.as_tensor(gamma, dtype=torch.float64)
-    g = g.detach().to(device=z.device, dtype=z.dtype).flatten()
-    if g.numel() == 1:
-        g = g.expand(z.shape[0])
-    if g.numel() != z.shape[0]:
-        raise ValueError(f"gamma must be a scalar or have one value per sample ({z.shape[0]}), got {g.numel()}")
-    return g.contiguous()
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Reference (the CPU path and the test oracle)
 # --------------------------------------------------------------------------------------------------------------------
@@ -124,7 +112,7 @@ def interval_clip_reference(
     batch = z.shape[0]
     r_t, r_per_sample = _per_sample_or_shared("r", r, z)
     r_eff = r_t.view(batch, *sample) if r_per_sample else r_t.view(1, *sample)
-    g = _gamma_vector(gamma, z)
+    g = gamma_vector(gamma, z)
     if g is not None:
         r_eff = g.view(-1, *([1] * len(sample))) * r_eff
     total = r_eff
@@ -257,7 +245,7 @@ def interval_clip_triton(
     batch = z.shape[0]
     n = math.prod(z.shape[1:])
     r_t, r_per_sample = _per_sample_or_shared("r", r, z)
-    g = _gamma_vector(gamma, z)
+    g = gamma_vector(gamma, z)
     m_t, m_per_sample = (None, False) if margin is None else _per_sample_or_shared("margin", margin, z)
     rel = None if not rel_margin else torch.tensor([float(rel_margin)], dtype=z.dtype, device=z.device)
     mode, theta_t = theta_mode(theta, z)
@@ -286,7 +274,9 @@ def interval_clip_triton(
         return IntervalClip(lower, upper, mask, center, radius)
     dummy = z  # placeholder for absent pointers (never dereferenced: the constexpr flags drop those loads)
     kernel = _kernels()
-    grid = (triton_cdiv(numel, _BLOCK),)
+    import triton  # the launch path only: importing this module never imports triton
+
+    grid = (triton.cdiv(numel, _BLOCK),)
     kernel[grid](
         z, r_t, dummy if g is None else g, dummy if m_t is None else m_t, dummy if rel is None else rel,
         dummy if theta_t is None else theta_t,
@@ -297,10 +287,6 @@ def interval_clip_triton(
         BLOCK=_BLOCK, **LAUNCH_OPTIONS,
     )
     return IntervalClip(lower, upper, mask, center, radius)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def interval_clip(
