@@ -529,16 +529,14 @@ def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
                              "Under torchrun the ranks are the shards and rank 0 merges")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _dataset_help() -> str:
     from .datasets import DATASETS
-    from .models import MODELS
-    from .recipes import RECIPES
-    from .training import LIP_OBJECTIVES
 
-    dataset_help = f"dataset name: {', '.join(DATASETS)}"
-    parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
-    parser.add_argument("--version", action="version", version=f"splitz_fast {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    return f"dataset name: {', '.join(DATASETS)}"
+
+
+def _add_demo_parser(sub) -> None:
+    """``splitz demo``: the README's main job."""
     d = sub.add_parser("demo", help="train RS and SPLITZ LeNets on offline MNIST, certify, compare",
                        formatter_class=_HelpFormatter)
     d.add_argument("--out", default="runs/demo", help="folder for checkpoints, TSVs, tables, plot")
@@ -560,6 +558,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(d)
     d.set_defaults(func=demo)
 
+
+def _add_train_parser(sub) -> None:
+    """``splitz train``: SPLITZ (or RS) training with a named recipe and its overrides."""
+    from .models import MODELS
+    from .recipes import RECIPES
+    from .training import LIP_OBJECTIVES
+
+    dataset_help = _dataset_help()
     t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)",
                        formatter_class=_HelpFormatter)
     t.add_argument("dataset", help=dataset_help)
@@ -630,6 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(t)
     t.set_defaults(func=train_command)
 
+
+def _add_certify_predict_parser(sub) -> None:
+    """``splitz certify`` and ``splitz predict``: Cohen's protocol over a dataset."""
+    dataset_help = _dataset_help()
     for name, func, helptext in (("certify", certify_command, "Cohen's CERTIFY with the SPLITZ radius"),
                                  ("predict", predict_command, "Cohen's PREDICT")):
         c = sub.add_parser(name, help=helptext, formatter_class=_HelpFormatter)
@@ -685,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_threads_option(c)
         c.set_defaults(func=func)
 
+
+def _add_merge_parser(sub) -> None:
+    """``splitz merge``: join the shards of a run."""
     g = sub.add_parser("merge", help="join the shards of a certify/predict run (--shard K/N) into one TSV",
                        formatter_class=_HelpFormatter)
     g.add_argument("outfile", help="merged TSV (rows sorted by idx) and its sidecar OUTFILE.json")
@@ -693,6 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "settings or checkpoints, missing, duplicated or incomplete shards")
     g.set_defaults(func=merge_command)
 
+
+def _add_certify_margin_parser(sub) -> None:
+    """``splitz certify-margin``: logit-margin certificates of a whole-f_L model."""
+    dataset_help = _dataset_help()
     m = sub.add_parser("certify-margin", help="deterministic logit-margin certificates (no smoothing) for a model "
                                               "whose whole classifier is in f_L (the Lipschitz-only baseline)",
                        formatter_class=_HelpFormatter)
@@ -715,8 +732,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(m)
     m.set_defaults(func=certify_margin_command)
 
+
+def _add_attack_parser(sub) -> None:
+    """``splitz attack``: l2 attacks with PREDICT at the clean and attacked points."""
     from .attacks import ATTACKS
 
+    dataset_help = _dataset_help()
     k = sub.add_parser("attack", help="l2 attacks on the smoothed classifier (smooth-pgd, smooth-fgsm) or the base "
                                       "classifier (pgd, fgsm, deepfool); PREDICT decides clean and attacked points",
                        formatter_class=_HelpFormatter)
@@ -750,6 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(k)
     k.set_defaults(func=attack_command)
 
+
+def _add_analyze_parser(sub) -> None:
+    """``splitz analyze``: tables and plots from certify TSVs."""
     a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
                        formatter_class=_HelpFormatter)
     a.add_argument("files", nargs="+", help="certification TSVs (Cohen's six columns first)")
@@ -759,6 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default=None, help="folder for table.md, table.tex and the plot (PNG and PDF)")
     a.set_defaults(func=analyze_command)
 
+
+def _add_diagnose_parser(sub) -> None:
+    """``splitz diagnose``: what explains a SPLITZ model's certificates."""
     x = sub.add_parser("diagnose", help="what explains a SPLITZ model's certificates: L(x, γ*), p_A and the neurons "
                                         "of f_L constant on the ball, per certified input", formatter_class=_HelpFormatter)
     x.add_argument("checkpoint", help="the checkpoint that was certified")
@@ -769,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(x)
     x.set_defaults(func=diagnose_command)
 
+
+def _add_envelope_parser(sub) -> None:
+    """``splitz envelope``: best-σ envelopes of methods."""
     e = sub.add_parser("envelope", help="best-σ envelopes of methods (one certify TSV per σ) with reference lines",
                        formatter_class=_HelpFormatter)
     e.add_argument("--group", nargs="+", action="append", required=True, metavar=("NAME", "FILE"),
@@ -781,8 +811,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "n = 10⁵, full test set)")
     e.add_argument("--out", default=None, help="folder for envelope.md and envelope.png/.pdf")
     e.set_defaults(func=envelope_command)
-    return parser
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``splitz`` parser: one builder per verb."""
+    parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
+    parser.add_argument("--version", action="version", version=f"splitz_fast {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo_parser, _add_train_parser, _add_certify_predict_parser, _add_merge_parser,
+                _add_certify_margin_parser, _add_attack_parser, _add_analyze_parser, _add_diagnose_parser,
+                _add_envelope_parser):
+        add(sub)
+    return parser
 
 def _stopped_at(args: argparse.Namespace) -> str:
     """Where an interrupted run stopped, read from what it keeps on disk (flushed rows, per-epoch checkpoints)."""
