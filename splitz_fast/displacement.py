@@ -197,7 +197,7 @@ def displacement_bound(
     sets: Sequence[torch.Tensor] | None = None,
     certify: int | None = 1,
     delta: float = 1e-6,
-    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
     exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
     generator: torch.Generator | None = None,
 ) -> DisplacementBound:
@@ -223,7 +223,7 @@ def displacement_bound(
         return DisplacementBound(g.clone(), g, ("lipschitz",), torch.zeros(batch, 1, dtype=torch.float64), ones,
                                  torch.zeros(batch, dtype=torch.long), ones[:, 0], ["identity"] * batch,
                                  [0.0] * batch, g.clone().unsqueeze(1))
-    factor_args = dict(method=method, delta=delta, n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator)
+    factor_args = dict(method=method, delta=delta, power_iters=power_iters, exact_max_dim=exact_max_dim, generator=generator)
     bounds = ball_bounds(left, x, gamma)
     point = ball_bounds(left, x, 0.0)
     g = bounds.gamma.cpu()
@@ -369,7 +369,7 @@ def displacement_radius(
     def holds(gamma: float) -> bool:
         nonlocal best, failure, evaluations
         bound = displacement_bound(left, x.unsqueeze(0), gamma, method=opts.method, ratios=ratios, certify=certify,
-                                   delta=delta_norm, n_iter=opts.power_iters, exact_max_dim=opts.exact_max_dim,
+                                   delta=delta_norm, power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim,
                                    generator=generator)
         evaluations += 1
         failure += bound.failure_prob[0]

@@ -49,7 +49,7 @@ DEFAULT_PROBABILISTIC_ITERS = 128
 # bound, its global bound (d = 25,088, estimated 3.1e11) 16 s and 1.2 GB — exact, once per model (the probabilistic
 # one took 4.9 s and came out 5.6 % looser); an ImageNet stem (d = 150,528, band ≈ 4,000, ~6e12) goes probabilistic.
 # The exact bound is worth a few times the probabilistic one's cost: it adds nothing to α and is tight, where the
-# probabilistic bound is looser by up to (1/δ)^{1/(2·n_iter)} (5.5 % per factor at δ = 1e-6, 128 steps).
+# probabilistic bound is looser by up to (1/δ)^{1/(2·power_iters)} (5.5 % per factor at δ = 1e-6, 128 steps).
 EXACT_MAX_FLOPS = 4e11
 
 
@@ -330,7 +330,7 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
 
 
 def probabilistic_norm_bound(
-    op: MaskedAffine, n_iter: int, delta: float, generator: torch.Generator | None = None
+    op: MaskedAffine, power_iters: int, delta: float, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """``[B]`` bounds on ``‖A_b‖₂``, each failing with probability at most ``delta`` (see module docstring).
 
@@ -341,7 +341,7 @@ def probabilistic_norm_bound(
     log_norm = torch.zeros(op.batch, dtype=torch.float64, device=device)
     zero = torch.zeros(op.batch, dtype=torch.bool, device=device)
     with torch.no_grad():
-        for _ in range(n_iter):
+        for _ in range(power_iters):
             w = op.gram_matvec(v)
             norms = w.flatten(1).norm(dim=1)
             zero |= norms == 0
@@ -349,7 +349,7 @@ def probabilistic_norm_bound(
             log_norm += torch.log(safe)
             v = w / safe.view(-1, *([1] * (w.ndim - 1)))
     t = delta * math.sqrt(math.pi / 2)
-    bound = torch.exp((log_norm - math.log(t)) / (2 * n_iter)) * (1 + 1e-6)
+    bound = torch.exp((log_norm - math.log(t)) / (2 * power_iters)) * (1 + 1e-6)
     # G^k b = 0 means λ_max·|⟨b, e₁⟩| = 0, i.e. λ_max = 0 (⟨b, e₁⟩ ≠ 0 almost surely; δ covers the rest).
     return torch.where(zero, torch.zeros_like(bound), bound)
 
@@ -392,7 +392,7 @@ def _check_method(method: str) -> None:
 
 
 def _bound_factors(
-    ops: list[MaskedAffine], batch: int, *, method: str, delta: float, n_iter: int, exact_max_dim: int,
+    ops: list[MaskedAffine], batch: int, *, method: str, delta: float, power_iters: int, exact_max_dim: int,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, list[str], list[float]]:
     value = torch.ones(batch, dtype=torch.float64)
@@ -407,7 +407,7 @@ def _bound_factors(
                 gram, terms = op.gram(b)
                 value[b] *= math.sqrt(certified_lambda_max(gram, terms))
         else:
-            norms = probabilistic_norm_bound(op, n_iter, delta, generator).cpu()
+            norms = probabilistic_norm_bound(op, power_iters, delta, generator).cpu()
             value *= norms
             n_prob = [n + 1 for n in n_prob]
     kind = ["exact" if n == 0 else "probabilistic" for n in n_prob]
@@ -422,7 +422,7 @@ def lipschitz_bound(
     *,
     method: str = "auto",
     delta: float = 1e-6,
-    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
     exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
     generator: torch.Generator | None = None,
 ) -> LipschitzBound:
@@ -433,7 +433,7 @@ def lipschitz_bound(
         method: ``"exact"`` (deterministic, restricted Gram + Cholesky certificate), ``"probabilistic"`` (power
             method from a random start, failure probability ``delta`` per factor), or ``"auto"`` (per factor: exact
             while the Gram dimension is ≤ ``exact_max_dim`` or the estimated cost ≤ ``EXACT_MAX_FLOPS``).
-        n_iter: power steps of the probabilistic bound; the bound's slack factor is about ``(1/δ)^{1/(2·n_iter)}``.
+        power_iters: power steps of the probabilistic bound; the bound's slack factor is about ``(1/δ)^{1/(2·power_iters)}``.
     """
     _check_method(method)
     batch = x.shape[0]
@@ -441,7 +441,7 @@ def lipschitz_bound(
         return LipschitzBound(torch.ones(batch, dtype=torch.float64), ["identity"] * batch, [0.0] * batch, True,
                               torch.as_tensor(gamma, dtype=torch.float64).expand(batch).clone())
     return bound_from_ball(left, ball_bounds(left, x, gamma), tuple(x.shape[1:]), method=method, delta=delta,
-                           n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator)
+                           power_iters=power_iters, exact_max_dim=exact_max_dim, generator=generator)
 
 
 def bound_from_ball(
@@ -451,7 +451,7 @@ def bound_from_ball(
     *,
     method: str = "auto",
     delta: float = 1e-6,
-    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
     exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
     generator: torch.Generator | None = None,
 ) -> LipschitzBound:
@@ -461,7 +461,7 @@ def bound_from_ball(
     batch = bounds.gamma.shape[0]
     ops = masked_operators(left, bounds, input_shape, batch, bounds.input_scale)
     value, kind, failure = _bound_factors(
-        ops, batch, method=method, delta=delta, n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator
+        ops, batch, method=method, delta=delta, power_iters=power_iters, exact_max_dim=exact_max_dim, generator=generator
     )
     return LipschitzBound(value, kind, failure, True, bounds.gamma.cpu())
 
@@ -472,7 +472,7 @@ def global_lipschitz_bound(
     *,
     method: str = "auto",
     delta: float = 1e-6,
-    n_iter: int = DEFAULT_PROBABILISTIC_ITERS,
+    power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
     exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
     generator: torch.Generator | None = None,
 ) -> LipschitzBound:
@@ -488,7 +488,7 @@ def global_lipschitz_bound(
     scale = input_scale(left, probe.to(torch.float64))
     ops = masked_operators(left, None, tuple(input_shape), 1, scale)
     value, kind, failure = _bound_factors(
-        ops, 1, method=method, delta=delta, n_iter=n_iter, exact_max_dim=exact_max_dim, generator=generator
+        ops, 1, method=method, delta=delta, power_iters=power_iters, exact_max_dim=exact_max_dim, generator=generator
     )
     return LipschitzBound(value, kind, failure, False, torch.zeros(1, dtype=torch.float64))
 
@@ -521,7 +521,7 @@ def lipschitz_estimate(
     x: torch.Tensor,
     gamma: float | torch.Tensor,
     *,
-    n_iter: int = 5,
+    power_iters: int = 5,
     state: PowerIterationState | None = None,
     generator: torch.Generator | None = None,
     bounds: BallBounds | None = None,
@@ -533,7 +533,7 @@ def lipschitz_estimate(
     ``lower``/``upper`` empty); computed by :func:`~splitz_fast.bounds.ball_bounds` in the estimate's dtype otherwise.
 
     **Not an upper bound** (power iteration under-estimates spectral norms); never use it in a certificate.
-    The masks are hard indicators without gradient; ``n_iter`` power steps run without gradient from the warm-start
+    The masks are hard indicators without gradient; ``power_iters`` power steps run without gradient from the warm-start
     vectors in ``state`` (random on first use), and the returned ``[B]`` tensor is ``Π_k ‖A_k v_k‖`` with gradient
     flowing through ``A_k``'s weights (the standard spectral-norm gradient at convergence).
     """
@@ -560,7 +560,7 @@ def lipschitz_estimate(
             out_mask = bounds.masks[k]
             factor = conv_power.input_factor(bounds.in_mask(k), scale if k == 0 else None, in_shape, dtype)
             with torch.no_grad():
-                for _ in range(n_iter):
+                for _ in range(power_iters):
                     v = conv_power.masked_conv_gram(v, weight.detach(), layer, out_mask=out_mask, in_factor=factor,
                                                     backend="native")
                     v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
@@ -571,7 +571,7 @@ def lipschitz_estimate(
             with torch.no_grad():
                 frozen = copy.copy(op)  # the same operator on detached weights: the power steps carry no gradient
                 frozen.weight = op.weight.detach()
-                for _ in range(n_iter):
+                for _ in range(power_iters):
                     v = frozen.gram_matvec(v)
                     v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *([1] * (v.ndim - 1)))
             norm = op.matvec(v).flatten(1).norm(dim=1)

@@ -116,7 +116,7 @@ class PaperAlgorithm1(CertificationProtocol):
             return _identity(radius_latent, self.kind)
 
         def estimate(gamma: float) -> float:
-            value = lipschitz_estimate(left, x.unsqueeze(0).double(), gamma, n_iter=PAPER_POWER_ITERS,
+            value = lipschitz_estimate(left, x.unsqueeze(0).double(), gamma, power_iters=PAPER_POWER_ITERS,
                                        generator=generator)
             return float(value[0].detach())
 
@@ -169,11 +169,11 @@ class PublishedCode(CertificationProtocol):
         return RadiusResult(radius, radius, lip, self.kind, math.nan, 1, 1)
 
 
-def _power_iteration_norm(op, n_iter: int, generator: torch.Generator | None) -> float:
-    """``‖A v‖ / ‖v‖`` after ``n_iter`` power steps on ``AᵀA`` from a Gaussian start: a lower estimate of ``‖A‖₂``."""
+def _power_iteration_norm(op, power_iters: int, generator: torch.Generator | None) -> float:
+    """``‖A v‖ / ‖v‖`` after ``power_iters`` power steps on ``AᵀA`` from a Gaussian start: a lower estimate of ``‖A‖₂``."""
     v = torch.randn((1, *op.in_shape), dtype=op.dtype, device=op.weight.device, generator=generator)
     with torch.no_grad():
-        for _ in range(n_iter):
+        for _ in range(power_iters):
             v = op.gram_matvec(v)
             v = v / v.norm().clamp_min(1e-300)
         return float(op.matvec(v).norm() / v.norm().clamp_min(1e-300))

@@ -171,7 +171,7 @@ class RadiusSearch:
             opts = self.options
             bound = global_lipschitz_bound(
                 left, left.input_shape, method=opts.method, delta=opts.delta / max(1, left.depth),
-                n_iter=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=gen,
+                power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=gen,
             )
             self._global = (left, snapshot, bound)
         return self._global[2]
@@ -226,7 +226,7 @@ def _bound_rounds(left: LeftHalf, opts: BoundOptions, rounds: dict) -> dict[int,
     for i, (search, round_gammas) in rounds.items():
         stop = start + len(round_gammas)
         bounded[i] = bound_from_ball(left, ball.rows(start, stop), tuple(search.x.shape), method=opts.method,
-                                     delta=search.delta_eval, n_iter=opts.power_iters,
+                                     delta=search.delta_eval, power_iters=opts.power_iters,
                                      exact_max_dim=opts.exact_max_dim, generator=search.generator)
         start = stop
     return bounded

@@ -367,7 +367,7 @@ def splitz_loss(
     parts = {"ce": float(cross_entropy.detach())}
     loss = cross_entropy
     if need_lip:
-        lip = lipschitz_estimate(model.left, x, gamma, n_iter=config.power_iters, state=state,
+        lip = lipschitz_estimate(model.left, x, gamma, power_iters=config.power_iters, state=state,
                                  generator=generator, bounds=bounds)
         local_mean = float(lip.detach().mean())
         parts["lip"] = local_mean * rows.share
@@ -684,7 +684,7 @@ def evaluate(model: SplitModel, batches: Iterable[tuple[torch.Tensor, torch.Tens
         correct_noisy += int((model.right(noisy).argmax(1) == y).sum())
         correct_clean += int((model.right(latent).argmax(1) == y).sum())
         if model.split_index > 0:
-            lip_sum += float(lipschitz_estimate(model.left, x, config.gamma_train, n_iter=config.power_iters,
+            lip_sum += float(lipschitz_estimate(model.left, x, config.gamma_train, power_iters=config.power_iters,
                                                 generator=gen).sum())
         total += len(y)
     model.train(was_training)

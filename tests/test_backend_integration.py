@@ -55,7 +55,7 @@ def test_ball_bounds_and_certificates_agree_across_backends(backend, make_left):
         backend(name)
         bounds = sz.ball_bounds(left, x, gamma)
         exact = sz.lipschitz_bound(left, x, gamma, method="exact").value
-        prob = sz.lipschitz_bound(left, x, gamma, method="probabilistic", n_iter=16,
+        prob = sz.lipschitz_bound(left, x, gamma, method="probabilistic", power_iters=16,
                                   generator=_gen(0)).value
         results[name] = (bounds, exact, prob)
     (b_ref, e_ref, p_ref), (b_tri, e_tri, p_tri) = results["reference"], results["triton"]
@@ -83,7 +83,7 @@ def test_training_estimate_and_gradient_agree_across_backends(backend, make_left
     for name in ("reference", "triton"):
         backend(name)
         left.zero_grad()
-        est = sz.lipschitz_estimate(left, x, 0.2, n_iter=20, generator=_gen(0))
+        est = sz.lipschitz_estimate(left, x, 0.2, power_iters=20, generator=_gen(0))
         est.sum().backward()
         out[name] = (est.detach(), [layer.weight.grad.clone() for layer in left.layers])
     assert torch.allclose(out["reference"][0], out["triton"][0], rtol=1e-4)

@@ -111,7 +111,7 @@ def test_probabilistic_certificate_upper_bounds_dense_svd(name):
     x = torch.rand(4, *left.input_shape, generator=torch.Generator().manual_seed(2))
     for seed in range(5):
         gen = torch.Generator().manual_seed(seed)
-        bound = sz.lipschitz_bound(left, x, 0.3, method="probabilistic", delta=1e-6, n_iter=128, generator=gen)
+        bound = sz.lipschitz_bound(left, x, 0.3, method="probabilistic", delta=1e-6, power_iters=128, generator=gen)
         assert bound.kind == ["probabilistic"] * 4
         assert bound.failure_prob == [pytest.approx(1e-6 * left.depth)] * 4
         for b in range(4):
@@ -133,7 +133,7 @@ def test_probabilistic_failure_rate_is_at_most_delta():
     runs = 20000
     for delta in (0.3, 0.05):
         op = MaskedAffine(layer, (50,), out_mask=None, in_mask=None, in_scale=None, batch=runs)
-        bounds = probabilistic_norm_bound(op, n_iter=3, delta=delta, generator=torch.Generator().manual_seed(0))
+        bounds = probabilistic_norm_bound(op, power_iters=3, delta=delta, generator=torch.Generator().manual_seed(0))
         failure_rate = float((bounds < 1.0).double().mean())
         sd = math.sqrt(delta * (1 - delta) / runs)
         assert failure_rate <= delta + 4 * sd
@@ -233,7 +233,7 @@ def test_global_bound_equals_local_bound_when_every_neuron_varies():
 def test_training_estimate_converges_to_dense_svd(name):
     left = build_left(name)
     x = torch.rand(2, *left.input_shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    estimate = sz.lipschitz_estimate(left, x, 0.3, n_iter=3000, generator=torch.Generator().manual_seed(0))
+    estimate = sz.lipschitz_estimate(left, x, 0.3, power_iters=3000, generator=torch.Generator().manual_seed(0))
     for b in range(2):
         product_of_norms, _ = oracle(left, x[b].float(), 0.3)
         # Power iteration approaches from below; it is an estimate, never an upper bound.
@@ -247,7 +247,7 @@ def test_training_estimate_gradient_matches_dense_svd_gradient():
     x = torch.rand(1, *left.input_shape, generator=torch.Generator().manual_seed(7))
     conv = left.layers[0]
     state = sz.PowerIterationState()
-    estimate = sz.lipschitz_estimate(left, x, 0.3, n_iter=3000, state=state)
+    estimate = sz.lipschitz_estimate(left, x, 0.3, power_iters=3000, state=state)
     (grad_est,) = torch.autograd.grad(estimate.sum(), conv.weight)
 
     mask = sz.ball_bounds(left, x, 0.3).masks[0][0].flatten().double()

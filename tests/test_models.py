@@ -271,8 +271,8 @@ def test_imagenet_resnet50_bounds_are_probabilistic(resnet50_split1):
     left = resnet50_split1.left
     # the input dimension 3·224·224 is far above the dense-Gram limit, so "auto" picks the probabilistic bound
     assert math.prod(left.input_shape) > sz.lipschitz.DEFAULT_EXACT_MAX_DIM
-    assert sz.global_lipschitz_bound(left, left.input_shape, n_iter=2).kind == ["probabilistic"]
-    bound = sz.lipschitz_bound(left, torch.rand(1, 3, 224, 224), 0.1, method="probabilistic", n_iter=4,
+    assert sz.global_lipschitz_bound(left, left.input_shape, power_iters=2).kind == ["probabilistic"]
+    bound = sz.lipschitz_bound(left, torch.rand(1, 3, 224, 224), 0.1, method="probabilistic", power_iters=4,
                                generator=torch.Generator().manual_seed(0))
     assert bound.kind == ["probabilistic"] and bound.failure_prob == [1e-6]
     assert math.isfinite(float(bound.value[0])) and float(bound.value[0]) > 0

@@ -279,7 +279,7 @@ def test_lipschitz_estimate_native_power_steps_match_reference(monkeypatch):
     values = {}
     for backend in ("reference", "auto"):
         monkeypatch.setenv("SPLITZ_BACKEND", backend)
-        est = lipschitz_estimate(model.left, x, 0.1, n_iter=4, generator=torch.Generator().manual_seed(3))
+        est = lipschitz_estimate(model.left, x, 0.1, power_iters=4, generator=torch.Generator().manual_seed(3))
         (grad,) = torch.autograd.grad(est.sum(), model.left.layers[0].weight)
         values[backend] = (est.detach(), grad)
     torch.testing.assert_close(values["auto"][0], values["reference"][0], rtol=1e-5, atol=0)

@@ -160,7 +160,7 @@ def test_training_estimate_and_certify_run_through_pools():
     model = sz.lenet(split_index=3, variant="splitz").eval()
     x = torch.rand(2, 1, 28, 28)
     state = sz.PowerIterationState()
-    estimate = sz.lipschitz_estimate(model.left, x, 0.1, n_iter=3, state=state)
+    estimate = sz.lipschitz_estimate(model.left, x, 0.1, power_iters=3, state=state)
     assert estimate.shape == (2,) and bool(torch.isfinite(estimate).all())
     assert [tuple(v.shape) for v in state.vectors] == [(1, 28, 28), (32, 28, 28), (64, 14, 14)]
     # A tiny σ makes the untrained f_R decide, so the γ search and the sound bound run.

@@ -27,7 +27,7 @@ def _batch(seed=0, n=8):
 
 
 def _estimates(model, x, state):
-    return lipschitz_estimate(model.left, x, 0.1, n_iter=5, state=copy.deepcopy(state)).detach()
+    return lipschitz_estimate(model.left, x, 0.1, power_iters=5, state=copy.deepcopy(state)).detach()
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def warm():
     model = sz.lenet(split_index=1)
     x, y = _batch()
     state = PowerIterationState()
-    lipschitz_estimate(model.left, x, 0.1, n_iter=5, state=state, generator=torch.Generator().manual_seed(0))
+    lipschitz_estimate(model.left, x, 0.1, power_iters=5, state=state, generator=torch.Generator().manual_seed(0))
     return model, x, y, state
 
 

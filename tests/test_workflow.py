@@ -51,8 +51,8 @@ def test_splitz_loss_hinge_is_per_sample():
     x = torch.rand(8, 1, 28, 28, generator=gen)
     y = torch.randint(0, 10, (8,), generator=gen)
     state = PowerIterationState()
-    lipschitz_estimate(model.left, x, 0.1, n_iter=5, state=state, generator=gen)  # fills the warm start
-    per_sample = lipschitz_estimate(model.left, x, 0.1, n_iter=5, state=copy.deepcopy(state)).detach()
+    lipschitz_estimate(model.left, x, 0.1, power_iters=5, state=state, generator=gen)  # fills the warm start
+    per_sample = lipschitz_estimate(model.left, x, 0.1, power_iters=5, state=copy.deepcopy(state)).detach()
     theta = float(per_sample.median())
     config = _config(theta_lip=theta, gamma_train=0.1, power_iters=5)
     lam = 0.7
