@@ -5,7 +5,7 @@
 (``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over. They (and ``certify-margin``)
 run sharded with ``--shard K/N`` (then ``splitz merge OUTFILE``) or under ``torchrun -m splitz_fast`` (rank 0 merges;
 :mod:`splitz_fast.distributed`). ``train`` under ``torchrun -m splitz_fast`` trains data-parallel over the ranks
-(:class:`~splitz_fast.training.DataParallelGroup`).
+(:class:`~splitz_fast.distributed.DataParallelGroup`).
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def _train_config(args: argparse.Namespace, options: dict[str, str], recipe: str
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """``splitz train``; under torchrun, data-parallel over the ranks (:class:`~splitz_fast.training.DataParallelGroup`:
+    """``splitz train``; under torchrun, data-parallel over the ranks (:class:`~splitz_fast.distributed.DataParallelGroup`:
     the same weights as one process, rank 0 writes the files and prints)."""
     from .datasets import get_dataset
     from .distributed import TorchrunEnv, process_group

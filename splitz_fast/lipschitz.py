@@ -511,7 +511,7 @@ class PowerIterationState:
     def absorb_batch(self, k: int, v: torch.Tensor) -> None:
         """Warm start of layer ``k`` from one batch's final power vectors ``v: [B, *in_shape]``: their mean, unit
         length. (Data-parallel training overrides this to take the mean over every rank's rows:
-        :class:`splitz_fast.training.DataParallelGroup`.)"""
+        :class:`splitz_fast.distributed.DataParallelGroup`.)"""
         mean = v.mean(0)
         self.set(k, mean / mean.norm().clamp_min(1e-30))
 

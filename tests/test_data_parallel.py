@@ -1,4 +1,4 @@
-"""Data-parallel training (`torchrun ... -m splitz_fast train`, splitz_fast.training.DataParallelGroup) on the CPU with
+"""Data-parallel training (`torchrun ... -m splitz_fast train`, splitz_fast.distributed.DataParallelGroup) on the CPU with
 gloo: two ranks sharing a global batch must take the step one process takes on it (the gradients, the parameters
 and the power-iteration warm starts), a torchrun run must write the single-process run's checkpoints, and the
 device-resident data must come in the order DataLoader(shuffle=True) gave."""
