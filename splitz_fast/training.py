@@ -603,6 +603,80 @@ class TrainResult:
     out_dir: Path | None = None
 
 
+def _resume_(last_path: Path, config: TrainConfig, spec: dict[str, Any], model: SplitModel,
+             optimizer: torch.optim.Optimizer, state, result: "TrainResult", device: torch.device) -> tuple[int, float]:
+    """Load ``last.pt`` into the model, optimizer, power-iteration state and history; returns the first epoch still to
+    run and the Lagrangian's multiplier. Refused, naming every difference, when it was written with other settings."""
+    ckpt = load_checkpoint_file(last_path, device)
+    # Fields added after a checkpoint was written read as their defaults (what that run effectively used).
+    previous = {**dataclasses.asdict(TrainConfig()), **ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
+    changed = [f"{key} ({previous.get(key)!r} in last.pt, {value!r} now)"
+               for key, value in {**dataclasses.asdict(config), "model_spec": spec}.items()
+               if previous.get(key) != value]
+    if changed:
+        raise ValueError(f"cannot resume {last_path}: it was written with another config or model: "
+                         f"{'; '.join(changed)}; use the same settings or a new output folder")
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    state.vectors = [v.to(device) for v in ckpt["power_vectors"]]
+    result.history = list(ckpt["history"])
+    result.best_epoch, result.best_val_noisy_acc = ckpt["best_epoch"], ckpt["best_val_noisy_acc"]
+    return ckpt["epoch"] + 1, ckpt.get("multiplier", config.dual_init)
+
+
+def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainConfig, epoch: int, multiplier: float,
+                 state, optimizer: torch.optim.Optimizer, group: DataParallelGroup,
+                 device: torch.device) -> tuple[dict[str, Any], float]:
+    """One epoch's training steps; returns its record (losses summed over the ranks) and the multiplier after it.
+    The epoch's data order and noise depend only on ``(seed, epoch)``, so a resumed run reproduces them."""
+    lam = config.lambda_at(epoch)
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = config.lr_at(epoch)
+    # A loader (datasets with transforms) draws its workers' base seed from a generator seeded as the order's.
+    order_seed = config.seed * 100_003 + epoch
+    order = epoch_order(len(train_part), torch.Generator().manual_seed(order_seed))
+    positions, rows = _rank_batches(_batches_of(order, config.batch_size, config.max_batches), group)
+    noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
+    model.train()
+    sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0}
+    gamma = config.gamma_at(epoch)
+    progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
+                    total=len(positions), desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
+                    disable=group.rank != 0)
+    for batch, ((x, y), share) in enumerate(progress, start=1):
+        weight = multiplier if config.objective.has_multiplier else lam
+        gamma = config.gamma_at(epoch, batch - 1, len(positions))
+        loss, parts = training_step(model, x, y, share, config, weight, state, noise_gen, optimizer, group,
+                                    gamma=gamma)
+        if "lip_batch_mean" in parts and config.objective.has_multiplier:  # dual ascent, the same on every rank
+            multiplier = max(0.0, multiplier + config.dual_step * (parts["lip_batch_mean"] - config.lip_target))
+        sums["loss"] += float(loss.detach())
+        sums["ce"] += parts["ce"]
+        sums["lip"] += parts.get("lip", share.share)  # no Lipschitz term: the estimate counts as 1
+        sums["stability"] += parts.get("stability", 0.0)
+        sums["varying"] += parts.get("varying", 0.0)
+        progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
+    progress.close()
+    totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
+    batches = len(positions)
+    record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam, "gamma_train": gamma,
+              "train_loss": totals[0] / batches, "train_ce": totals[1] / batches,
+              "train_lip_estimate": totals[2] / batches}
+    if config.stability_weight > 0 and model.split_index > 0:  # the stability term and the share it counts
+        record.update(train_stability=totals[3] / batches, train_varying=totals[4] / batches)
+    return record, multiplier
+
+
+def _save_epoch(ckpt: dict[str, Any], out: Path, improved: bool, timed_record: dict[str, Any]) -> None:
+    """Rank 0's files after an epoch: ``best.pt`` when it improved, ``last.pt``, and the epoch's line of
+    ``train.log`` (wall times there only: checkpoints of identical runs must be identical)."""
+    if improved:
+        save_checkpoint(ckpt, out / "best.pt")
+    save_checkpoint(ckpt, out / "last.pt")
+    with (out / "train.log").open("a") as fh:
+        fh.write(json.dumps(timed_record) + "\n")
+
+
 def train(
     model: SplitModel,
     train_set: Dataset,
@@ -647,7 +721,7 @@ def train(
     device = torch.device(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    last_path, best_path, log_path = out / "last.pt", out / "best.pt", out / "train.log"
+    last_path = out / "last.pt"
     config_dict = dataclasses.asdict(config)
     spec = dict(model_spec or {})
 
@@ -659,28 +733,13 @@ def train(
         optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
     state = group.power_iteration_state()
     result = TrainResult(out_dir=out)
-    start_epoch = 0
     objective = config.objective
-    multiplier = config.dual_init  # the Lagrangian's μ (unused by the hinges)
+    start_epoch, multiplier = 0, config.dual_init  # the Lagrangian's μ (unused by the hinges)
     if last_path.exists():
         if not resume:
             raise FileExistsError(f"{last_path} exists: pass resume=True (--resume) to continue that run, "
                                   "or choose another output folder")
-        ckpt = load_checkpoint_file(last_path, device)
-        # Fields added after a checkpoint was written read as their defaults (what that run effectively used).
-        previous = {**dataclasses.asdict(TrainConfig()), **ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
-        changed = [f"{key} ({previous.get(key)!r} in last.pt, {value!r} now)"
-                   for key, value in {**config_dict, "model_spec": spec}.items() if previous.get(key) != value]
-        if changed:
-            raise ValueError(f"cannot resume {last_path}: it was written with another config or model: "
-                             f"{'; '.join(changed)}; use the same settings or a new output folder")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        state.vectors = [v.to(device) for v in ckpt["power_vectors"]]
-        result.history = list(ckpt["history"])
-        result.best_epoch, result.best_val_noisy_acc = ckpt["best_epoch"], ckpt["best_val_noisy_acc"]
-        multiplier = ckpt.get("multiplier", config.dual_init)
-        start_epoch = ckpt["epoch"] + 1
+        start_epoch, multiplier = _resume_(last_path, config, spec, model, optimizer, state, result, device)
     elif config.init_checkpoint is not None:
         warm_start_(model, load_checkpoint_file(config.init_checkpoint, device), config)
     # Every rank has read last.pt (or found none) before rank 0 can write one: this is a collective.
@@ -694,44 +753,10 @@ def train(
     for epoch in range(start_epoch, config.epochs):
         if stop_after_epochs is not None and epochs_run >= stop_after_epochs:
             break
-        lam = config.lambda_at(epoch)
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = config.lr_at(epoch)
-        # The epoch's data order and noise depend only on (seed, epoch): resuming reproduces them. A loader (datasets
-        # with transforms) draws its workers' base seed from a generator seeded as the order's, as before.
-        order_seed = config.seed * 100_003 + epoch
-        order = epoch_order(len(train_part), torch.Generator().manual_seed(order_seed))
-        positions, rows = _rank_batches(_batches_of(order, config.batch_size, config.max_batches), group)
-        noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
-        model.train()
-        sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0}
-        gamma = config.gamma_at(epoch)
         start = time.perf_counter()
-        progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
-                        total=len(positions), desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
-                        disable=group.rank != 0)
-        for batch, ((x, y), share) in enumerate(progress, start=1):
-            weight = multiplier if objective.has_multiplier else lam
-            gamma = config.gamma_at(epoch, batch - 1, len(positions))
-            loss, parts = training_step(model, x, y, share, config, weight, state, noise_gen, optimizer, group,
-                                        gamma=gamma)
-            if "lip_batch_mean" in parts and objective.has_multiplier:  # dual ascent, the same on every rank
-                multiplier = max(0.0, multiplier + config.dual_step * (parts["lip_batch_mean"] - config.lip_target))
-            sums["loss"] += float(loss.detach())
-            sums["ce"] += parts["ce"]
-            sums["lip"] += parts.get("lip", share.share)  # no Lipschitz term: the estimate counts as 1
-            sums["stability"] += parts.get("stability", 0.0)
-            sums["varying"] += parts.get("varying", 0.0)
-            progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
-        progress.close()
+        record, multiplier = _train_epoch(model, train_part, config, epoch, multiplier, state, optimizer, group,
+                                          device)
         seconds = time.perf_counter() - start
-        totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
-        batches = len(positions)
-        record = {"epoch": epoch, "lr": config.lr_at(epoch), "lambda": lam, "gamma_train": gamma,
-                  "train_loss": totals[0] / batches, "train_ce": totals[1] / batches,
-                  "train_lip_estimate": totals[2] / batches}
-        if config.stability_weight > 0 and model.split_index > 0:  # the stability term and the share it counts
-            record.update(train_stability=totals[3] / batches, train_varying=totals[4] / batches)
         val_batches = ((x, y, share) for (x, y), share in zip(val_part.batches(val_positions, None), val_rows))
         record.update(evaluate(model, val_batches, config, device, group))
         if objective.has_multiplier:  # the Lagrangian's μ after the epoch's last step
@@ -749,11 +774,7 @@ def train(
                     "multiplier": multiplier,
                     "history": result.history, "best_epoch": result.best_epoch,
                     "best_val_noisy_acc": result.best_val_noisy_acc}
-            if improved:
-                save_checkpoint(ckpt, best_path)
-            save_checkpoint(ckpt, last_path)
-            with log_path.open("a") as fh:
-                fh.write(json.dumps(timed_record) + "\n")
+            _save_epoch(ckpt, out, improved, timed_record)
             if on_epoch_end is not None:
                 on_epoch_end(timed_record)
         group.barrier()
