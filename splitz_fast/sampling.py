@@ -20,8 +20,10 @@ Selection and estimation draws are consecutive, disjoint index ranges of one str
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -90,19 +92,39 @@ class NoiseStream:
         generator): with the seed, what a rerun needs to reproduce the draws."""
         return "philox4x32-10" if self._philox is not None else f"torch-{self.device.type}"
 
+    @property
+    def addressable(self) -> bool:
+        """Whether samples can be drawn at any reserved index (:meth:`reserve`, ``noisy(..., at=)``): the Philox
+        stream, where sample ``k`` is computed from ``(seed, k)`` alone; the fallback generator draws in order only."""
+        return self._philox is not None
+
+    def reserve(self, num: int) -> int:
+        """Reserve the next ``num`` sample indices (the stream advances past them) and return the first, for a later
+        ``noisy(..., at=first)``: draws of several batches can then run in any order, on any thread, and still be
+        the same samples (Philox streams only)."""
+        if not self.addressable:
+            raise ValueError("only the Philox stream can draw reserved samples out of order")
+        first = self.offset
+        self.offset += num
+        return first
+
     def noisy(self, latent32: torch.Tensor, num: int, sigma: float, out_dtype: torch.dtype, channels_last: bool,
-              out: torch.Tensor | None = None, pool2: bool = False) -> torch.Tensor:
+              out: torch.Tensor | None = None, pool2: bool = False, at: int | None = None) -> torch.Tensor:
         """The next ``num`` samples ``latent + σ z`` (``z`` float32, the sum float32, then cast to ``out_dtype``),
         written into ``out`` when given (``[num, *latent.shape]``, dense in the requested memory format). With
         ``pool2`` (only where :attr:`pools`; channels_last ``[C, H, W]`` latents, H and W even) the same samples after
-        a 2x2 max pool of stride 2, ``[num, C, H/2, W/2]``, drawn in one pass."""
+        a 2x2 max pool of stride 2, ``[num, C, H/2, W/2]``, drawn in one pass. With ``at`` (a first index returned by
+        :meth:`reserve`) the samples ``[at, at + num)`` instead of the next ones; the stream does not advance."""
+        offset = self.offset if at is None else at
         if pool2:
             if not self.pools:
                 raise ValueError("this noise stream cannot fuse the max pool (native CPU kernel only)")
-            result = noisy_latents_maxpool2_native(latent32, num, sigma, self.seed, self.offset, out_dtype, out=out)
+            result = noisy_latents_maxpool2_native(latent32, num, sigma, self.seed, offset, out_dtype, out=out)
         elif self._philox is not None:
-            result = self._philox(latent32, num, sigma, self.seed, self.offset, out_dtype=out_dtype,
+            result = self._philox(latent32, num, sigma, self.seed, offset, out_dtype=out_dtype,
                                   channels_last=channels_last, out=out)
+        elif at is not None:
+            raise ValueError("only the Philox stream can draw reserved samples out of order")
         else:
             z = self._standard_normal(num, latent32.shape, channels_last)
             noisy = torch.add(latent32, z, alpha=sigma, out=z)  # latent + σz in float32, one pass
@@ -111,7 +133,8 @@ class NoiseStream:
                 result = noisy.to(dtype=out_dtype, memory_format=fmt)
             else:
                 result = out.copy_(noisy)
-        self.offset += num
+        if at is None:
+            self.offset += num
         return result
 
     def _standard_normal(self, num: int, shape: torch.Size, channels_last: bool) -> torch.Tensor:
@@ -192,6 +215,7 @@ class SamplingEngine:
         self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
         self._probed: set[tuple[bool, bool]] = set()  # prepared copies whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
+        self._count_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the prepared f_R
     def check_current(self) -> None:
@@ -256,6 +280,7 @@ class SamplingEngine:
         channels_last = len(shape) == 3
         pooled = self.pools_in_noise(torch.Size(shape))
         net = self.classifier(channels_last, pooled)
+        parallel = self._may_run_parallel(net)
         if isinstance(net, _CompiledOrEager):
             # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
             # it is compiled once, for the size chosen here.
@@ -269,7 +294,8 @@ class SamplingEngine:
         deadline = time.perf_counter() + TUNE_BUDGET_S
         while b <= cap and time.perf_counter() < deadline:
             try:
-                rate = self._samples_per_second(net, SamplingJob(latent, stream, b, counts), channels_last, pooled)
+                rate = self._samples_per_second(net, SamplingJob(latent, stream, b, counts), channels_last, pooled,
+                                                parallel)
             except torch.OutOfMemoryError:
                 break
             if rate > best_rate:
@@ -281,17 +307,23 @@ class SamplingEngine:
             b = cap if b < cap < 2 * b else 2 * b
         return best
 
-    def _samples_per_second(self, net, job: SamplingJob, channels_last: bool, pooled: bool) -> float:
+    def _samples_per_second(self, net, job: SamplingJob, channels_last: bool, pooled: bool, parallel: bool) -> float:
         """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
-        passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU)."""
-        self._count(net, job, job.num, channels_last, pooled)
-        _synchronize(self.device)
+        passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU). A pass
+        is one batch per worker thread (:meth:`_execute`), as a run would use them."""
+        batches = torch.get_num_threads() if parallel else 1
+
+        def one_pass() -> None:
+            self._execute(net, [[_segment(job, job.num)] for _ in range(batches)], channels_last, pooled, job.num,
+                          parallel)
+            _synchronize(self.device)
+
+        one_pass()
         passes, start = 0, time.perf_counter()
         while passes < 2 or time.perf_counter() - start < TUNE_MIN_TIME_S:
-            self._count(net, job, job.num, channels_last, pooled)
-            _synchronize(self.device)
+            one_pass()
             passes += 1
-        return passes * job.num / (time.perf_counter() - start)
+        return passes * batches * job.num / (time.perf_counter() - start)
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
@@ -312,20 +344,42 @@ class SamplingEngine:
         if (channels_last, pooled) not in self._probed:
             self._probe_batch_independence(net, jobs[0].latent, channels_last, pooled)
             self._probed.add((channels_last, pooled))
-        pending = [(job, job.num) for job in jobs if job.num > 0]
-        while pending:
-            size = min(batch_size, sum(left for _, left in pending))
-            segments, taken = [], 0
-            while pending and taken < size:
-                job, left = pending[0]
-                take = min(left, size - taken)
-                segments.append((job, take))
-                taken += take
-                if take == left:
-                    pending.pop(0)
-                else:
-                    pending[0] = (job, left - take)
+        self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self._may_run_parallel(net))
+
+    def _may_run_parallel(self, net: nn.Module) -> bool:
+        """Whether batches may run on several worker threads (:meth:`_execute`): on the CPU, through an eager
+        prepared copy of ``f_R`` (never the user's own modules, which need not be thread-safe)."""
+        return (self.device.type == "cpu" and not self.compile and net is not self.source
+                and self._prepared_is_copy(net))
+
+    def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
+                 parallel: bool) -> None:
+        """Run the batches of ``plan`` (:func:`_plan`) and count their votes.
+
+        With ``parallel`` and more than one torch thread, on Philox streams (every segment's samples reserved, so
+        any thread draws them), the batches run on ``torch.get_num_threads()`` worker threads, each batch on one
+        thread (intra-op threads 1): no fork/join barrier per operation, which at the cache-sized batches that are
+        fastest here (LeNet: 64-256 samples, a few ms) left the second core mostly idle, and under a shared
+        machine's load made every operation wait for the slower thread. The same batches and the same samples
+        as sequentially; the votes are sums, so the order batches finish in does not matter. The caller's thread
+        count is restored afterwards."""
+        threads = torch.get_num_threads()
+        workers = min(threads, len(plan)) if parallel else 1
+        if workers <= 1 or any(first is None for segments in plan for _, _, first in segments):
+            for segments in plan:
+                self._count_segments(net, segments, channels_last, pooled, batch_size)
+            return
+
+        @torch.inference_mode()
+        def work(segments) -> None:
             self._count_segments(net, segments, channels_last, pooled, batch_size)
+
+        try:
+            with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                for _ in pool.map(work, plan):
+                    pass
+        finally:
+            torch.set_num_threads(threads)  # the workers' call also changed the default of threads started later
 
     def _probe_batch_independence(self, net: nn.Module, latent: torch.Tensor, channels_last: bool,
                                   pooled: bool) -> None:
@@ -366,21 +420,18 @@ class SamplingEngine:
                     "base classifier. Put the model in eval mode (model.eval()), use BatchNorm with running "
                     "statistics, and remove randomness or state from f_R's forward")
 
-    def _count(self, net, job: SamplingJob, num: int, channels_last: bool, pooled: bool) -> None:
-        self._count_segments(net, [(job, num)], channels_last, pooled, num)
-
     def _prepared_is_copy(self, net: nn.Module) -> bool:
         """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
         return not any(p is q for p in net.parameters() for q in self.source.parameters())
 
-    def _count_segments(self, net, segments: list[tuple[SamplingJob, int]], channels_last: bool, pooled: bool,
-                        batch_size: int) -> None:
-        total = sum(take for _, take in segments)
+    def _count_segments(self, net, segments: list[tuple[SamplingJob, int, int | None]], channels_last: bool,
+                        pooled: bool, batch_size: int) -> None:
+        total = sum(take for _, take, _ in segments)
         # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
         rows = batch_size if self.compile else total
         if len(segments) == 1 and rows == total:
-            job, take = segments[0]
-            batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, pool2=pooled)
+            job, take, first = segments[0]
+            batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, pool2=pooled, at=first)
         else:
             fmt = torch.channels_last if channels_last else torch.contiguous_format
             shape = segments[0][0].latent.shape
@@ -390,17 +441,45 @@ class SamplingEngine:
             if rows > total:
                 batch[total:].zero_()  # padding rows: scored, never counted
             start = 0
-            for job, take in segments:
+            for job, take, first in segments:
                 job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last,
-                                 out=batch[start:start + take], pool2=pooled)
+                                 out=batch[start:start + take], pool2=pooled, at=first)
                 start += take
         logits = self._scores(net, batch)
         count = {"triton": count_votes, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
                                                                        count_votes_reference)
         start = 0
-        for job, take in segments:
-            count(logits[start:start + take], job.counts)
-            start += take
+        with self._count_lock:  # counts are shared by the batches of a job, which may run on several threads
+            for job, take, _ in segments:
+                count(logits[start:start + take], job.counts)
+                start += take
+
+
+def _segment(job: SamplingJob, take: int) -> tuple[SamplingJob, int, int | None]:
+    """The next ``take`` samples of ``job`` as one segment of a batch: ``(job, take, first)`` with ``first`` the
+    reserved first sample index on a Philox stream, ``None`` on the fallback generator (drawn in order)."""
+    return job, take, job.stream.reserve(take) if job.stream.addressable else None
+
+
+def _plan(jobs: list[SamplingJob], batch_size: int) -> list[list[tuple[SamplingJob, int, int | None]]]:
+    """The batches of a run, in order: each ``batch_size`` samples (the last fewer) as segments (:func:`_segment`)
+    of consecutive jobs; a job's segments are consecutive ranges of its stream."""
+    plan = []
+    pending = [(job, job.num) for job in jobs if job.num > 0]
+    while pending:
+        size = min(batch_size, sum(left for _, left in pending))
+        segments, taken = [], 0
+        while pending and taken < size:
+            job, left = pending[0]
+            take = min(left, size - taken)
+            segments.append(_segment(job, take))
+            taken += take
+            if take == left:
+                pending.pop(0)
+            else:
+                pending[0] = (job, left - take)
+        plan.append(segments)
+    return plan
 
 
 # Layers whose output is a fresh tensor or a view of their input only: in an nn.Sequential of these, the input of a

@@ -209,6 +209,47 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
 
 
+@pytest.mark.parametrize("split", ["small", "pooling"])
+def test_worker_threads_give_the_same_votes_and_restore_the_thread_count(split, monkeypatch):
+    """With 2 torch threads the CPU engine runs its batches on 2 worker threads (one intra-op thread each): the
+    same counts as one thread running them in order (the same batches of the same reserved samples; votes are sums),
+    and the caller's thread count is unchanged afterwards. A fallback (non-Philox) stream stays sequential."""
+    model, xs = _small_splitz() if split == "small" else _pooling_splitz()
+    used = []
+    execute = SamplingEngine._execute
+
+    def spy(self, net, plan, *args):
+        used.append(args[-1] and len(plan) > 1 and all(first is not None for seg in plan for _, _, first in seg))
+        return execute(self, net, plan, *args)
+
+    monkeypatch.setattr(SamplingEngine, "_execute", spy)
+    threads = torch.get_num_threads()
+
+    def certify(num_threads):
+        torch.set_num_threads(num_threads)
+        try:
+            return [(r.prediction, r.count_a, r.p_a_lower) for r in Smoother(model, 0.5).certify_many(
+                xs, 30, 500, 0.01, batch_size=64, seeds=range(len(xs)))], torch.get_num_threads()
+        finally:
+            torch.set_num_threads(threads)
+
+    parallel, after = certify(2)
+    assert after == 2 and any(used)
+    sequential, _ = certify(1)
+    assert parallel == sequential
+    stream = NoiseStream(0, torch.device("cpu"))
+    if stream.addressable:
+        first = stream.reserve(5)
+        assert (first, stream.offset) == (0, 5)
+        latent = torch.rand(4, 8, 8)
+        torch.testing.assert_close(stream.noisy(latent, 5, 0.5, torch.float32, True, at=first),
+                                   NoiseStream(0, torch.device("cpu")).noisy(latent, 5, 0.5, torch.float32, True),
+                                   rtol=0, atol=0)
+        assert stream.offset == 5
+    monkeypatch.setenv("SPLITZ_BACKEND", "reference")
+    assert not NoiseStream(0, torch.device("cpu")).addressable
+
+
 def test_only_a_plain_leading_2x2_max_pool_is_fused():
     from splitz_fast.sampling import _starts_with_maxpool2
 
