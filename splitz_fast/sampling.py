@@ -498,7 +498,8 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
     * the ReLUs run in place (one large allocation less per layer): in such a chain no ReLU input is used again;
     * every plain 2x2 max pool of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise
       maxima of strided views, bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through
-      both), without its index bookkeeping, and written channels_last where the chain runs channels_last. ATen's
+      both), without its index bookkeeping, and written channels_last where the chain runs channels_last (NCHW
+      where a Flatten follows, which then needs no copy). ATen's
       CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at s = 0: oneDNN runs the first
       convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs its slow NCHW loop and hands
       the next convolution an NCHW activation (measured, one thread: the pool after LeNet's first convolution 105 →
@@ -515,13 +516,18 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
     for layer in layers:
         if isinstance(layer, nn.ReLU):
             layer.inplace = True
-    return nn.Sequential(*(_MaxPool2x2(channels_last) if _is_maxpool2(layer) else layer for layer in layers))
+    for i, layer in enumerate(layers):
+        if _is_maxpool2(layer):
+            # a pool that feeds a Flatten (through in-place ReLUs) writes NCHW: the Flatten is then a view, not a copy
+            rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
+            layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
+    return nn.Sequential(*layers)
 
 
 class _MaxPool2x2(nn.Module):
     """``F.max_pool2d(x, 2)`` (kernel 2, stride 2, no padding, floor mode) as two elementwise maxima of strided views
-    (rows, then columns): the same values bitwise, no indices computed, and for 4-D input written in channels_last
-    when ``channels_last`` (else in the memory format the views give). See :func:`_cheaper_chain`."""
+    (rows, then columns): the same values bitwise, no indices computed; 4-D output is written channels_last when
+    ``channels_last``, else contiguous (NCHW: a following Flatten is a view). See :func:`_cheaper_chain`."""
 
     def __init__(self, channels_last: bool):
         super().__init__()
@@ -531,9 +537,9 @@ class _MaxPool2x2(nn.Module):
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode: an odd last row/column is dropped
         rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
         out = None
-        if self.channels_last and x.ndim == 4:
+        if x.ndim == 4:
             out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device,
-                              memory_format=torch.channels_last)
+                              memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
         return torch.maximum(rows[..., 0::2], rows[..., 1::2], out=out)
 
     def extra_repr(self) -> str:
