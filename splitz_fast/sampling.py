@@ -537,7 +537,7 @@ class _MaxPool2x2(nn.Module):
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode: an odd last row/column is dropped
         rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
         out = None
-        if x.ndim == 4:
+        if x.ndim == 4 and not (x.requires_grad and torch.is_grad_enabled()):  # out= is not differentiable
             out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device,
                               memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
         return torch.maximum(rows[..., 0::2], rows[..., 1::2], out=out)

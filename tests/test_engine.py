@@ -209,8 +209,10 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
     flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True)
     assert flat[1].channels_last is False  # feeds a Flatten (through the ReLU): NCHW, so the Flatten is a view
-    y = flat[:3](torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last))
+    with torch.no_grad():
+        y = flat[:3](torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last))
     assert y.is_contiguous() and flat[3](y).data_ptr() == y.data_ptr()
+    assert flat(torch.randn(2, 3, 8, 8)).requires_grad  # with autograd on it still runs (no out=)
 
 
 @pytest.mark.parametrize("split", ["small", "pooling"])
