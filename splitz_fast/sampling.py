@@ -52,6 +52,7 @@ TUNE_MIN_BATCH = 32
 TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can look slow on a noisy machine)
 TUNE_MIN_TIME_S = 0.15
 TUNE_BUDGET_S = 8.0
+TUNE_RECHECK = 3  # the fastest sizes of the sweep, timed once more (the better of two rates counts)
 # The batch-independence probe (SamplingEngine._probe_batch_independence): rows scored, and the largest score
 # difference allowed between batchings, relative to the largest score (+1). The allowance covers kernels that round
 # differently at another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by
@@ -291,6 +292,7 @@ class SamplingEngine:
         stream = NoiseStream(0, self.device)
         counts = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device)
         best_rate, best, b, worse = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
+        rates: dict[int, float] = {}
         deadline = time.perf_counter() + TUNE_BUDGET_S
         while b <= cap and time.perf_counter() < deadline:
             try:
@@ -298,6 +300,7 @@ class SamplingEngine:
                                                 parallel)
             except torch.OutOfMemoryError:
                 break
+            rates[b] = rate
             if rate > best_rate:
                 best_rate, best = rate, b
             # Stop after two sizes clearly (> 10 %) slower than the best, once past the cache-sized batches.
@@ -305,7 +308,16 @@ class SamplingEngine:
             if worse == 2 and b >= TUNE_MIN_SEARCH:
                 break
             b = cap if b < cap < 2 * b else 2 * b
-        return best
+        # A second look at the leaders: on a shared machine one measurement of a size can be slowed by other jobs
+        # (noise only ever slows), so each of the fastest TUNE_RECHECK sizes is timed again and keeps its better rate
+        # (measured: batches of 4096 chosen under load, 2-5x slower than 64-256 on a quiet machine).
+        for b in sorted(rates, key=rates.get, reverse=True)[:TUNE_RECHECK]:
+            try:
+                rates[b] = max(rates[b], self._samples_per_second(net, SamplingJob(latent, stream, b, counts),
+                                                                  channels_last, pooled, parallel))
+            except torch.OutOfMemoryError:
+                continue
+        return max(rates, key=lambda b: (rates[b], -b)) if rates else best
 
     def _samples_per_second(self, net, job: SamplingJob, channels_last: bool, pooled: bool, parallel: bool) -> float:
         """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
