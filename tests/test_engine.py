@@ -166,7 +166,7 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
                           nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), nn.Flatten(),
                           nn.Linear(54, 5))
     prepared = sampling._cheaper_chain(copy.deepcopy(right))
-    assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
     assert not any(m.inplace for m in right if isinstance(m, nn.ReLU))  # the user's chain is untouched
     x = torch.randn(16, 1, 8, 8)
@@ -177,10 +177,83 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     model = SplitModel(LeftHalf([], [], input_shape=(1, 8, 8)), right, 5)
     xs = torch.rand(3, 1, 8, 8, generator=_gen(4))
     fast = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
-    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module: module)
+    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module, channels_last=False: module)
     plain = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
     assert [(p.count_top, p.count_second) for p in fast] == [(p.count_top, p.count_second) for p in plain]
     assert sampling._cheaper_chain(nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2)))[0].inplace is False
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape", [(5, 3, 8, 8), (4, 6, 7, 9), (3, 1, 28, 28), (2, 5, 6)])
+def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
+    """The prepared chain's 2x2 max pool (_MaxPool2x2: two maxima of strided views) gives bitwise F.max_pool2d's
+    values, NaN and infinities included, odd sizes floored, for contiguous and channels_last inputs (1-channel ones
+    too); its 4-D output is channels_last when the chain runs channels_last."""
+    from splitz_fast.sampling import _MaxPool2x2
+
+    x = torch.randn(*shape, generator=_gen(5))
+    x.view(-1)[::7] = float("nan")
+    x.view(-1)[3::11] = float("inf")
+    x.view(-1)[5::13] = -float("inf")
+    if channels_last and x.ndim == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    want, got = nn.functional.max_pool2d(x, 2), _MaxPool2x2(channels_last)(x)
+    assert got.shape == want.shape
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
+    if channels_last and x.ndim == 4:
+        assert got.is_contiguous(memory_format=torch.channels_last)
+    from splitz_fast import sampling
+
+    chain = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
+                                                  nn.MaxPool2d(2, ceil_mode=True)), channels_last)
+    assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
+    flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True)
+    assert flat[1].channels_last is False  # feeds a Flatten (through the ReLU): NCHW, so the Flatten is a view
+    with torch.no_grad():
+        y = flat[:3](torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last))
+    assert y.is_contiguous() and flat[3](y).data_ptr() == y.data_ptr()
+    assert flat(torch.randn(2, 3, 8, 8)).requires_grad  # with autograd on it still runs (no out=)
+
+
+@pytest.mark.parametrize("split", ["small", "pooling"])
+def test_worker_threads_give_the_same_votes_and_restore_the_thread_count(split, monkeypatch):
+    """With 2 torch threads the CPU engine runs its batches on 2 worker threads (one intra-op thread each): the
+    same counts as one thread running them in order (the same batches of the same reserved samples; votes are sums),
+    and the caller's thread count is unchanged afterwards. A fallback (non-Philox) stream stays sequential."""
+    model, xs = _small_splitz() if split == "small" else _pooling_splitz()
+    used = []
+    execute = SamplingEngine._execute
+
+    def spy(self, net, plan, *args):
+        used.append(args[-1] and len(plan) > 1 and all(first is not None for seg in plan for _, _, first in seg))
+        return execute(self, net, plan, *args)
+
+    monkeypatch.setattr(SamplingEngine, "_execute", spy)
+    threads = torch.get_num_threads()
+
+    def certify(num_threads):
+        torch.set_num_threads(num_threads)
+        try:
+            return [(r.prediction, r.count_a, r.p_a_lower) for r in Smoother(model, 0.5).certify_many(
+                xs, 30, 500, 0.01, batch_size=64, seeds=range(len(xs)))], torch.get_num_threads()
+        finally:
+            torch.set_num_threads(threads)
+
+    parallel, after = certify(2)
+    assert after == 2 and any(used)
+    sequential, _ = certify(1)
+    assert parallel == sequential
+    stream = NoiseStream(0, torch.device("cpu"))
+    if stream.addressable:
+        first = stream.reserve(5)
+        assert (first, stream.offset) == (0, 5)
+        latent = torch.rand(4, 8, 8)
+        torch.testing.assert_close(stream.noisy(latent, 5, 0.5, torch.float32, True, at=first),
+                                   NoiseStream(0, torch.device("cpu")).noisy(latent, 5, 0.5, torch.float32, True),
+                                   rtol=0, atol=0)
+        assert stream.offset == 5
+    monkeypatch.setenv("SPLITZ_BACKEND", "reference")
+    assert not NoiseStream(0, torch.device("cpu")).addressable
 
 
 def test_only_a_plain_leading_2x2_max_pool_is_fused():
