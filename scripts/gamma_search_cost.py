@@ -18,7 +18,7 @@ import time
 import torch
 
 from splitz_fast import Smoother
-from splitz_fast.smoothing import prepare_input
+from splitz_fast.inputs import prepare_input
 from splitz_fast.analysis import read_certification
 from splitz_fast.cli import load_model
 from splitz_fast.datasets import get_dataset
@@ -53,7 +53,7 @@ def main() -> None:
         for name, smoother in searches.items():
             generator = torch.Generator(device=args.device).manual_seed(int(idx))
             start = time.perf_counter()
-            best = smoother.radius_search.search(prepare_input(model, x), float(r_latent), generator)
+            best = smoother.radius_search.search(prepare_input(model, x).x, float(r_latent), generator)
             stats[name]["seconds"].append(time.perf_counter() - start)
             stats[name]["radius"].append(best.radius)
             stats[name]["evaluations"].append(best.evaluations)

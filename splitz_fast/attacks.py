@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from ._checks import check_certify_counts, check_count, check_positive, check_tensor
 from .modules import SplitModel
-from .smoothing import ABSTAIN, CertifyResult, Smoother, evaluating, model_device, resolve_seed, seeds_for
+from .inputs import evaluating, model_device, resolve_seed, seeds_for
+from .smoothing import ABSTAIN, CertifyResult, Smoother
 
 ATTACKS = ("smooth-pgd", "smooth-fgsm", "pgd", "fgsm", "deepfool")
 SMOOTHED_ATTACKS = ("smooth-pgd", "smooth-fgsm")

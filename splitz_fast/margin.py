@@ -19,8 +19,8 @@ import torch.nn as nn
 
 from .modules import ModuleSnapshot, SplitModel
 from .radius import RadiusSearch, bound_options
-from .smoothing import (ABSTAIN, CertifyResult, about_given_input, evaluating, inputs_of, prepare_input, resolve_seed,
-                        seeds_for)
+from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+from .smoothing import ABSTAIN, CertifyResult, about_given_input
 
 
 def check_margin_model(model: SplitModel) -> None:

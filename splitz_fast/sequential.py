@@ -46,8 +46,8 @@ from scipy.stats import norm
 from ._checks import check_certify_counts, check_count, check_positive, check_probability
 from .lipschitz import lipschitz_bound
 from .sampling import NoiseStream, SamplingJob
-from .smoothing import (ABSTAIN, CallGuard, CertifyResult, Smoother, about_given_input, evaluating, inputs_of,
-                        prepare_input, resolve_seed, seeds_for)
+from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+from .smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
 
 
 def _check_counts(hits: int, t: int) -> tuple[int, int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import secrets
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +20,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ._checks import check_certify_counts, check_count, check_positive, check_tensor
+from ._checks import check_certify_counts, check_count, check_positive
+from .inputs import (CallGuard, PreparedInput, evaluating, inputs_of, model_device, prepare_input, resolve_seed,
+                     seeds_for)
 from .lipschitz import DEFAULT_EXACT_MAX_DIM, DEFAULT_PROBABILISTIC_ITERS
-from .modules import ModuleSnapshot, SplitModel
+from .modules import SplitModel
 from .protocols import CertificationProtocol, get_protocol
 from .radius import RadiusResult, RadiusSearch, bound_options
 from .sampling import PRECISIONS, NoiseStream, SamplingEngine, SamplingJob
@@ -86,60 +87,7 @@ class PredictResult:
     seconds: float = field(default=0.0, compare=False)  # timing, not part of the outcome
 
 
-# ---------------------------------------------------------------------------------------------- shared by certifiers
-@contextlib.contextmanager
-def evaluating(model: torch.nn.Module):
-    """Run ``model`` in eval mode (BatchNorm running statistics, no dropout) and restore its modes afterwards: votes
-    must be i.i.d. draws of one fixed base classifier, and certifying must not change the model."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class PreparedInput:
-    """One input as the model computes with it: ``x`` in float32 on the model's device, and ``rounding``, an upper
-    bound on the l2 distance from the input as given (0 unless it was wider than float32, e.g. float64)."""
-
-    x: torch.Tensor
-    rounding: float
-
-
-def prepare_input(model: SplitModel, x: torch.Tensor) -> PreparedInput:
-    """One input ``[*input_shape]`` (or ``[1, *input_shape]``) checked and moved to the model's device as float32."""
-    shape = model.input_shape
-    check_tensor("x", x, ndim=None if shape is None else (len(shape), len(shape) + 1), shape_tail=shape)
-    if shape is not None and x.ndim == len(shape) + 1:
-        if x.shape[0] != 1:
-            raise ValueError(f"certify/predict take one input at a time, got a batch of {x.shape[0]}; "
-                             "use certify_many/predict_many for several")
-        x = x[0]
-    x32 = x.to(model_device(model), torch.float32)
-    return PreparedInput(x32, rounding_distance(x, x32))
-
-
-def rounding_distance(given: torch.Tensor, rounded: torch.Tensor) -> float:
-    """An upper bound on ``‖given − rounded‖₂``, 0 when the cast was exact (float32 and narrower inputs).
-
-    In float64 the differences of two doubles, their squares and the sum of ``d`` squares carry a relative error of
-    at most ``γ_{d+2}`` (Higham, Ch. 3), the square root one more ``u``: the factor ``1 + 2(d + 4)u`` covers them."""
-    if given.dtype.itemsize <= 4:  # float32 or narrower: the cast to float32 is exact
-        return 0.0
-    diff = given.detach().to(torch.float64).cpu() - rounded.detach().to(torch.float64).cpu()
-    distance = float(diff.square().sum().sqrt())
-    return distance * (1 + 2 * (diff.numel() + 4) * 2.0 ** -53) if distance > 0 else 0.0
-
-
+# ---------------------------------------------------------------------------------------------- the result
 def about_given_input(result: CertifyResult, rounding: float) -> CertifyResult:
     """``result`` (certified at the float32 rounding ``x̃`` of the input ``x``) as a certificate about ``x`` itself.
 
@@ -152,48 +100,6 @@ def about_given_input(result: CertifyResult, rounding: float) -> CertifyResult:
     if radius <= 0:
         return dataclasses.replace(result, prediction=ABSTAIN, radius=0.0, input_rounding=rounding)
     return dataclasses.replace(result, radius=radius, input_rounding=rounding)
-
-
-class CallGuard:
-    """The model one certify/predict call works on: the halves it started with and ``f_L``'s values.
-
-    A call over many inputs is a lazy generator, and the caller's code runs between its results. If ``model.left`` or
-    ``model.right`` is replaced or ``f_L`` edited meanwhile, later latents, bounds and votes would come from different
-    networks; :meth:`check` stops the call with an error instead (a new call certifies the edited model)."""
-
-    def __init__(self, model: SplitModel):
-        model.check_structure()
-        self.model, self.left, self.right = model, model.left, model.right
-        self.snapshot = ModuleSnapshot(model.left)
-
-    def check(self) -> None:
-        model = self.model
-        if model.left is not self.left or model.right is not self.right or not self.snapshot.matches(model.left):
-            raise RuntimeError("the model was edited while a certify/predict call was running over its inputs "
-                               "(a half replaced or f_L changed); start a new call after editing the model")
-
-
-def resolve_seed(seed: int | None) -> int:
-    if seed is None:
-        return secrets.randbits(63)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
-    return seed
-
-
-def seeds_for(seeds: Iterable[int | None] | None) -> Iterator[int | None]:
-    """One seed per input: ``None`` draws a fresh random seed for every input."""
-    if seeds is None:
-        while True:
-            yield None
-    if isinstance(seeds, int):
-        raise TypeError("seeds must be one seed per input (e.g. [base + i for i in indices]), not a single int")
-    yield from seeds
-
-
-def inputs_of(inputs: torch.Tensor | Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
-    """A batch tensor ``[M, *input_shape]`` is read as its M inputs."""
-    return inputs.unbind(0) if isinstance(inputs, torch.Tensor) else inputs
 
 
 @dataclass
