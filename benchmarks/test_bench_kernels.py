@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from splitz_fast.kernels.first_layer_bounds import first_layer_bounds
 from splitz_fast.kernels.masked_conv2d import masked_conv2d
-from splitz_fast.kernels.noise_votes import count_votes, count_votes_reference, noisy_latents
+from splitz_fast.kernels.noise_votes import count_votes_triton, count_votes_reference, noisy_latents_triton
 
 from conftest import DEVICE, QUICK
 
@@ -108,14 +108,14 @@ def test_noise_and_votes_triton_vs_reference(benchmark, record_env):
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def ours():
-        noisy_latents(latent, 10_000, 0.5, 0, 0)
-        count_votes(logits, counts)
+        noisy_latents_triton(latent, 10_000, 0.5, 0, 0)
+        count_votes_triton(logits, counts)
 
     def reference():  # what eager PyTorch does: torch.randn in float32, the add, argmax + bincount
         torch.add(latent, torch.randn((10_000, *latent.shape), generator=gen, device=DEVICE), alpha=0.5)
         count_votes_reference(logits, counts)
 
-    _compare(benchmark, record_env, "noisy_latents + count_votes, 10,000 LeNet latents", ours, reference)
+    _compare(benchmark, record_env, "noisy_latents + count_votes_triton, 10,000 LeNet latents", ours, reference)
 
 
 CUDA_KERNEL_CASES = ["noise fp32 channels_last", "noise fp32 contiguous", "noise bf16 channels_last",
@@ -145,13 +145,13 @@ def cuda_kernel_case(case: str, samples: int) -> dict:
         def reference():  # eager: torch.randn in float32, the add, the cast into the batch
             out.copy_(torch.add(latent, torch.randn((samples, 32, 28, 28), generator=gen, device=DEVICE), alpha=0.5))
 
-        cuda_fn, triton_fn = run(noisy_latents_cuda), run(noisy_latents)
+        cuda_fn, triton_fn = run(noisy_latents_cuda), run(noisy_latents_triton)
     else:
         classes = int(case.split()[1])
         logits = torch.randn(samples, classes, device=DEVICE)
         counts = torch.zeros(classes, dtype=torch.int64, device=DEVICE)
         cuda_fn = lambda: count_votes_cuda(logits, counts)  # noqa: E731
-        triton_fn = lambda: count_votes(logits, counts)  # noqa: E731
+        triton_fn = lambda: count_votes_triton(logits, counts)  # noqa: E731
         reference = lambda: count_votes_reference(logits, counts)  # noqa: E731
     cuda_ms, triton_ms, reference_ms = _cuda_ms(cuda_fn), _cuda_ms(triton_fn), _cuda_ms(reference)
     return dict(op=f"{case}, {samples} rows", cuda_ms=cuda_ms, triton_ms=triton_ms, reference_ms=reference_ms,

@@ -1,18 +1,18 @@
-"""Noise draws and vote counting of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents`` and
-``count_votes``, each a Triton kernel with its launcher, beside the pure-PyTorch references
+"""Noise draws and vote counting of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents_triton`` and
+``count_votes_triton``, each a Triton kernel with its launcher, beside the pure-PyTorch references
 ``noisy_latents_reference`` and ``count_votes_reference`` (the test oracles and the fallback path), and
 ``noisy_latents_native``, the launcher of the C++ kernel of ``csrc/noise_cpu.cpp`` (the CPU path), and
 ``noisy_latents_cuda`` / ``count_votes_cuda``, the launchers of the CUDA kernels of ``csrc/noise_votes_cuda.cu``
 (``SPLITZ_BACKEND=native`` on CUDA tensors; ``auto`` uses the Triton kernels there until measured otherwise).
 
-``noisy_latents(latent, num, σ, seed, offset) -> [num, *latent.shape]``
+``noisy_latents_triton(latent, num, σ, seed, offset) -> [num, *latent.shape]``
     ``latent + σ z`` with ``z ~ N(0, I)`` drawn **in float32** from a counter-based Philox4x32-10 stream
     (``tl.randint4x``) and the sum formed in float32; only then is the result cast to ``out_dtype`` (float32,
     bfloat16 or float16) on store. That cast is part of the base classifier ``f_R`` and keeps the smoothing guarantee
     (Voráček & Hein 2023); noise drawn or added in low precision would not. The latent is broadcast over the sample
     dimension inside the kernel (no ``latent.repeat``), and 4-D outputs can be written directly in channels_last.
 
-``count_votes(logits [b, C], counts [C])``
+``count_votes_triton(logits [b, C], counts [C])``
     ``counts += bincount(argmax(logits, 1), minlength=C)`` in place, on the device, without a host sync: ties go to
     the lowest index and a NaN counts as the maximum (the first NaN of a row wins), both as ``torch.argmax``.
 
@@ -203,7 +203,7 @@ def _memory_format(channels_last: bool) -> torch.memory_format:
 
 
 def _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last) -> float:
-    """The checks shared by every backend of :func:`noisy_latents`; returns σ as a float."""
+    """The checks shared by every backend of the noise op (Triton, C++, CUDA, reference); returns σ as a float."""
     sigma = _check_noise_args(latent, num, sigma, out_dtype, channels_last)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
@@ -232,7 +232,7 @@ def _output(latent, num, out_dtype, channels_last, out) -> torch.Tensor:
     return out
 
 
-def noisy_latents(
+def noisy_latents_triton(
     latent: torch.Tensor,
     num: int,
     sigma: float,
@@ -295,7 +295,7 @@ def noisy_latents_native(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`noisy_latents` by the C++ kernel of ``csrc/noise_cpu.cpp`` (CPU tensors; multi-threaded with torch's
+    """:func:`noisy_latents_triton` by the C++ kernel of ``csrc/noise_cpu.cpp`` (CPU tensors; multi-threaded with torch's
     intra-op threads): same arguments, same stream, same output contract. Raises ``RuntimeError`` where the extension
     could not be built (see :mod:`splitz_fast.kernels.native`)."""
     from .native import native_module
@@ -315,7 +315,7 @@ def noisy_latents_cuda(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`noisy_latents` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, same
+    """:func:`noisy_latents_triton` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, same
     stream, same output contract (``out=``, float32/bfloat16/float16, channels_last). One thread per Philox call (both
     normals of the pair used, where the Triton kernel runs each call twice). Selected by ``SPLITZ_BACKEND=native`` on
     CUDA tensors; ``auto`` keeps the Triton kernel until a GPU measurement says otherwise. Raises ``RuntimeError``
@@ -359,7 +359,7 @@ def noisy_latents_maxpool2_native(
     latent: torch.Tensor, num: int, sigma: float, seed: int, offset: int, out_dtype: torch.dtype = torch.float32,
     *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``max_pool2d(noisy_latents(latent, num, σ, seed, offset, out_dtype, channels_last=True), 2)`` in one pass of the
+    """``max_pool2d(noisy_latents_triton(latent, num, σ, seed, offset, out_dtype, channels_last=True), 2)`` in one pass of the
     C++ kernel, which never writes the full-size batch: for an ``f_R`` that starts with a 2x2 max pool of stride 2
     (LeNet's split 1), the sampling engine draws this and runs the rest of ``f_R``. The same numbers: the 2x2 windows
     take the max of the same float32 sums, and that max commutes with the final (monotone) cast. ``[C, H, W]`` latents
@@ -440,7 +440,7 @@ def noisy_latents_reference(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`noisy_latents` in PyTorch on any device: the same stream (:func:`stream_normals_reference`), the sum in
+    """:func:`noisy_latents_triton` in PyTorch on any device: the same stream (:func:`stream_normals_reference`), the sum in
     float32, then the cast to ``out_dtype`` / channels_last. The test oracle, and the fallback where neither Triton nor
     the native kernels run (about 10x slower than the native CPU kernel; it materialises int64 temporaries)."""
     sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
@@ -483,7 +483,7 @@ def _check_votes_args(logits, counts) -> None:
         raise ValueError("counts must be contiguous (it is updated in place)")
 
 
-def count_votes(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def count_votes_triton(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``counts += bincount(argmax(logits, dim=1), minlength=C)`` in place by the Triton kernel; returns ``counts``.
 
     Args:
@@ -509,7 +509,7 @@ def count_votes(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def count_votes_cuda(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """:func:`count_votes` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, ties,
+    """:func:`count_votes_triton` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, ties,
     NaN rule and in-place contract, no host sync. One thread per row up to 32 classes, one warp per row above; a
     shared-memory histogram per block. Selected by ``SPLITZ_BACKEND=native`` on CUDA tensors (``auto``: Triton)."""
     from .native_cuda import cuda_module
@@ -522,13 +522,13 @@ def count_votes_cuda(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     module = cuda_module()
     if module is None:
         raise RuntimeError("the CUDA kernels of splitz_fast (csrc/noise_votes_cuda.cu) are not available here (see "
-                           "the warning above); use count_votes (Triton) or count_votes_reference")
+                           "the warning above); use count_votes_triton (Triton) or count_votes_reference")
     module.count_votes(logits.detach(), counts)
     return counts
 
 
 def count_votes_reference(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The PyTorch path of :func:`count_votes` (``argmax`` + ``bincount``), same signature and in-place contract."""
+    """The PyTorch path of :func:`count_votes_triton` (``argmax`` + ``bincount``), same signature and in-place contract."""
     _check_votes_args(logits, counts)
     if logits.shape[0]:
         votes = torch.bincount(logits.argmax(dim=1), minlength=counts.numel())

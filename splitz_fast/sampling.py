@@ -31,10 +31,10 @@ import torch.nn as nn
 
 from .kernels import select_backend
 from .kernels.noise_votes import (
-    count_votes,
+    count_votes_triton,
     count_votes_cuda,
     count_votes_reference,
-    noisy_latents,
+    noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_maxpool2_native,
     noisy_latents_native,
@@ -80,7 +80,7 @@ class NoiseStream:
         self.offset = 0
         backend = select_backend("noisy_latents", self.device)
         native = noisy_latents_cuda if self.device.type == "cuda" else noisy_latents_native  # csrc/ kernels
-        self._philox = {"triton": noisy_latents, "native": native}.get(backend)
+        self._philox = {"triton": noisy_latents_triton, "native": native}.get(backend)
         # the native CPU kernel can draw max_pool2d(latent + σz, 2) in one pass (noisy(..., pool2=True))
         self.pools = backend == "native" and self.device.type == "cpu"
         self.generator = torch.Generator(device=self.device)
@@ -458,7 +458,7 @@ class SamplingEngine:
                                  out=batch[start:start + take], pool2=pooled, at=first)
                 start += take
         logits = self._scores(net, batch)
-        count = {"triton": count_votes, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
+        count = {"triton": count_votes_triton, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
                                                                        count_votes_reference)
         start = 0
         with self._count_lock:  # counts are shared by the batches of a job, which may run on several threads

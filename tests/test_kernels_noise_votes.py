@@ -1,4 +1,4 @@
-"""Noise draws (``noisy_latents``) and vote counts (``count_votes``): Triton and native kernels against their PyTorch
+"""Noise draws (``noisy_latents_triton``) and vote counts (``count_votes_triton``): Triton and native kernels against their PyTorch
 references. Every noise test runs on each implementation (the Triton kernel, the native C++ kernel, the reference).
 
 Without CUDA the kernels run on CPU tensors under Triton's interpreter, which must be switched on before anything
@@ -29,10 +29,10 @@ from splitz_fast.kernels import noise_votes  # noqa: E402
 from splitz_fast.kernels.native import native_available, native_module  # noqa: E402
 from splitz_fast.kernels.native_cuda import cuda_module, cuda_native_available  # noqa: E402
 from splitz_fast.kernels.noise_votes import (  # noqa: E402
-    count_votes,
+    count_votes_triton,
     count_votes_cuda,
     count_votes_reference,
-    noisy_latents,
+    noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_native,
     noisy_latents_reference,
@@ -55,7 +55,7 @@ def _noise(draw, latent, num, sigma, seed, offset, **kw):
 @dataclass(frozen=True)
 class NoiseBackend:
     name: str
-    fn: object  # noisy_latents, noisy_latents_native, noisy_latents_cuda or noisy_latents_reference
+    fn: object  # noisy_latents_triton, noisy_latents_native, noisy_latents_cuda or noisy_latents_reference
     device: torch.device
 
 
@@ -80,7 +80,7 @@ def noise(request):
     if name == "native" and device == "cuda":
         assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build on this GPU machine (see the warning)"
         return NoiseBackend("native-cuda", noisy_latents_cuda, torch.device(device))
-    fn = {"triton": noisy_latents, "native": noisy_latents_native, "reference": noisy_latents_reference}[name]
+    fn = {"triton": noisy_latents_triton, "native": noisy_latents_native, "reference": noisy_latents_reference}[name]
     return NoiseBackend(name, fn, torch.device(device))
 
 
@@ -90,22 +90,22 @@ def noise(request):
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_poisoned_output_is_fully_written(noise, shape, num, channels_last, dtype):
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent(shape, device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     out = torch.full((num, *shape), math.nan, dtype=dtype, device=device).contiguous(memory_format=fmt)
-    result = noisy_latents(latent, num, 0.5, 11, 3, out_dtype=dtype, channels_last=channels_last, out=out)
+    result = noisy_latents_triton(latent, num, 0.5, 11, 3, out_dtype=dtype, channels_last=channels_last, out=out)
     assert result is out and result.dtype == dtype and tuple(result.shape) == (num, *shape)
     assert torch.isfinite(result.float()).all()
-    fresh = noisy_latents(latent, num, 0.5, 11, 3, out_dtype=dtype, channels_last=channels_last)
+    fresh = noisy_latents_triton(latent, num, 0.5, 11, 3, out_dtype=dtype, channels_last=channels_last)
     assert torch.equal(result, fresh)
 
 
 def test_mean_and_std_match_latent_and_sigma(noise):
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     num, sigma = 3000, 0.7
     latent = _latent((13,), device) * 3
-    out = noisy_latents(latent, num, sigma, 5, 0).double().cpu()
+    out = noisy_latents_triton(latent, num, sigma, 5, 0).double().cpu()
     lat = latent.double().cpu()
     # per coordinate: |mean − latent| within 5 standard errors, std within 5 standard errors of σ
     assert ((out.mean(0) - lat).abs() < 5 * sigma / math.sqrt(num)).all()
@@ -124,8 +124,8 @@ def _anderson_darling_standard_normal(z):
 
 
 def test_noise_is_standard_normal(noise):
-    noisy_latents, device = noise.fn, noise.device
-    z = _noise(noisy_latents, _latent((3, 5, 7), device), 300, 0.25, 2024, 0).flatten().numpy()  # 31,500 draws
+    noisy_latents_triton, device = noise.fn, noise.device
+    z = _noise(noisy_latents_triton, _latent((3, 5, 7), device), 300, 0.25, 2024, 0).flatten().numpy()  # 31,500 draws
     assert stats.kstest(z, "norm").pvalue > 1e-3
     assert _anderson_darling_standard_normal(z) < 3.857  # the 1 % level for a fully specified null
     # tails: P(|z| > 2.5) = 1.24 %, P(|z| > 3.5) = 0.047 %
@@ -136,9 +136,9 @@ def test_noise_is_standard_normal(noise):
 
 
 def test_samples_and_coordinates_are_uncorrelated(noise):
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     d = num = 200
-    z = _noise(noisy_latents, _latent((d,), device), num, 1.0, 99, 0)
+    z = _noise(noisy_latents_triton, _latent((d,), device), num, 1.0, 99, 0)
     for matrix in (z, z.T):  # between samples, and between coordinates
         corr = torch.corrcoef(matrix)
         off = corr[~torch.eye(corr.shape[0], dtype=torch.bool)]
@@ -151,62 +151,62 @@ def test_samples_and_coordinates_are_uncorrelated(noise):
 
 def test_consecutive_calls_of_one_seed_are_independent(noise):
     """Selection draws (offset 0) and estimation draws (offset advanced by num) of one seed share nothing."""
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent((64,), device)
-    first = _noise(noisy_latents, latent, 100, 1.0, 7, 0).flatten()
-    second = _noise(noisy_latents, latent, 100, 1.0, 7, 100).flatten()
+    first = _noise(noisy_latents_triton, latent, 100, 1.0, 7, 0).flatten()
+    second = _noise(noisy_latents_triton, latent, 100, 1.0, 7, 100).flatten()
     assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / math.sqrt(first.numel())
 
 
 def test_seeds_and_offsets_select_distinct_streams(noise):
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent((16,), device)
-    ref = noisy_latents(latent, 4, 0.5, 123, 0)
-    assert torch.equal(ref, noisy_latents(latent, 4, 0.5, 123, 0))  # same (seed, offset): bitwise the same
+    ref = noisy_latents_triton(latent, 4, 0.5, 123, 0)
+    assert torch.equal(ref, noisy_latents_triton(latent, 4, 0.5, 123, 0))  # same (seed, offset): bitwise the same
     others = {
-        "seed + 1": noisy_latents(latent, 4, 0.5, 124, 0),
-        "seed + 2**32 (high key word)": noisy_latents(latent, 4, 0.5, 123 + 2**32, 0),
-        "offset 4 (next samples)": noisy_latents(latent, 4, 0.5, 123, 4),
-        "Philox counter 2**32 (high counter word)": noisy_latents(latent, 4, 0.5, 123, 2**33 // 16),
+        "seed + 1": noisy_latents_triton(latent, 4, 0.5, 124, 0),
+        "seed + 2**32 (high key word)": noisy_latents_triton(latent, 4, 0.5, 123 + 2**32, 0),
+        "offset 4 (next samples)": noisy_latents_triton(latent, 4, 0.5, 123, 4),
+        "Philox counter 2**32 (high counter word)": noisy_latents_triton(latent, 4, 0.5, 123, 2**33 // 16),
     }
     for name, other in others.items():
         assert not (ref == other).any(), name
-    top = noisy_latents(latent, 2, 0.5, 2**64 - 1, 2**64 // 16 - 2)  # largest key, last counters of the stream
+    top = noisy_latents_triton(latent, 2, 0.5, 2**64 - 1, 2**64 // 16 - 2)  # largest key, last counters of the stream
     assert torch.isfinite(top).all()
 
 
 def test_draws_do_not_depend_on_batching_or_layout(noise, monkeypatch):
     """Sample k of a seed is a function of (seed, k) only: any batching, launch chunking or layout gives it back."""
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent((3, 5, 7), device)
-    whole = noisy_latents(latent, 7, 0.5, 31, 2)
-    parts = [noisy_latents(latent, 1, 0.5, 31, 2), noisy_latents(latent, 4, 0.5, 31, 3),
-             noisy_latents(latent, 2, 0.5, 31, 7)]
+    whole = noisy_latents_triton(latent, 7, 0.5, 31, 2)
+    parts = [noisy_latents_triton(latent, 1, 0.5, 31, 2), noisy_latents_triton(latent, 4, 0.5, 31, 3),
+             noisy_latents_triton(latent, 2, 0.5, 31, 7)]
     assert torch.equal(whole, torch.cat(parts))
-    channels_last = noisy_latents(latent, 7, 0.5, 31, 2, channels_last=True)
+    channels_last = noisy_latents_triton(latent, 7, 0.5, 31, 2, channels_last=True)
     assert channels_last.is_contiguous(memory_format=torch.channels_last)
     assert not channels_last.is_contiguous()
     assert torch.equal(whole, channels_last)
     odd = _latent((3, 5, 5), device)  # odd H W and odd D: pairs straddle samples and channels
-    assert torch.equal(noisy_latents(odd, 5, 0.5, 31, 1), torch.cat([noisy_latents(odd, 2, 0.5, 31, 1),
-                                                                    noisy_latents(odd, 3, 0.5, 31, 3)]))
-    assert torch.equal(noisy_latents(odd, 5, 0.5, 31, 1), noisy_latents(odd, 5, 0.5, 31, 1, channels_last=True))
+    assert torch.equal(noisy_latents_triton(odd, 5, 0.5, 31, 1), torch.cat([noisy_latents_triton(odd, 2, 0.5, 31, 1),
+                                                                    noisy_latents_triton(odd, 3, 0.5, 31, 3)]))
+    assert torch.equal(noisy_latents_triton(odd, 5, 0.5, 31, 1), noisy_latents_triton(odd, 5, 0.5, 31, 1, channels_last=True))
     if noise.name.startswith("triton"):
         monkeypatch.setattr(noise_votes, "_MAX_GRID_Y", 2)  # several launches of 2 samples
-        assert torch.equal(whole, noisy_latents(latent, 7, 0.5, 31, 2))
-        assert torch.equal(whole, noisy_latents(latent, 7, 0.5, 31, 2, channels_last=True))
+        assert torch.equal(whole, noisy_latents_triton(latent, 7, 0.5, 31, 2))
+        assert torch.equal(whole, noisy_latents_triton(latent, 7, 0.5, 31, 2, channels_last=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_low_precision_output_is_the_float32_sum_cast_afterwards(noise, dtype, channels_last):
     """The noise and the sum are float32; the cast to bf16/fp16 is the only rounding (round to nearest even)."""
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent((4, 6, 5), device) * 50  # large values so that the cast rounds most elements
     for latent_dtype in (torch.float32, dtype):
         lat = latent.to(latent_dtype)
-        full = noisy_latents(lat, 9, 0.3, 77, 10, channels_last=channels_last)
-        low = noisy_latents(lat, 9, 0.3, 77, 10, out_dtype=dtype, channels_last=channels_last)
+        full = noisy_latents_triton(lat, 9, 0.3, 77, 10, channels_last=channels_last)
+        low = noisy_latents_triton(lat, 9, 0.3, 77, 10, out_dtype=dtype, channels_last=channels_last)
         assert low.dtype == dtype
         assert torch.equal(low, full.to(dtype))
         # the float32 output itself is latent + σ z formed in float32, not in the low-precision type
@@ -214,35 +214,35 @@ def test_low_precision_output_is_the_float32_sum_cast_afterwards(noise, dtype, c
 
 
 def test_noise_input_validation(noise):
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent((3, 4), device)
     with pytest.raises(ValueError, match="sigma"):
-        noisy_latents(latent, 2, 0.0, 1, 0)
+        noisy_latents_triton(latent, 2, 0.0, 1, 0)
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="sigma"):
-            noisy_latents(latent, 2, bad, 1, 0)
+            noisy_latents_triton(latent, 2, bad, 1, 0)
     with pytest.raises(ValueError, match="num"):
-        noisy_latents(latent, 0, 1.0, 1, 0)
+        noisy_latents_triton(latent, 0, 1.0, 1, 0)
     with pytest.raises(TypeError, match="num"):
-        noisy_latents(latent, 2.0, 1.0, 1, 0)
+        noisy_latents_triton(latent, 2.0, 1.0, 1, 0)
     for seed in (-1, 2**64, True, 1.0):
         with pytest.raises(ValueError, match="seed"):
-            noisy_latents(latent, 2, 1.0, seed, 0)
+            noisy_latents_triton(latent, 2, 1.0, seed, 0)
     for offset in (-1, 0.5):
         with pytest.raises(ValueError, match="offset"):
-            noisy_latents(latent, 2, 1.0, 1, offset)
+            noisy_latents_triton(latent, 2, 1.0, 1, offset)
     with pytest.raises(ValueError, match="2\\*\\*64"):
-        noisy_latents(latent, 2, 1.0, 1, 2**64 // 12 - 1)
+        noisy_latents_triton(latent, 2, 1.0, 1, 2**64 // 12 - 1)
     with pytest.raises(TypeError, match="floating-point"):
-        noisy_latents(torch.ones(3, dtype=torch.int64, device=device), 2, 1.0, 1, 0)
+        noisy_latents_triton(torch.ones(3, dtype=torch.int64, device=device), 2, 1.0, 1, 0)
     with pytest.raises(ValueError, match="out_dtype"):
-        noisy_latents(latent, 2, 1.0, 1, 0, out_dtype=torch.float64)
+        noisy_latents_triton(latent, 2, 1.0, 1, 0, out_dtype=torch.float64)
     with pytest.raises(ValueError, match="channels_last"):
-        noisy_latents(latent, 2, 1.0, 1, 0, channels_last=True)
+        noisy_latents_triton(latent, 2, 1.0, 1, 0, channels_last=True)
     with pytest.raises(ValueError, match="out must be"):
-        noisy_latents(latent, 2, 1.0, 1, 0, out=torch.empty(3, 3, 4, device=device))
+        noisy_latents_triton(latent, 2, 1.0, 1, 0, out=torch.empty(3, 3, 4, device=device))
     with pytest.raises(ValueError, match="out must be"):
-        noisy_latents(latent, 2, 1.0, 1, 0, out=torch.empty(2, 3, 4, device=device, dtype=torch.float16))
+        noisy_latents_triton(latent, 2, 1.0, 1, 0, out=torch.empty(2, 3, 4, device=device, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("shape,channels_last", [((3, 5, 7), False), ((3, 5, 7), True), ((4, 6, 6), True), ((9,), False),
@@ -253,11 +253,11 @@ def test_every_backend_draws_the_reference_stream(noise, shape, channels_last, o
     equal up to the float32 rounding of ln / cos / sin (|Δz| <= 2e-6 (1 + |z|)), in either layout, for even and odd D
     and at offsets whose Philox counters use the high counter word. The channels_last shapes cover the native
     kernel's three store paths: pair rows (C >= 16, H W even), permuted (few channels or H W odd), and C = 1."""
-    noisy_latents, device = noise.fn, noise.device
+    noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent(shape, device)
     num = 9
     numel = latent.numel()
-    z = ((noisy_latents(latent, num, 1.0, SEED_HIGH, offset, channels_last=channels_last).double()
+    z = ((noisy_latents_triton(latent, num, 1.0, SEED_HIGH, offset, channels_last=channels_last).double()
           - latent.double()).cpu())
     want = stream_normals_reference(SEED_HIGH, offset * numel, num * numel).double().view(num, *shape)
     assert torch.all((z - want).abs() <= 2e-6 * (1 + want.abs())), float((z - want).abs().max())
@@ -312,7 +312,7 @@ VOTE_BACKENDS = [param for param in NOISE_BACKENDS if param.id in ("triton-inter
 @dataclass(frozen=True)
 class VoteBackend:
     name: str
-    fn: object  # count_votes (Triton) or count_votes_cuda
+    fn: object  # count_votes_triton (Triton) or count_votes_cuda
     device: torch.device
 
 
@@ -323,7 +323,7 @@ def votes(request):
     if name == "native":
         assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build on this GPU machine (see the warning)"
         return VoteBackend("native-cuda", count_votes_cuda, torch.device(device))
-    return VoteBackend(name, count_votes, torch.device(device))
+    return VoteBackend(name, count_votes_triton, torch.device(device))
 
 
 def _logits_with_ties(rows, classes, device, dtype, seed):
@@ -340,10 +340,10 @@ def _logits_with_ties(rows, classes, device, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("count_dtype", [torch.int64, torch.int32])
 def test_count_votes_matches_argmax_bincount(votes, classes, rows, dtype, count_dtype):
-    count_votes, device = votes.fn, votes.device
+    count_votes_triton, device = votes.fn, votes.device
     logits = _logits_with_ties(rows, classes, device, dtype, seed=classes + rows)
     counts = torch.zeros(classes, dtype=count_dtype, device=device)
-    assert count_votes(logits, counts) is counts
+    assert count_votes_triton(logits, counts) is counts
     expected = torch.bincount(logits.argmax(dim=1), minlength=classes).to(count_dtype)
     assert torch.equal(counts, expected)
     assert torch.equal(count_votes_reference(logits, torch.zeros_like(counts)), expected)
@@ -352,12 +352,12 @@ def test_count_votes_matches_argmax_bincount(votes, classes, rows, dtype, count_
 
 @pytest.mark.parametrize("classes", [1000, 5000])
 def test_ties_across_column_chunks_go_to_the_lowest_index(votes, classes):
-    count_votes, device = votes.fn, votes.device
+    count_votes_triton, device = votes.fn, votes.device
     logits = torch.zeros(6, classes, device=device)
     pairs = [(100, 700), (511, 512), (0, classes - 1), (513, classes - 3), (2, 3), (classes - 2, classes - 1)]
     for row, (a, b) in enumerate(pairs):
         logits[row, a] = logits[row, b] = 5.0
-    counts = count_votes(logits, torch.zeros(classes, dtype=torch.int64, device=device))
+    counts = count_votes_triton(logits, torch.zeros(classes, dtype=torch.int64, device=device))
     expected = torch.zeros(classes, dtype=torch.int64)
     for a, _ in pairs:
         expected[a] += 1
@@ -366,7 +366,7 @@ def test_ties_across_column_chunks_go_to_the_lowest_index(votes, classes):
 
 @pytest.mark.parametrize("classes", [7, 1000])
 def test_nan_and_infinite_scores_follow_torch_argmax(votes, classes):
-    count_votes, device = votes.fn, votes.device
+    count_votes_triton, device = votes.fn, votes.device
     inf, nan = math.inf, math.nan
     logits = torch.randn(6, classes)
     logits[0] = -inf  # all -inf -> class 0
@@ -377,45 +377,45 @@ def test_nan_and_infinite_scores_follow_torch_argmax(votes, classes):
     logits[4, classes - 1] = nan
     logits[5, 6] = inf
     logits[5, 0] = nan
-    counts = count_votes(logits.to(device), torch.zeros(classes, dtype=torch.int64, device=device))
+    counts = count_votes_triton(logits.to(device), torch.zeros(classes, dtype=torch.int64, device=device))
     expected = torch.bincount(logits.argmax(dim=1), minlength=classes)  # CPU torch.argmax is the oracle
     assert torch.equal(counts.cpu(), expected)
     assert int(counts.sum()) == 6
 
 
 def test_count_votes_accumulates_across_calls(votes):
-    count_votes, device = votes.fn, votes.device
+    count_votes_triton, device = votes.fn, votes.device
     counts = torch.tensor([5, 0, 2, 0, 1, 0, 0, 0, 0, 3], dtype=torch.int64, device=device)
     expected = counts.clone()
     for seed in range(3):
         logits = _logits_with_ties(40, 10, device, torch.float32, seed)
-        count_votes(logits, counts)
+        count_votes_triton(logits, counts)
         count_votes_reference(logits, expected)
     assert torch.equal(counts, expected)
     assert int(counts.sum()) == 11 + 120
     unanimous = torch.zeros(300, 10, device=device)
     unanimous[:, 3] = 1.0  # every row votes for class 3: contended atomics on one bin
     before = int(counts[3])
-    count_votes(unanimous, counts)
+    count_votes_triton(unanimous, counts)
     assert int(counts[3]) == before + 300 and int(counts.sum()) == 131 + 300
 
 
 def test_count_votes_on_strided_logits(votes):
-    count_votes, device = votes.fn, votes.device
+    count_votes_triton, device = votes.fn, votes.device
     base = torch.randn(24, 30, device=device)
     for logits in (base.T, base[::3, 1:20:2], base[:, :7]):
-        counts = count_votes(logits, torch.zeros(logits.shape[1], dtype=torch.int64, device=device))
+        counts = count_votes_triton(logits, torch.zeros(logits.shape[1], dtype=torch.int64, device=device))
         assert torch.equal(counts, torch.bincount(logits.argmax(1), minlength=logits.shape[1]))
 
 
 def test_count_votes_validation(votes):
-    count_votes, device = votes.fn, votes.device
+    count_votes_triton, device = votes.fn, votes.device
     logits = torch.randn(4, 10, device=device)
     empty = torch.zeros(0, 10, device=device)
     counts = torch.zeros(10, dtype=torch.int64, device=device)
-    assert torch.equal(count_votes(empty, counts), torch.zeros_like(counts))
+    assert torch.equal(count_votes_triton(empty, counts), torch.zeros_like(counts))
     assert torch.equal(count_votes_reference(empty, counts), torch.zeros_like(counts))
-    for fn in (count_votes, count_votes_reference):
+    for fn in (count_votes_triton, count_votes_reference):
         with pytest.raises(ValueError, match="bins"):
             fn(logits, torch.zeros(9, dtype=torch.int64, device=device))
         with pytest.raises(ValueError, match="int64 or int32"):

@@ -94,7 +94,7 @@ def test_native_matches_reference_on_a_lenet_sized_latent():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(32, 28, 28), (3, 4, 6), (1, 2, 2)])
 def test_fused_max_pool_equals_pooling_the_noisy_batch(shape, dtype):
-    """max_pool2d(noisy_latents(...), 2) drawn in one pass: bitwise the same values (same float32 sums, the max
+    """max_pool2d(noisy_latents_triton(...), 2) drawn in one pass: bitwise the same values (same float32 sums, the max
     commutes with the monotone cast), channels_last, and the PyTorch reference within float32 rounding."""
     if not native_available():
         pytest.skip("native kernels unavailable")

@@ -23,7 +23,7 @@ from splitz_fast.kernels.native_cuda import (
 from splitz_fast.kernels.noise_votes import (
     count_votes_cuda,
     count_votes_reference,
-    noisy_latents,
+    noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_reference,
 )
@@ -103,7 +103,7 @@ def test_cuda_noise_matches_triton_and_reference_on_engine_shapes(shape, channel
     latent = torch.randn(shape, device="cuda")
     args = (latent, 300, 0.25, 2**64 - 7, 2**35 + 3)
     ours = noisy_latents_cuda(*args, out_dtype=dtype, channels_last=channels_last)
-    for other in (noisy_latents(*args, out_dtype=dtype, channels_last=channels_last),
+    for other in (noisy_latents_triton(*args, out_dtype=dtype, channels_last=channels_last),
                   noisy_latents_reference(*args, out_dtype=dtype, channels_last=channels_last)):
         assert ours.stride() == other.stride()
         tolerance = 2e-6 if dtype == torch.float32 else 1e-2  # one bf16 ulp where the float32 sums round apart
