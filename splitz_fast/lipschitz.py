@@ -86,6 +86,10 @@ DEVICE_DENSE_MAX_DIM = 1024
 # CPU, loaded). The dense certificate holds for any symmetric matrix, the densified one included.
 DENSE_CHOLESKY_MAX_DIM = 2048
 BAND_BLOCK_MIN = 64  # smallest panel of the banded Cholesky (fewer, larger BLAS calls on narrow bands)
+# ARPACK's relative residual for the estimate that places the Cholesky shift: a Ritz value's error is about its square
+# over the gap (≤ 1e-14 relative on LeNet's Grams), far inside the first shift's 1e-10, with fewer products than 0
+# (machine precision). The estimate never enters the proof.
+ARPACK_TOL = 1e-8
 
 
 def lanczos_top_eigenvalue(gram: torch.Tensor, max_steps: int = LANCZOS_MAX_STEPS, rtol: float = 1e-13) -> float:
@@ -141,9 +145,7 @@ def _eigen_estimate(gram: torch.Tensor) -> float:
         return float(torch.linalg.eigvalsh(gram)[-1])
     matrix = scipy.sparse.csr_matrix(gram.cpu().numpy())
     start = np.random.default_rng(0).standard_normal(d)  # fixed start: certificates stay bit-reproducible
-    # tol: ARPACK's relative residual; a Ritz value's error is about its square over the gap, far inside the first
-    # shift's 1e-10 (as in _upper_eigen_estimate), with fewer products than tol = 0 (machine precision).
-    return float(scipy.sparse.linalg.eigsh(matrix, k=1, which="LA", tol=1e-8, v0=start,
+    return float(scipy.sparse.linalg.eigsh(matrix, k=1, which="LA", tol=ARPACK_TOL, v0=start,
                                            return_eigenvectors=False)[0])
 
 
@@ -161,9 +163,7 @@ def _upper_eigen_estimate(upper: scipy.sparse.csr_matrix) -> float:
 
     operator = scipy.sparse.linalg.LinearOperator((d, d), matvec=matvec, dtype=np.float64)
     start = np.random.default_rng(0).standard_normal(d)  # fixed start: certificates stay bit-reproducible
-    # tol: ARPACK's relative residual; the eigenvalue error is about its square over the gap (≤ 1e-14 relative on
-    # LeNet's conv2 Gram at 1e-8, with 40 % fewer products than tol = 0), far inside the first shift's 1e-10.
-    return float(scipy.sparse.linalg.eigsh(operator, k=1, which="LA", tol=1e-8, v0=start,
+    return float(scipy.sparse.linalg.eigsh(operator, k=1, which="LA", tol=ARPACK_TOL, v0=start,
                                            return_eigenvectors=False)[0])
 
 

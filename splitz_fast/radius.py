@@ -32,6 +32,7 @@ from .lipschitz import (
     LipschitzBound,
     bound_from_ball,
     global_lipschitz_bound,
+    lipschitz_bound,
 )
 from .modules import LeftHalf, ModuleSnapshot, SplitModel
 
@@ -212,6 +213,29 @@ class RadiusSearch:
                 except StopIteration:
                     del asked[i]
         return [search.result() for search in searches]
+
+
+def bisection_reference(left: LeftHalf, x: torch.Tensor, radius_latent: float, options: BoundOptions) -> float:
+    """The classic bisection of :class:`RadiusSearch` (``gamma_batch = 2``) with every point bounded on its own, one
+    call per γ: the reference its faster paths (covered γ's skipped, batched rounds, lockstep windows) must equal, and
+    the baseline its benchmark measures against."""
+    def lip(gamma: float) -> float:
+        return float(lipschitz_bound(left, x.unsqueeze(0), gamma, method=options.method, delta=options.delta,
+                                     power_iters=options.power_iters, exact_max_dim=options.exact_max_dim).value[0])
+
+    def radius(gamma: float, value: float) -> float:
+        return gamma if value == 0 else min(radius_latent / value, gamma)
+
+    lip0 = lip(0.0)
+    lo, hi = 0.0, radius_latent / lip0 if lip0 > 0 else options.gamma_max
+    top = lip(hi)
+    best = max(radius(0.0, lip0), radius(hi, top))
+    for _ in range(options.gamma_steps):
+        mid = (lo + hi) / 2
+        value = lip(mid)
+        best = max(best, radius(mid, value))
+        lo, hi = (mid, hi) if value == 0 or radius_latent / value >= mid else (lo, mid)
+    return best
 
 
 def _bound_rounds(left: LeftHalf, opts: BoundOptions, rounds: dict) -> dict[int, LipschitzBound]:

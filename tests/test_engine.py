@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import LeftHalf, Smoother, SplitModel
+from splitz_fast.radius import BoundOptions, bisection_reference
 from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine, fold_batchnorm
 
 
@@ -348,27 +349,6 @@ def test_batched_gamma_passes_never_lose_radius_against_bisection(name):
             assert four.radius == pytest.approx(min(radius_latent / four.lipschitz, four.gamma), rel=1e-12)
 
 
-def _naive_bisection(left, x, radius_latent, steps=8, gamma_max=10.0):
-    """Every point of a classic bisection bounded on its own: the best min(R/L(x, γ), γ) over them."""
-    def lip(gamma):
-        return float(sz.lipschitz_bound(left, x.unsqueeze(0), gamma, method="exact").value[0])
-
-    def radius(gamma, value):
-        return gamma if value == 0 else min(radius_latent / value, gamma)
-
-    lip0 = lip(0.0)
-    lo, hi = 0.0, radius_latent / lip0 if lip0 > 0 else gamma_max
-    best = radius(0.0, lip0)
-    top = lip(hi)
-    best = max(best, radius(hi, top))
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        value = lip(mid)
-        best = max(best, radius(mid, value))
-        lo, hi = (mid, hi) if value == 0 or radius_latent / value >= mid else (lo, mid)
-    return best
-
-
 @pytest.mark.parametrize("radius_latent", [0.2, 0.8, 1.5])
 def test_skipping_covered_gammas_keeps_the_bisection_radius(radius_latent):
     """The search does not re-bound a γ that a larger bounded ball already certifies: same radius as a bisection that
@@ -377,7 +357,8 @@ def test_skipping_covered_gammas_keeps_the_bisection_radius(radius_latent):
     model = sz.build_model("lenet-splitz", split_index=1).eval()
     x = torch.rand(1, 28, 28, generator=_gen(3))
     found = Smoother(model, 0.5, bound_method="exact").radius_search.search(x, radius_latent, None)
-    assert found.radius == pytest.approx(_naive_bisection(model.left, x, radius_latent), rel=1e-9)
+    reference = bisection_reference(model.left, x, radius_latent, BoundOptions(method="exact"))
+    assert found.radius == pytest.approx(reference, rel=1e-9)
     assert found.evaluations <= 10
 
 
