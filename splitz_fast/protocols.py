@@ -63,6 +63,9 @@ class CertificationProtocol(abc.ABC):
         certified at ``radius_latent``; ``search`` holds the model (its current ``f_L``) and the bound options;
         ``generator`` (the input's own) seeds every random start."""
 
+    def check(self, model) -> None:
+        """Refuse (one clear error, before any sampling) a model this protocol cannot handle; nothing by default."""
+
     def radii(self, search: RadiusSearch, xs: list[torch.Tensor], radii_latent: list[float],
               generators: list[torch.Generator | None]) -> list[RadiusResult]:
         """:meth:`radius` of several inputs (a certify_many window), each equal to its own call."""
@@ -144,15 +147,21 @@ class PublishedCode(CertificationProtocol):
     def __init__(self, data_std: tuple[float, ...] | None = None):
         self.data_std = None if data_std is None else tuple(float(s) for s in data_std)
 
+    def check(self, model) -> None:
+        self._check_std(model.left)
+
+    def _check_std(self, left) -> None:
+        if left.depth > 0 and left.standardize is None and self.data_std is None:
+            raise ValueError("the published-code protocol reads a model without Standardize in f_L behind the "
+                             "dataset standardization the published code applied: give its std, "
+                             "PublishedCode(data_std=(0.3081,)) for MNIST; splitz certify knows it for mnist only")
+
     def _input_scale(self, left, x: torch.Tensor) -> torch.Tensor | None:
         """The first layer's input scale of the standardized-input map: none when ``f_L`` standardizes (its ``1/sd``
         is what the published code leaves out), else ``diag(data_std)``."""
+        self._check_std(left)
         if left.standardize is not None:
             return None
-        if self.data_std is None:
-            raise ValueError("the published-code protocol reads a model without Standardize in f_L behind the "
-                             "dataset standardization the published code applied: give its std, "
-                             "PublishedCode(data_std=(0.3081,)) for MNIST (splitz certify does this for mnist)")
         std = torch.tensor(self.data_std, dtype=torch.float64, device=x.device)
         view = std.view(-1, *([1] * (x.ndim - 1))) if x.ndim > 1 else std
         return view.expand_as(x).unsqueeze(0)

@@ -83,8 +83,8 @@ def test_published_code_protocol_drops_masks_and_the_standardization():
 
 def test_published_code_reads_a_raw_input_model_behind_the_dataset_standardization():
     model, x = _model(False)
-    with pytest.raises(ValueError, match="data_std"):
-        sz.Smoother(model, SIGMA, protocol="published-code").certify(x, **CERTIFY, seed=0)
+    with pytest.raises(ValueError, match="data_std"):  # at construction, before anything is sampled
+        sz.Smoother(model, SIGMA, protocol="published-code")
     r = sz.Smoother(model, SIGMA, protocol=PublishedCode(data_std=(0.3081,))).certify(x, **CERTIFY, seed=0)
     dense = torch.linalg.matrix_norm(_dense(model.left.layers[0], (1, 6, 6)), ord=2).item()
     assert 0.9 * 0.3081 * dense <= r.lipschitz <= 0.3081 * dense * (1 + 1e-9)
@@ -173,3 +173,17 @@ def test_cli_certify_records_an_estimate_in_the_sidecar_and_rows(tmp_path, tiny)
     assert main(["certify", "tiny", str(ckpt / "best.pt"), "0.5", str(sound), "--N0", "10", "--N", "100",
                  "--max", "3"]) == 0
     assert "protocol" not in json.loads((tmp_path / "sound.tsv.json").read_text())
+
+
+def test_cli_published_code_without_a_known_std_is_one_line_before_anything_is_written(tmp_path, tiny, capsys):
+    from splitz_fast.cli import main
+
+    ckpt = tmp_path / "run"
+    assert main(["train", "tiny", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8",
+                 "--split-index", "1"]) == 0
+    out = tmp_path / "pc.tsv"
+    assert main(["certify", "tiny", str(ckpt / "best.pt"), "0.5", str(out), "--N0", "10", "--N", "100",
+                 "--protocol", "published-code"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and "data_std" in err
+    assert not out.exists() and not (tmp_path / "pc.tsv.json").exists()
