@@ -171,6 +171,7 @@ class Smoother:
         )
         self.radius_search = RadiusSearch(model, self.options)
         self.protocol = get_protocol(protocol)
+        self.protocol.check(model)
         self.precision = precision
         self.compile = bool(compile)
         self.max_batch_size = check_count("max_batch_size", max_batch_size)
@@ -252,7 +253,7 @@ class Smoother:
                 finishing = None  # the previous window's radius searches, running on the worker
                 for window, batch, counts, seconds in self._windows(engine, guard, inputs, seeds, n0, n, batch_size):
                     if pool is None:
-                        yield from self._finish(guard, window, counts, seconds, n, alpha)
+                        yield from _checked(guard, self._finish(guard, window, counts, seconds, n, alpha))
                         continue
                     if finishing is not None:
                         yield from _checked(guard, finishing.result())
@@ -318,7 +319,6 @@ class Smoother:
             [window[i].stream.generator for i in certified])))
         seconds = seconds + (time.perf_counter() - start) / len(window)
         for i, pending in enumerate(window):
-            guard.check()  # results already computed describe the model as it was sampled: not an edited one
             candidate, count_a, p_lower = decided[i]
             source, seed = pending.stream.source, pending.stream.seed
             if i not in found:
@@ -357,8 +357,9 @@ class Smoother:
                     yield _predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
 
 
-def _checked(guard: CallGuard, results: list[CertifyResult]) -> Iterator[CertifyResult]:
-    """``results`` one by one, each after checking that the caller has not edited the model since the previous one."""
+def _checked(guard: CallGuard, results: Iterable[CertifyResult]) -> Iterator[CertifyResult]:
+    """``results`` one by one, each after checking that the caller has not edited the model since the previous one:
+    results computed before an edit describe the model as it was sampled, not the edited one."""
     for result in results:
         guard.check()
         yield result
