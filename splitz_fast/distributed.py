@@ -18,6 +18,7 @@ For certification the process group (gloo on the CPU, NCCL with CUDA) carries on
 """
 from __future__ import annotations
 
+import importlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,6 +84,17 @@ class TorchrunEnv:
                          "--device cuda (or cpu), or nothing")
 
 
+def _import_group_capturing_modules() -> None:
+    """Import, while no process group exists, the torch modules that bind ``group.WORLD`` as a default argument when
+    they are first imported. ``torch.distributed.nn.functional`` does, and the optimizer's first step pulls it in
+    (its lazy import of ``torch._dynamo`` imports FSDP, which imports it): imported *after* ``init_process_group``,
+    those defaults keep the group alive past ``destroy_process_group``, its gloo worker threads outlive ``main``, and
+    one that frees a finished collective's tensors during interpreter shutdown aborts the process (SIGABRT, "terminate
+    called without an active exception") after a run that succeeded. Imported before, the defaults are ``None``."""
+    for module in ("torch._dynamo", "torch.distributed.nn"):
+        importlib.import_module(module)
+
+
 @contextmanager
 def process_group(env: TorchrunEnv, device: str) -> Iterator[None]:
     """The job's default process group while the ``with`` block runs: gloo when ``device`` is the CPU, NCCL with
@@ -92,6 +104,7 @@ def process_group(env: TorchrunEnv, device: str) -> Iterator[None]:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(device)
+    _import_group_capturing_modules()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=WAIT_TIMEOUT)
     try:
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:

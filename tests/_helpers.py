@@ -40,13 +40,14 @@ def kernel_devices() -> list:
     ]
 
 
-def start_torchrun(args: list[str], **popen) -> subprocess.Popen:
-    """``torchrun --standalone --nproc_per_node=2 -m splitz_fast ARGS`` in its own session (so that a hung run can be
-    killed whole), one thread per rank, without the torchrun variables of any enclosing job."""
+def start_torchrun(args: list[str], program: tuple[str, ...] = ("-m", "splitz_fast"), **popen) -> subprocess.Popen:
+    """``torchrun --standalone --nproc_per_node=2 -m splitz_fast ARGS`` (or another ``program``, e.g. a script's
+    path) in its own session (so that a hung run can be killed whole), one thread per rank, without the torchrun
+    variables of any enclosing job."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1", "-m", "splitz_fast", *args]
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1", *program, *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
 

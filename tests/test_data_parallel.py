@@ -146,6 +146,34 @@ def test_two_ranks_take_the_single_process_step_on_the_same_global_batch(case, t
             torch.testing.assert_close(v, expected, rtol=1e-5, atol=1e-6)
 
 
+# ------------------------------------------------------------------------------------------------ teardown
+GLOO_TEARDOWN_SCRIPT = """
+import os, torch.distributed as dist
+from splitz_fast.distributed import TorchrunEnv, process_group
+with process_group(TorchrunEnv.from_environ(), "cpu"):
+    dist.barrier()
+    import torch._dynamo  # what the optimizer's first step imports, inside the group
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("threads after the group:", threads, flush=True)
+"""
+
+
+@pytest.mark.slow  # one torchrun launch, ~10 s
+@pytest.mark.skipif(not TORCHRUN.exists(), reason=f"needs torchrun beside {sys.executable}")
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_process_group_leaves_no_gloo_thread_behind(tmp_path):
+    """After `process_group` the gloo worker threads are gone, even when a module that binds `group.WORLD` as a default
+    argument is imported inside it. (They outlived the group before, and one freeing a finished collective's tensors
+    during interpreter shutdown aborted a successful run: SIGABRT, 'terminate called without an active exception'.)"""
+    script = tmp_path / "teardown.py"
+    script.write_text(GLOO_TEARDOWN_SCRIPT)
+    code, log = finish_torchrun(start_torchrun([], program=(str(script),)), 120)
+    assert code == 0, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("threads after the group:")]
+    assert len(lines) == 2, log[-3000:]
+    assert all("gloo" not in line for line in lines), lines
+
+
 # ------------------------------------------------------------------------------------------------ torchrun train
 @pytest.mark.slow  # two torchrun launches, ~30 s on 2 loaded CPU cores
 @pytest.mark.skipif(not TORCHRUN.exists(), reason=f"needs torchrun beside {sys.executable}")
