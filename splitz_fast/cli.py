@@ -134,6 +134,7 @@ _TRAIN_OPTIONS = {
     "lip_objective": "--lip-objective", "lip_target": "--lip-target", "dual_step": "--dual-step",
     "gamma_ramp": "--gamma-ramp", "init_checkpoint": "--init", "gamma_ramp_fraction": "--gamma-ramp-fraction",
     "stability_weight": "--stability-weight", "stability_scale": "--stability-scale",
+    "flatness_weight": "--flatness-weight",
 }
 _DEMO_TRAIN_OPTIONS = {"sigma": "--sigma", "epochs": "--epochs", "batch_size": "--train-batch",
                        "lambda_start": "--lambda-start", "lambda_end": "--lambda-end", "seed": "--seed",
@@ -615,6 +616,9 @@ def _add_train_parser(sub) -> None:
                         "else 0)")
     t.add_argument("--stability-scale", type=float, default=None,
                    help="τ of the stability term, pre-activation units (unset: the recipe's, else 1)")
+    t.add_argument("--flatness-weight", type=float, default=None,
+                   help="weight of the term pulling f_L's masked spectrum flat, log(L̂² n / ‖A‖_F²); one-layer f_L "
+                        "(unset: the recipe's, else 0)")
     t.add_argument("--power-iters", type=int, default=None,
                    help="power steps per training step (unset: the recipe's, else 5)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer (sgd: momentum 0.9)")

@@ -12,7 +12,10 @@ certificate holds: certification bounds the trained ``f_L`` soundly whatever pro
 (:mod:`splitz_fast.recipes`) bundle these choices. With ``stability_weight > 0`` the loss also holds
 ``stability_weight · mean_i S(x_i, γ)``, a soft count of ``f_L``'s neurons that vary on the training ball, from the
 certificate's interval bounds made differentiable (:func:`ball_intervals`, :func:`stability_penalty`): the ``stable``
-recipe's way of making ``f_L`` flat where it is certified.
+recipe's way of making ``f_L`` flat where it is certified. With ``flatness_weight > 0`` it holds
+``flatness_weight · mean_i log(L̂_i² n / ‖A_i‖_F²)`` (:func:`flatness_penalty`): how far the masked operator's spectrum
+is from flat, so that latent noise that is as large as the certificate assumes in the worst direction is not much
+larger, relative to the signal, in all the others.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
@@ -52,7 +55,7 @@ from ._checks import check_count, check_nonnegative, check_positive, check_tenso
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .models import build_model
 from .modules import AFFINE_TYPES, SplitModel
-from .bounds import BallBounds, first_layer_row_norms, input_scale, linear_part
+from .bounds import BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part
 # Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
 from .distributed import SINGLE_PROCESS, BatchRows, DataParallelGroup  # also importable from here
 from .checkpoints import (CHECKPOINT_DIGEST_COVERS, CHECKPOINT_FORMAT, checkpoint_digest, load_checkpoint_file,
@@ -93,6 +96,8 @@ class TrainConfig:
             certificate's interval bounds); 0 (default) leaves it out.
         stability_scale: τ of the stability term (pre-activation units): a varying neuron that must move its bounds
             by ``d`` to become constant costs ``tanh(d / τ)``.
+        flatness_weight: weight κ_f of the spectral-flatness term ``κ_f · mean_i log(L̂_i² n / ‖A_i‖_F²)``
+            (:func:`flatness_penalty`; one-layer ``f_L`` only); 0 (default) leaves it out.
         init_checkpoint: a ``splitz train`` checkpoint whose affine layers initialise the model (warm start, e.g. from
             an RS model of the same σ); ``None`` = fresh weights from ``seed``.
     """
@@ -126,6 +131,7 @@ class TrainConfig:
     gamma_ramp_fraction: float | None = None
     stability_weight: float = 0.0
     stability_scale: float = 1.0
+    flatness_weight: float = 0.0
 
     def validate(self) -> "TrainConfig":
         check_positive("sigma", self.sigma)
@@ -166,6 +172,7 @@ class TrainConfig:
                 raise ValueError("gamma_ramp_fraction needs gamma_ramp (the ramp it shapes)")
         check_nonnegative("stability_weight", self.stability_weight)
         check_positive("stability_scale", self.stability_scale)
+        check_nonnegative("flatness_weight", self.flatness_weight)
         return self
 
     @property
@@ -330,7 +337,8 @@ def splitz_loss(
     q = config.noise_samples
     objective = config.objective
     gamma = config.gamma_train if gamma is None else gamma
-    need_lip = model.split_index > 0 and (lam != 0.0 or objective.has_multiplier)
+    flatness = model.split_index > 0 and config.flatness_weight > 0
+    need_lip = model.split_index > 0 and (lam != 0.0 or objective.has_multiplier or flatness)
     fused = _fused_first_layer(model.left, x, gamma) if need_lip else None
     if fused is None:
         latent, bounds = model.left(x), None  # f_L once per input; the Q noise draws are added after it
@@ -344,6 +352,8 @@ def splitz_loss(
     parts = {"ce": float(cross_entropy.detach())}
     loss = cross_entropy
     if need_lip:
+        if flatness and bounds is None:  # the flatness term reads the varying mask the estimate uses
+            bounds = ball_bounds(model.left, x, gamma, dtype=x.dtype if x.dtype == torch.float64 else torch.float32)
         lip = lipschitz_estimate(model.left, x, gamma, power_iters=config.power_iters, state=state,
                                  generator=generator, bounds=bounds)
         local_mean = float(lip.detach().mean())
@@ -353,6 +363,10 @@ def splitz_loss(
             batch_mean = local_mean if rows.count == rows.total else _global_batch_mean(lip.detach(), rows)
             parts["lip_batch_mean"] = batch_mean
         loss = objective.combine(cross_entropy, lip, lam, config, rows.share, batch_mean)
+        if flatness:
+            spread = flatness_penalty(model.left, x, lip, bounds)
+            parts["flatness"] = float(spread.detach().mean()) * rows.share
+            loss = loss + config.flatness_weight * spread.mean() * rows.share
     if model.split_index > 0 and config.stability_weight > 0:
         penalty, varying = stability_penalty(model.left, ball_intervals(model.left, x, gamma),
                                              config.stability_scale)
@@ -428,6 +442,38 @@ def stability_penalty(left, intervals: list[tuple[torch.Tensor, torch.Tensor]],
     if neurons == 0:
         raise ValueError("f_L has no clipped-ReLU neurons: the stability term needs split_index > 0")
     return penalty / neurons, (varying / neurons).detach()
+
+
+def flatness_penalty(left, x: torch.Tensor, lip: torch.Tensor, bounds: BallBounds | None) -> torch.Tensor:
+    """The spectral-flatness term: per input, ``log(L̂² n / ‖A‖_F²)`` for the one-layer ``f_L``'s masked operator
+    ``A = M W D`` (``M`` the varying mask of the training ball, ``D`` the input scale, ``n`` the input dimension) and
+    its training estimate ``L̂ ≈ ‖A‖₂``; ``[B]``, with gradient through both; 0 where no neuron varies (``A = 0``).
+
+    ``‖A‖_F² = Σ_j s_j² ≤ n ‖A‖₂²`` (``n`` singular values at most, none above the largest), with equality exactly
+    when all ``n`` are equal: the term is ``≥ 0`` (up to the estimate's error) and 0 for a tight frame. Why it
+    matters: on the ball the latent is ``f_L(x) + A(x' − x)``; Gaussian noise of σ in latent space, seen through
+    ``A``, is noise of ``σ / s_j`` along the j-th right singular vector, while the certificate divides by
+    ``L ≥ s_1`` — so every direction with ``s_j < s_1`` is noisier than the radius pays for. (The noise in the latent
+    directions outside ``A``'s range is another cost this term does not see.) A training objective only: it never
+    enters a certificate. ``‖A‖_F² = Σ_i m_i Σ_j W_ij² d_j²`` is exact and cheap (one convolution with ``W²``).
+
+    ``bounds``: the ball bounds whose mask ``M`` the estimate used (``None``: ``M`` of the ball ``γ = 0`` would differ
+    from the estimate's; pass the estimate's)."""
+    if left.depth != 1:
+        raise ValueError(f"the flatness term needs a one-layer f_L (split_index 1), this f_L has {left.depth} layers")
+    if bounds is None:
+        raise ValueError("flatness_penalty needs the ball bounds the estimate used (their varying mask)")
+    layer = left.layers[0]
+    dtype = lip.dtype
+    scale = bounds.input_scale
+    per_input = torch.ones_like(x[:1], dtype=dtype) if scale is None else scale.to(dtype).square()
+    row_norms2 = linear_part(layer, per_input, weight=layer.weight.to(dtype).square())  # Σ_j W_ij² d_j², per output
+    frobenius2 = (row_norms2 * bounds.masks[0].to(dtype)).flatten(1).sum(1)
+    n = per_input[0].numel()
+    # No varying neuron (A = 0): nothing to flatten. The placeholders keep log's value and gradient finite there.
+    empty = (frobenius2 <= 0) | (lip <= 0)
+    spread = torch.log(torch.where(empty, 1.0, lip).square() * n / torch.where(empty, 1.0, frobenius2))
+    return torch.where(empty, 0.0, spread)
 
 
 def _global_batch_mean(values: torch.Tensor, rows: BatchRows) -> float:
@@ -638,7 +684,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
     positions, rows = _rank_batches(_batches_of(order, config.batch_size, config.max_batches), group)
     noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
     model.train()
-    sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0}
+    sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0, "flatness": 0.0}
     gamma = config.gamma_at(epoch)
     progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
                     total=len(positions), desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
@@ -655,6 +701,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         sums["lip"] += parts.get("lip", share.share)  # no Lipschitz term: the estimate counts as 1
         sums["stability"] += parts.get("stability", 0.0)
         sums["varying"] += parts.get("varying", 0.0)
+        sums["flatness"] += parts.get("flatness", 0.0)
         progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
     progress.close()
     totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
@@ -664,6 +711,8 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
               "train_lip_estimate": totals[2] / batches}
     if config.stability_weight > 0 and model.split_index > 0:  # the stability term and the share it counts
         record.update(train_stability=totals[3] / batches, train_varying=totals[4] / batches)
+    if config.flatness_weight > 0 and model.split_index > 0:  # log(L̂² n / ‖A‖_F²): 0 for a flat spectrum
+        record.update(train_flatness=totals[5] / batches)
     return record, multiplier
 
 
@@ -717,6 +766,9 @@ def train(
                                     for m in model.modules()):
         raise ValueError("torchrun training of a model with BatchNorm is not supported: each rank would normalise "
                          "with its own chunk's batch statistics; train it in one process")
+    if config.flatness_weight > 0 and model.split_index > 0 and model.left.depth != 1:
+        raise ValueError(f"flatness_weight needs a one-layer f_L (split_index 1); this f_L has {model.left.depth} "
+                         "layers")
     group.check_process_group()
     device = torch.device(device)
     out = Path(out_dir)
