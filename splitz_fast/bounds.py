@@ -72,6 +72,18 @@ def first_layer_row_norms(layer: nn.Module, scale: torch.Tensor | None, x: torch
     return linear_part(layer, s2, weight=w2).clamp_min(0).sqrt()
 
 
+def masked_frobenius_sq(layer: nn.Module, masks: torch.Tensor, scale: torch.Tensor | None,
+                        input_shape: tuple[int, ...]) -> torch.Tensor:
+    """``‖M W D‖_F² = Σ_i m_i Σ_j W_ij² d_j²`` per input, ``[B]``: the squared Frobenius norm — the sum of the squared
+    singular values — of a first layer's masked operator (``M`` the ``[B, *out_shape]`` varying mask, ``D`` the input
+    scale ``1/sd`` on ``input_shape``, taps outside the image left out), from one convolution with ``W²`` in the
+    weight's dtype; differentiable in the weights. For measurements and training objectives; no certificate reads it."""
+    dtype = layer.weight.dtype
+    d2 = (torch.ones((1, *input_shape), dtype=dtype, device=masks.device) if scale is None
+          else scale.to(dtype).square())
+    return (linear_part(layer, d2, weight=layer.weight.square()) * masks.to(dtype)).flatten(1).sum(1)
+
+
 @dataclass
 class BallBounds:
     """Bounds of every pre-activation of ``f_L`` over ``B(x, γ)``.

@@ -5,7 +5,12 @@ only certify more than randomized smoothing at ``σ/L`` through neurons that are
 inactive (pre-activation upper bound ≤ 0) or saturated (lower bound ≥ θ) — which the local bound masks out. This
 module measures them at each certified input's ``γ*`` with the certificate's own bounds
 (:func:`splitz_fast.bounds.ball_bounds`, float64 with its rounding margin), next to ``L(x, γ*)`` and ``p_A``'s lower
-confidence bound from the certification TSV. ``splitz diagnose`` is its command line.
+confidence bound from the certification TSV. For a one-layer ``f_L`` it also reports the spectral flatness
+``‖A‖_F² / (n L(x, γ*)²)`` of the masked operator ``A`` on the ball (``n`` the input dimension): 1 when every one of
+``A``'s ``n`` singular values reaches the certified bound, small when most directions pass far less signal than ``L``
+assumes — latent noise σ acts as noise ``σ / s_j`` along the j-th singular direction while the radius divides by
+``L``, so a low flatness is noise the certificate pays for without the signal to match. ``splitz diagnose`` is its
+command line.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from torch.utils.data import Dataset
 
 from ._checks import check_output_folder
 from .analysis import CertificationTable
-from .bounds import ball_bounds
+from .bounds import BallBounds, ball_bounds, masked_frobenius_sq
 from .modules import LeftHalf, SplitModel
 
 __all__ = ["NeuronStates", "neuron_states", "CertificateDiagnostics", "diagnose", "diagnostics_report"]
@@ -41,7 +46,10 @@ class NeuronStates:
 @torch.no_grad()
 def neuron_states(left: LeftHalf, x: torch.Tensor, gamma: torch.Tensor | float) -> NeuronStates:
     """How the clipped-ReLU neurons of ``f_L`` behave on ``B(x_b, γ_b)`` for a batch ``x`` (certificate bounds)."""
-    bounds = ball_bounds(left, x, gamma)
+    return _states(left, ball_bounds(left, x, gamma))
+
+
+def _states(left: LeftHalf, bounds: BallBounds) -> NeuronStates:
     inactive = saturated = varying = total = 0
     awake = []
     for k, (lower, upper, mask) in enumerate(zip(bounds.lower, bounds.upper, bounds.masks)):
@@ -66,13 +74,15 @@ def neuron_states(left: LeftHalf, x: torch.Tensor, gamma: torch.Tensor | float) 
 @dataclass(frozen=True)
 class CertificateDiagnostics:
     """One row per certified input (correct, radius > 0): its ``idx``, ``L(x, γ*)``, ``γ*``, ``p_A``'s lower bound,
-    and the neuron states at ``γ*``."""
+    the neuron states at ``γ*`` and, for a one-layer ``f_L``, the spectral flatness ``‖A‖_F² / (n L(x, γ*)²)`` of the
+    masked operator on ``B(x, γ*)`` (``None`` for deeper ``f_L``)."""
 
     idx: np.ndarray
     lipschitz: np.ndarray
     gamma: np.ndarray
     p_a_lower: np.ndarray
     states: NeuronStates
+    flatness: np.ndarray | None = None
 
 
 def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, batch: int = 64) -> CertificateDiagnostics:
@@ -86,18 +96,29 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
     if idx.size == 0:
         raise ValueError("no input was certified with a positive radius: nothing to diagnose")
     device = next(model.parameters()).device
-    parts = []
-    for start in range(0, idx.size, batch):
-        chunk = idx[start:start + batch]
-        x = torch.stack([dataset[int(i)][0] for i in chunk]).to(device)
-        g = torch.as_tensor(gamma[start:start + batch], dtype=torch.float64, device=device)
-        parts.append(neuron_states(model.left, x, g))
+    lipschitz = np.asarray(table.extra["L"], dtype=np.float64)[keep]
+    left = model.left
+    parts, frobenius2 = [], []
+    with torch.no_grad():
+        for start in range(0, idx.size, batch):
+            chunk = idx[start:start + batch]
+            x = torch.stack([dataset[int(i)][0] for i in chunk]).to(device)
+            g = torch.as_tensor(gamma[start:start + batch], dtype=torch.float64, device=device)
+            bounds = ball_bounds(left, x, g)
+            parts.append(_states(left, bounds))
+            if left.depth == 1:
+                frobenius2.append(masked_frobenius_sq(left.layers[0], bounds.masks[0], bounds.input_scale,
+                                                      tuple(x.shape[1:])).double().cpu().numpy())
     states = NeuronStates(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("inactive", "saturated",
                                                                                         "varying")),
                           np.logical_or.reduce([p.ever_awake for p in parts]))
-    return CertificateDiagnostics(idx=idx, lipschitz=np.asarray(table.extra["L"], dtype=np.float64)[keep],
-                                  gamma=gamma, p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],
-                                  states=states)
+    flatness = None
+    if frobenius2:
+        n = int(np.prod(dataset[int(idx[0])][0].shape))
+        flatness = np.concatenate(frobenius2) / (n * np.square(lipschitz))
+    return CertificateDiagnostics(idx=idx, lipschitz=lipschitz, gamma=gamma,
+                                  p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],
+                                  states=states, flatness=flatness)
 
 
 _QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -112,6 +133,8 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
     columns = {"L(x, γ*)": diag.lipschitz, "γ*": diag.gamma, "p_A lower bound": diag.p_a_lower,
                "constant neurons (%)": 100 * constant, "inactive (%)": 100 * diag.states.inactive,
                "saturated at θ (%)": 100 * diag.states.saturated}
+    if diag.flatness is not None:
+        columns["spectral flatness ‖A‖_F²/(n L²)"] = diag.flatness
     head = "| quantity | " + " | ".join("min" if q == 0 else "max" if q == 1 else f"q{int(100 * q)}"
                                         for q in _QUANTILES) + " | mean |"
     dead = 100 * (1 - diag.states.ever_awake.mean())
@@ -126,10 +149,13 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "diagnostics.md").write_text(text, encoding="utf-8")
-        rows = ["idx\tL\tgamma\tpA_lower\tinactive\tsaturated\tvarying"]
-        rows += [f"{i}\t{l:.6g}\t{g:.6g}\t{p:.6g}\t{a:.6g}\t{s:.6g}\t{v:.6g}" for i, l, g, p, a, s, v in zip(
-            diag.idx, diag.lipschitz, diag.gamma, diag.p_a_lower, diag.states.inactive, diag.states.saturated,
-            diag.states.varying)]
+        flat = diag.flatness is not None
+        rows = ["idx\tL\tgamma\tpA_lower\tinactive\tsaturated\tvarying" + ("\tflatness" if flat else "")]
+        rows += [f"{i}\t{l:.6g}\t{g:.6g}\t{p:.6g}\t{a:.6g}\t{s:.6g}\t{v:.6g}" + (f"\t{f:.6g}" if flat else "")
+                 for i, l, g, p, a, s, v, f in zip(
+                     diag.idx, diag.lipschitz, diag.gamma, diag.p_a_lower, diag.states.inactive,
+                     diag.states.saturated, diag.states.varying,
+                     diag.flatness if flat else np.zeros_like(diag.lipschitz))]
         (out / "diagnostics.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
         _plot(diag, constant, title, out / "diagnostics")
     return text

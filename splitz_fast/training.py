@@ -55,7 +55,7 @@ from ._checks import check_count, check_nonnegative, check_positive, check_tenso
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .models import build_model
 from .modules import AFFINE_TYPES, SplitModel
-from .bounds import BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part
+from .bounds import BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part, masked_frobenius_sq
 # Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
 from .distributed import SINGLE_PROCESS, BatchRows, DataParallelGroup  # also importable from here
 from .checkpoints import (CHECKPOINT_DIGEST_COVERS, CHECKPOINT_FORMAT, checkpoint_digest, load_checkpoint_file,
@@ -455,7 +455,7 @@ def flatness_penalty(left, x: torch.Tensor, lip: torch.Tensor, bounds: BallBound
     ``A``, is noise of ``σ / s_j`` along the j-th right singular vector, while the certificate divides by
     ``L ≥ s_1`` — so every direction with ``s_j < s_1`` is noisier than the radius pays for. (The noise in the latent
     directions outside ``A``'s range is another cost this term does not see.) A training objective only: it never
-    enters a certificate. ``‖A‖_F² = Σ_i m_i Σ_j W_ij² d_j²`` is exact and cheap (one convolution with ``W²``).
+    enters a certificate. ``‖A‖_F²`` is exact and cheap (:func:`~splitz_fast.bounds.masked_frobenius_sq`).
 
     ``bounds``: the ball bounds whose mask ``M`` the estimate used (``None``: ``M`` of the ball ``γ = 0`` would differ
     from the estimate's; pass the estimate's)."""
@@ -463,13 +463,9 @@ def flatness_penalty(left, x: torch.Tensor, lip: torch.Tensor, bounds: BallBound
         raise ValueError(f"the flatness term needs a one-layer f_L (split_index 1), this f_L has {left.depth} layers")
     if bounds is None:
         raise ValueError("flatness_penalty needs the ball bounds the estimate used (their varying mask)")
-    layer = left.layers[0]
-    dtype = lip.dtype
-    scale = bounds.input_scale
-    per_input = torch.ones_like(x[:1], dtype=dtype) if scale is None else scale.to(dtype).square()
-    row_norms2 = linear_part(layer, per_input, weight=layer.weight.to(dtype).square())  # Σ_j W_ij² d_j², per output
-    frobenius2 = (row_norms2 * bounds.masks[0].to(dtype)).flatten(1).sum(1)
-    n = per_input[0].numel()
+    frobenius2 = masked_frobenius_sq(left.layers[0], bounds.masks[0], bounds.input_scale,
+                                     tuple(x.shape[1:])).to(lip.dtype)
+    n = x[0].numel()
     # No varying neuron (A = 0): nothing to flatten. The placeholders keep log's value and gradient finite there.
     empty = (frobenius2 <= 0) | (lip <= 0)
     spread = torch.log(torch.where(empty, 1.0, lip).square() * n / torch.where(empty, 1.0, frobenius2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -122,3 +123,28 @@ def test_training_with_the_flatness_term_records_it_and_resumes_to_the_same_mode
     a, b = (load_checkpoint_file(tmp_path / run / "last.pt") for run in ("full", "part"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["config"]["flatness_weight"] == 0.5
+
+
+def test_diagnose_reports_the_flatness_of_the_masked_operator_on_the_certified_ball():
+    """diagnose's flatness is ‖A‖_F² / (n L²) with A the Jacobian-like masked operator on B(x, γ*): checked against a
+    dense SVD where γ* = 0 (A is then f_L's Jacobian at x) and the table's L is its exact norm."""
+    from splitz_fast.analysis import CertificationTable
+    from splitz_fast.diagnostics import diagnose, diagnostics_report
+
+    left = _conv_left(5).float()
+    model = sz.SplitModel(left, nn.Sequential(nn.Flatten(), nn.Linear(3 * 3 * 3, 2)), num_classes=2)
+    x = torch.rand(3, 2, 6, 5, generator=torch.Generator().manual_seed(6))
+    data = TensorDataset(x, torch.zeros(3, dtype=torch.long))
+    norms, expected = [], []
+    for b in range(3):
+        jac = torch.autograd.functional.jacobian(lambda v: left(v.view(1, 2, 6, 5)).flatten(), x[b].flatten())
+        s = torch.linalg.svdvals(jac.double())
+        norms.append(float(s[0]))
+        expected.append(float((s ** 2).sum()) / (x[b].numel() * float(s[0]) ** 2))
+    ones = np.ones(3)
+    table = CertificationTable(idx=np.arange(3), label=np.zeros(3, dtype=np.int64), predict=np.zeros(3, dtype=np.int64),
+                               radius=0.1 * ones, correct=ones.astype(bool), time=ones,
+                               extra={"L": np.array(norms), "gamma": 0 * ones, "pA_lower": 0.9 * ones})
+    diag = diagnose(model, data, table)
+    np.testing.assert_allclose(diag.flatness, expected, rtol=1e-5)
+    assert "spectral flatness" in diagnostics_report(diag, "toy")
