@@ -69,7 +69,7 @@ class Workload:
     targets: dict = field(default_factory=dict)  # precision → SPEC §5 target, seconds per image
     n0: int = N0
     mnist: bool = False  # trained LeNet and real MNIST digits where available
-    options: dict = field(default_factory=dict)  # Smoother options besides the defaults (quick mode only)
+    options: dict = field(default_factory=dict)  # BoundOptions fields besides the defaults (quick mode only)
 
 
 # SPEC §5 (one H100/H200): LeNet ≤ 20 ms (n = 10⁵, sound bound included); ResNet-110 n = 10⁵ ≤ 0.5 s fp32 / 0.3 s
@@ -180,8 +180,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
     max_batch = 32 if quick else DEFAULT_MAX_BATCH
-    options = {"gamma_search": "bisection", "bound_method": "auto", **workload.options}
-    reference = sz.Smoother(model, SIGMA, **options)
+    bound_options = sz.BoundOptions(**workload.options)
+    reference = sz.Smoother(model, SIGMA, bound_options=bound_options)
 
     def radius(x, p_lower):  # the same sound radius search as ours, for every input the loop certifies
         reference.radius_search.search(x, sz.latent_radius(SIGMA, p_lower), None)
@@ -201,8 +201,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     naive_batch = min(naive_by_batch, key=naive_by_batch.get) if naive_by_batch else None
     for precision in precisions:
         row = dict(workload=workload.key, label=workload.label, model=workload.model, split=split,
-                   precision=precision, gamma_search=options["gamma_search"],
-                   bound_method=options["bound_method"], n0=n0, n=n, alpha=ALPHA, sigma=SIGMA,
+                   precision=precision, gamma_search=bound_options.gamma_search,
+                   bound_method=bound_options.bound_method, n0=n0, n=n, alpha=ALPHA, sigma=SIGMA,
                    images=images, warmup_images=1, weights=weights, inputs=inputs, device=device_name(device),
                    backend=os.environ.get("SPLITZ_BACKEND", "auto"), naive_precision="float32",
                    naive_s_per_image=naive_s, naive_batch=naive_batch,
@@ -213,7 +213,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                    target_s=workload.targets.get(precision))
         smoother = None
         try:
-            smoother = sz.Smoother(model, SIGMA, precision=precision, max_batch_size=max_batch, **options)
+            smoother = sz.Smoother(model, SIGMA, bound_options=bound_options, precision=precision,
+                                   max_batch_size=max_batch)
             start = time.perf_counter()
             list(smoother.certify_many(warm, n0, n, ALPHA, seeds=[10_000]))  # warm-up, batch measurement
             row["setup_s"] = time.perf_counter() - start

@@ -32,7 +32,7 @@ def main() -> None:
     data = get_dataset("mnist", "test").dataset
     stride = len(data) // args.images
     images = [data[i * stride][0] for i in range(args.images)]
-    opts = BoundOptions(method="exact")
+    opts = BoundOptions(bound_method="exact")
     print("| θ | σ | R | mean Lipschitz radius | mean displacement radius | median gain | images improved | "
           "radius won by a clip candidate | best candidate counts | s/image (Lipschitz / displacement) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from splitz_fast import Smoother
+from splitz_fast import BoundOptions, Smoother
 from splitz_fast.inputs import prepare_input
 from splitz_fast.analysis import read_certification
 from splitz_fast.cli import load_model
@@ -41,8 +41,8 @@ def main() -> None:
         raise SystemExit(f"{args.tsv} has no R_latent column (write it with `splitz certify`)")
     dataset = get_dataset(args.dataset, "test").dataset
     searches = {"bisection": Smoother(model, args.sigma),
-                "bisection, 4 per pass": Smoother(model, args.sigma, gamma_batch=4),
-                "one-step": Smoother(model, args.sigma, gamma_search="one-step")}
+                "bisection, 4 per pass": Smoother(model, args.sigma, bound_options=BoundOptions(gamma_batch=4)),
+                "one-step": Smoother(model, args.sigma, bound_options=BoundOptions(gamma_search="one-step"))}
     stats = {name: {"radius": [], "evaluations": [], "passes": [], "seconds": []} for name in searches}
     for idx, r_latent in zip(table.idx, table.extra["R_latent"]):
         if not r_latent > 0:

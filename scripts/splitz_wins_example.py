@@ -72,7 +72,8 @@ def models(d: int) -> tuple[sz.SplitModel, sz.SplitModel]:
 
 
 def certify(model: sz.SplitModel, sigma: float, x: torch.Tensor, y: torch.Tensor, n: int, path: Path):
-    results = sz.Smoother(model, sigma, bound_method="exact").certify_many(x, 100, n, 0.001, seeds=range(len(x)))
+    smoother = sz.Smoother(model, sigma, bound_options=sz.BoundOptions(bound_method="exact"))
+    results = smoother.certify_many(x, 100, n, 0.001, seeds=range(len(x)))
     rows = [format_row(i, int(label), r) for i, (label, r) in enumerate(zip(y, results))]
     path.write_text("\n".join([HEADER, *rows]) + "\n")
     return sz.analysis.read_certification(path)

@@ -17,7 +17,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from .checkpoints import load_model  # also importable from here (scripts/ use s
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
 from .protocols import PROTOCOLS, PUBLISHED_DATA_STD, CertificationProtocol, PublishedCode, get_protocol
-from .radius import BOUND_METHODS, BOUNDS, GAMMA_SEARCHES
+from .radius import BOUND_METHODS, BOUNDS, GAMMA_SEARCHES, BoundOptions
 from .sampling import PRECISIONS
 from .sequential import SequentialCertifier
 from .smoothing import Smoother
@@ -87,12 +87,12 @@ def demo(args: argparse.Namespace) -> int:
               f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch + 1}, "
               f"val noisy acc {result.best_val_noisy_acc:.3f}", flush=True)
         best, _ = load_model(str(run_dir / "best.pt"), args.device)
-        smoother = Smoother(best, args.sigma, gamma_search="bisection")
+        smoother = Smoother(best, args.sigma)
         tsv = out / f"{name.lower()}.tsv"
         started = time.perf_counter()
         run_over_dataset(CertifyRun(smoother, args.n0, args.n, args.alpha, args.batch), test_info.dataset, tsv,
-                         settings={"dataset": "mnist", "split": "test", "model_spec": spec, "bound": "local",
-                                   "bound_method": "auto", "gamma_search": "bisection"},
+                         settings={"dataset": "mnist", "split": "test", "model_spec": spec, "bound": smoother.bound,
+                                   "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search},
                          indices=indices, seed=args.seed, resume=True, checkpoint=run_dir / "best.pt")
         print(f"{name}: certified in {time.perf_counter() - started:.0f} s this call → {tsv}", flush=True)
         tsvs[f"{name} (s={split_index}, σ={args.sigma})"] = tsv
@@ -304,8 +304,9 @@ class _DatasetRun:
 
 
 def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, Smoother, dict[str, Any]]:
-    """certify / predict: the sampling options checked under their command-line names (before the model and data are
-    loaded), the run, the Smoother and the settings its sidecar records. ``selection``: the command draws ``--N0``."""
+    """certify / predict: the sampling options checked under their command-line names and the bound options built
+    (before the model and data are loaded), the run, the Smoother and the settings its sidecar records.
+    ``selection``: the command draws ``--N0``."""
     check_positive("SIGMA", args.sigma)
     if args.batch is not None:
         check_count("--batch", args.batch)
@@ -315,12 +316,10 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, S
         if args.N0 > args.N:
             raise ValueError(f"--N0 ({args.N0}) must not exceed --N ({args.N})")
     check_probability("--alpha", args.alpha)
+    bound_options = _bound_options(args)
     protocol_name = getattr(args, "protocol", "sound")
     run = _DatasetRun.open(args)
-    smoother = Smoother(run.model, args.sigma, bound=getattr(args, "bound", "local"),
-                        bound_method=getattr(args, "bound_method", "auto"),
-                        gamma_search=getattr(args, "gamma_search", "bisection"),
-                        gamma_batch=getattr(args, "gamma_batch", 2), precision=args.precision,
+    smoother = Smoother(run.model, args.sigma, bound_options=bound_options, precision=args.precision,
                         compile=args.compile, protocol=_protocol(protocol_name, args.dataset))
     settings = {"bound": smoother.bound, "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
     if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
@@ -391,9 +390,9 @@ def certify_margin_command(args: argparse.Namespace) -> int:
     """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
     from .runs import MarginRun
 
+    bound_options = _bound_options(args)
     run = _DatasetRun.open(args)
-    certifier = MarginCertifier(run.model, bound=args.bound, bound_method=args.bound_method,
-                                gamma_search=args.gamma_search)
+    certifier = MarginCertifier(run.model, bound_options=bound_options)
     return run.run(MarginRun(certifier), {"certifier": "margin", "bound": certifier.bound,
                                           "bound_method": certifier.bound_method,
                                           "gamma_search": certifier.gamma_search})
@@ -879,6 +878,15 @@ def _typed_options(argv: list[str]) -> dict[str, str]:
                 action.default = argparse.SUPPRESS
                 options[action.dest] = action.option_strings[0]
     return {dest: options[dest] for dest in vars(parser.parse_args(argv)) if dest in options}
+
+
+def _bound_options(args: argparse.Namespace) -> BoundOptions:
+    """The certifier's :class:`~splitz_fast.radius.BoundOptions`, built (and so validated) once from the parsed
+    options: each option is the field of the same name (``--bound-method`` is ``bound_method``); a field the command
+    has no option for keeps its default. Options typed together where one does nothing were refused before
+    (:data:`_CONFLICTS`)."""
+    return BoundOptions(**{field.name: getattr(args, field.name) for field in fields(BoundOptions)
+                           if hasattr(args, field.name)})
 
 
 _PGD = ("pgd", "smooth-pgd")

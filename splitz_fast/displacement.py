@@ -351,8 +351,8 @@ def displacement_radius(
        last γ that held and the first that did not. Every evaluated γ certifies ``max_S min(γ, √(R² − C_S)/K_S)``
        (:meth:`DisplacementBound.radius`); the result is the best of them and ``r₀``.
 
-    Probabilistic norms share ``options.delta`` over the most norms the search can bound (union bound); the reported
-    ``failure`` adds the baseline's.
+    Probabilistic norms share ``options.bound_delta`` over the most norms the search can bound (union bound); the
+    reported ``failure`` adds the baseline's.
     """
     opts = options if options is not None else BoundOptions()
     if baseline is None:
@@ -363,14 +363,14 @@ def displacement_radius(
         return best
     max_evals = max_expansions + gamma_steps
     per_eval = 2 * left.depth + (len(ratios) if certify is None else min(certify, len(ratios)))
-    delta_norm = opts.delta / (max_evals * per_eval)
+    delta_norm = opts.bound_delta / (max_evals * per_eval)
     failure, evaluations, kinds = baseline.failure, baseline.evaluations, set()
 
     def holds(gamma: float) -> bool:
         nonlocal best, failure, evaluations
-        bound = displacement_bound(left, x.unsqueeze(0), gamma, method=opts.method, ratios=ratios, certify=certify,
-                                   delta=delta_norm, power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim,
-                                   generator=generator)
+        bound = displacement_bound(left, x.unsqueeze(0), gamma, method=opts.bound_method, ratios=ratios,
+                                   certify=certify, delta=delta_norm, power_iters=opts.power_iters,
+                                   exact_max_dim=opts.exact_max_dim, generator=generator)
         evaluations += 1
         failure += bound.failure_prob[0]
         kinds.add(bound.kind[0])

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .modules import ModuleSnapshot, SplitModel
-from .radius import RadiusSearch, bound_options
+from .radius import BoundOptions, RadiusSearch, check_bound_options
 from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
 from .smoothing import ABSTAIN, CertifyResult, about_given_input
 
@@ -43,8 +43,8 @@ class MarginCertifier:
 
     Args:
         model: a :class:`~splitz_fast.modules.SplitModel` split after its last affine layer.
-        bound_options: the Lipschitz bound and γ search, as :class:`~splitz_fast.smoothing.Smoother` takes them
-            (``bound``, ``bound_method``, ``bound_delta``, ``gamma_search``, …).
+        bound_options: the Lipschitz bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (``None``: its
+            defaults) as :class:`~splitz_fast.smoothing.Smoother` takes it; kept as :attr:`options`.
 
     Logits are computed in float64 from a float64 copy of ``f_L`` (rebuilt whenever ``f_L`` changes; the README's
     caveat applies: the guarantee is for the real-valued network). Results carry ``p_a_lower = nan``,
@@ -53,14 +53,12 @@ class MarginCertifier:
     :class:`~splitz_fast.runs.MarginRun`).
     """
 
-    def __init__(self, model: SplitModel, **bound_options_kw):
+    def __init__(self, model: SplitModel, *, bound_options: BoundOptions | None = None):
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}")
-        if "sigma" in bound_options_kw:
-            raise TypeError("MarginCertifier adds no noise: it takes no sigma")
         check_margin_model(model)
         self._model = model
-        self.options = bound_options(**bound_options_kw)
+        self.options = check_bound_options(bound_options)
         self.radius_search = RadiusSearch(model, self.options)
         self._left64: tuple[nn.Module, ModuleSnapshot, nn.Module] | None = None
 
@@ -70,7 +68,7 @@ class MarginCertifier:
         return self._model
 
     bound = property(lambda self: self.options.bound)
-    bound_method = property(lambda self: self.options.method)
+    bound_method = property(lambda self: self.options.bound_method)
     gamma_search = property(lambda self: self.options.gamma_search)
 
     def _float64_left(self) -> nn.Module:

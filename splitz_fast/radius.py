@@ -4,7 +4,7 @@ Theorem 1: for every ``γ ≥ 0``, ``min(R / L(x, γ), γ)`` is a certified radi
 Lipschitz constant of ``f_L`` over ``B(x, γ)`` and ``R`` is the radius of the smoothed ``f_R`` in latent space
 (``R = σ Φ⁻¹(p_A_lower)`` for randomized smoothing, ``m/√2`` for a logit margin). So *every* evaluated γ yields a
 valid radius and the search only decides which γ's to evaluate; the result is the best one evaluated. Probabilistic
-bounds split their budget ``delta`` evenly over the most evaluations a search can make (a union bound), and the
+bounds split their budget ``bound_delta`` evenly over the most evaluations a search can make (a union bound), and the
 result reports the total failure probability to add to α.
 
 The search (``"bisection"``): ``L`` is non-decreasing in γ (the intervals nest, so the varying masks only grow), hence
@@ -47,8 +47,9 @@ class BoundOptions:
 
     Args:
         bound: ``"local"`` (``L(x, γ)``, the paper's method) or ``"global"`` (input-independent product of norms).
-        method: ``"auto"``, ``"exact"`` or ``"probabilistic"``, see :func:`~splitz_fast.lipschitz.lipschitz_bound`.
-        delta: total failure probability allowed to probabilistic bounds *per certified input*, split evenly over
+        bound_method: ``"auto"``, ``"exact"`` or ``"probabilistic"``, see
+            :func:`~splitz_fast.lipschitz.lipschitz_bound`.
+        bound_delta: total failure probability allowed to probabilistic bounds *per certified input*, split evenly over
             the γ evaluations and layers and added to α in the result. Unused by exact bounds.
         power_iters: power steps of the probabilistic bound.
         exact_max_dim: largest Gram dimension handled by the exact bound under ``"auto"``.
@@ -60,8 +61,8 @@ class BoundOptions:
     """
 
     bound: str = "local"
-    method: str = "auto"
-    delta: float = 1e-6
+    bound_method: str = "auto"
+    bound_delta: float = 1e-6
     power_iters: int = DEFAULT_PROBABILISTIC_ITERS
     exact_max_dim: int = DEFAULT_EXACT_MAX_DIM
     gamma_search: str = "bisection"
@@ -73,11 +74,11 @@ class BoundOptions:
     def __post_init__(self):
         if self.bound not in BOUNDS:
             raise ValueError(f"bound must be one of {BOUNDS}, got {self.bound!r}")
-        if self.method not in BOUND_METHODS:
-            raise ValueError(f"bound_method must be one of {BOUND_METHODS}, got {self.method!r}")
+        if self.bound_method not in BOUND_METHODS:
+            raise ValueError(f"bound_method must be one of {BOUND_METHODS}, got {self.bound_method!r}")
         if self.gamma_search not in GAMMA_SEARCHES:
             raise ValueError(f"gamma_search must be one of {GAMMA_SEARCHES}, got {self.gamma_search!r}")
-        check_probability("bound_delta", self.delta)
+        check_probability("bound_delta", self.bound_delta)
         check_count("power_iters", self.power_iters)
         check_count("exact_max_dim", self.exact_max_dim, 0)
         check_count("gamma_steps", self.gamma_steps, 0)
@@ -102,14 +103,15 @@ class BoundOptions:
         return 1 + self.gamma_batch + (self.passes - 1) * (self.gamma_batch - 1)
 
 
-def bound_options(bound_method: str = "auto", bound_delta: float = 1e-6, **fields) -> BoundOptions:
-    """:class:`BoundOptions` from the certifiers' keyword names (``bound_method`` is ``method``, ``bound_delta`` is
-    ``delta``; the other names are the fields')."""
-    unknown = set(fields) - set(BoundOptions.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown bound option(s) {sorted(unknown)}; valid: bound_method, bound_delta, "
-                        f"{', '.join(n for n in BoundOptions.__dataclass_fields__ if n not in ('method', 'delta'))}")
-    return BoundOptions(method=bound_method, delta=bound_delta, **fields)
+def check_bound_options(options: BoundOptions | None) -> BoundOptions:
+    """A certifier's ``bound_options`` argument: a :class:`BoundOptions` (validated when it was built), or ``None`` for
+    the defaults."""
+    if options is None:
+        return BoundOptions()
+    if not isinstance(options, BoundOptions):
+        raise TypeError(f"bound_options must be a splitz_fast.BoundOptions or None, got {type(options).__name__}; "
+                        "build one with BoundOptions(bound_method='exact', gamma_search='one-step', ...)")
+    return options
 
 
 @dataclass
@@ -171,7 +173,7 @@ class RadiusSearch:
             gen.manual_seed(0)
             opts = self.options
             bound = global_lipschitz_bound(
-                left, left.input_shape, method=opts.method, delta=opts.delta / max(1, left.depth),
+                left, left.input_shape, method=opts.bound_method, delta=opts.bound_delta / max(1, left.depth),
                 power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=gen,
             )
             self._global = (left, snapshot, bound)
@@ -220,8 +222,9 @@ def bisection_reference(left: LeftHalf, x: torch.Tensor, radius_latent: float, o
     call per γ: the reference its faster paths (covered γ's skipped, batched rounds, lockstep windows) must equal, and
     the baseline its benchmark measures against."""
     def lip(gamma: float) -> float:
-        return float(lipschitz_bound(left, x.unsqueeze(0), gamma, method=options.method, delta=options.delta,
-                                     power_iters=options.power_iters, exact_max_dim=options.exact_max_dim).value[0])
+        return float(lipschitz_bound(left, x.unsqueeze(0), gamma, method=options.bound_method,
+                                     delta=options.bound_delta, power_iters=options.power_iters,
+                                     exact_max_dim=options.exact_max_dim).value[0])
 
     def radius(gamma: float, value: float) -> float:
         return gamma if value == 0 else min(radius_latent / value, gamma)
@@ -249,7 +252,7 @@ def _bound_rounds(left: LeftHalf, opts: BoundOptions, rounds: dict) -> dict[int,
     bounded, start = {}, 0
     for i, (search, round_gammas) in rounds.items():
         stop = start + len(round_gammas)
-        bounded[i] = bound_from_ball(left, ball.rows(start, stop), tuple(search.x.shape), method=opts.method,
+        bounded[i] = bound_from_ball(left, ball.rows(start, stop), tuple(search.x.shape), method=opts.bound_method,
                                      delta=search.delta_eval, power_iters=opts.power_iters,
                                      exact_max_dim=opts.exact_max_dim, generator=search.generator)
         start = stop
@@ -261,7 +264,7 @@ class _LocalSearch:
 
     def __init__(self, left, opts: BoundOptions, x, radius_latent, generator):
         self.left, self.opts, self.x, self.radius_latent, self.generator = left, opts, x, radius_latent, generator
-        self.delta_eval = opts.delta / (opts.max_evaluations * left.depth)
+        self.delta_eval = opts.bound_delta / (opts.max_evaluations * left.depth)
         self.best = RadiusResult(0.0, 0.0, math.nan, "local-exact", 0.0, 0, 0)
         self.failure = 0.0
         self.evaluations = 0

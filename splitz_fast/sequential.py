@@ -467,8 +467,8 @@ class SequentialCertifier:
         generator.manual_seed(int(np.random.SeedSequence([seed, 1]).generate_state(1, np.uint64)[0]))
         bound = lipschitz_bound(
             left, x.unsqueeze(0).expand(k, *x.shape).contiguous(), torch.tensor(self.radii, dtype=torch.float64),
-            method=opts.method, delta=opts.delta / (k * max(1, left.depth)), power_iters=opts.power_iters,
-            exact_max_dim=opts.exact_max_dim, generator=generator,
+            method=opts.bound_method, delta=opts.bound_delta / (k * max(1, left.depth)),
+            power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=generator,
         )
         kinds = ["identity" if kind == "identity" else f"local-{kind}" for kind in bound.kind]
         return _RadiusBounds(bound.value.numpy(), kinds, float(sum(bound.failure_prob)), k if left.depth else 0)

@@ -23,10 +23,9 @@ import torch
 from ._checks import check_certify_counts, check_count, check_positive
 from .inputs import (CallGuard, PreparedInput, evaluating, inputs_of, model_device, prepare_input, resolve_seed,
                      seeds_for)
-from .lipschitz import DEFAULT_EXACT_MAX_DIM, DEFAULT_PROBABILISTIC_ITERS
 from .modules import SplitModel
 from .protocols import CertificationProtocol, get_protocol
-from .radius import RadiusResult, RadiusSearch, bound_options
+from .radius import BoundOptions, RadiusResult, RadiusSearch, check_bound_options
 from .sampling import PRECISIONS, NoiseStream, SamplingEngine, SamplingJob
 from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
 
@@ -119,10 +118,8 @@ class Smoother:
     Args:
         model: a :class:`~splitz_fast.modules.SplitModel` (``split_index == 0`` is Cohen's plain RS).
         sigma: noise level σ > 0, in latent units.
-        bound, bound_method, bound_delta, power_iters, exact_max_dim, gamma_search, gamma_steps, gamma_batch,
-        reference_lipschitz, gamma_max: the Lipschitz bound and γ search, see
-            :class:`~splitz_fast.radius.BoundOptions` (``bound_method`` is its ``method``, ``bound_delta`` its
-            ``delta``).
+        bound_options: the Lipschitz bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (``None``: its
+            defaults); kept as :attr:`options`.
         precision: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype ``f_R`` runs in while sampling
             (noise and the noisy latent are float32 until the cast). Lower precision changes the base classifier, not
             the validity of its certificates; compare runs only at the same precision.
@@ -141,16 +138,7 @@ class Smoother:
         model: SplitModel,
         sigma: float,
         *,
-        bound: str = "local",
-        bound_method: str = "auto",
-        bound_delta: float = 1e-6,
-        power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
-        exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
-        gamma_search: str = "bisection",
-        gamma_steps: int = 8,
-        gamma_batch: int = 2,
-        reference_lipschitz: float | None = None,
-        gamma_max: float = 10.0,
+        bound_options: BoundOptions | None = None,
         precision: str = "float32",
         compile: bool = False,
         max_batch_size: int = DEFAULT_MAX_BATCH,
@@ -164,11 +152,7 @@ class Smoother:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         self._model = model
         self.sigma = check_positive("sigma", sigma)
-        self.options = bound_options(
-            bound=bound, bound_method=bound_method, bound_delta=bound_delta, power_iters=power_iters,
-            exact_max_dim=exact_max_dim, gamma_search=gamma_search, gamma_steps=gamma_steps, gamma_batch=gamma_batch,
-            reference_lipschitz=reference_lipschitz, gamma_max=gamma_max,
-        )
+        self.options = check_bound_options(bound_options)
         self.radius_search = RadiusSearch(model, self.options)
         self.protocol = get_protocol(protocol)
         self.protocol.check(model)
@@ -187,7 +171,7 @@ class Smoother:
 
     # The settings a run records (CLI sidecars) read these names.
     bound = property(lambda self: self.options.bound)
-    bound_method = property(lambda self: self.options.method)
+    bound_method = property(lambda self: self.options.bound_method)
     gamma_search = property(lambda self: self.options.gamma_search)
 
     @property

@@ -295,6 +295,13 @@ def test_certify_options_that_do_nothing_together_are_refused(tmp_path, capsys, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bound_options_are_built_before_the_checkpoint_is_read(tmp_path, capsys):
+    """The command line builds the BoundOptions (their only validation) from the parsed options before it loads
+    anything: a missing checkpoint does not hide a bad --gamma-batch."""
+    assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", "--gamma-batch", "1")) == 2
+    assert "gamma_batch must be >= 2, got 1" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", [
     ["certify-margin", "tiny", "c.pt", "o.tsv", "--bound", "global", "--gamma-search", "bisection"],
     ["attack", "tiny", "c.pt", "0.5", "o.tsv", "--eps", "1", "--attack", "fgsm", "--steps", "5"],

@@ -273,7 +273,7 @@ def test_radius_never_below_lipschitz_radius_and_sound(name, radius_latent):
     left = build_left(name)
     x = _input(left, 6)[0]
     model = sz.SplitModel(left, nn.Sequential(nn.Flatten(), nn.Linear(left(x.float()[None]).numel(), 3)), 3)
-    opts = BoundOptions(method="exact")
+    opts = BoundOptions(bound_method="exact")
     lip = RadiusSearch(model, opts).search(x.float(), radius_latent, None)
     result = displacement_radius(model.left, x.float(), radius_latent, options=opts, gamma_steps=6)
     assert result.radius >= lip.radius
@@ -289,7 +289,7 @@ def test_radius_strictly_larger_where_clipping_binds():
     ‖θ‖ < R at all, so the search runs to gamma_max)."""
     left = build_left("linear-small-theta")
     x = _input(left, 0)[0].float()
-    opts = BoundOptions(method="exact", gamma_max=4.0)
+    opts = BoundOptions(bound_method="exact", gamma_max=4.0)
     lip = RadiusSearch.of_left(left, opts).search(x, 0.2, None)
     result = displacement_radius(left, x, 0.2, options=opts)
     assert result.radius > 2 * lip.radius

@@ -6,6 +6,7 @@ copy survives a change of the model.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -337,9 +338,8 @@ def test_batched_gamma_passes_never_lose_radius_against_bisection(name):
     xs = torch.rand(2, 1, 28, 28, generator=_gen(len(name)))
     for i, x in enumerate(xs):
         for radius_latent in (0.2, 0.8):
-            two = Smoother(model, 0.5, gamma_batch=2, bound_method="exact").radius_search.search(x, radius_latent, None)
-            four = Smoother(model, 0.5, gamma_batch=4, bound_method="exact").radius_search.search(x, radius_latent,
-                                                                                                  None)
+            two, four = (Smoother(model, 0.5, bound_options=BoundOptions(gamma_batch=batch, bound_method="exact"))
+                         .radius_search.search(x, radius_latent, None) for batch in (2, 4))
             assert four.radius >= two.radius - 1e-15, (i, radius_latent)
             # At most the bisection's passes and points (points covered by a larger bounded ball are not re-bounded).
             assert two.passes <= 9 and four.passes <= 5
@@ -356,8 +356,9 @@ def test_skipping_covered_gammas_keeps_the_bisection_radius(radius_latent):
     torch.manual_seed(0)
     model = sz.build_model("lenet-splitz", split_index=1).eval()
     x = torch.rand(1, 28, 28, generator=_gen(3))
-    found = Smoother(model, 0.5, bound_method="exact").radius_search.search(x, radius_latent, None)
-    reference = bisection_reference(model.left, x, radius_latent, BoundOptions(method="exact"))
+    options = BoundOptions(bound_method="exact")
+    found = Smoother(model, 0.5, bound_options=options).radius_search.search(x, radius_latent, None)
+    reference = bisection_reference(model.left, x, radius_latent, options)
     assert found.radius == pytest.approx(reference, rel=1e-9)
     assert found.evaluations <= 10
 
@@ -391,11 +392,11 @@ def _edits():
 @pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
 def test_global_bound_follows_every_change_of_f_l(edit):
     model, xs = _small_splitz()
-    smoother = Smoother(model, 0.4, bound="global")
+    smoother = Smoother(model, 0.4, bound_options=BoundOptions(bound="global"))
     before = smoother.certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
     edit(model.left)
     after = smoother.certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
-    fresh = Smoother(model, 0.4, bound="global").certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
+    fresh = Smoother(model, 0.4, bound_options=smoother.options).certify(xs[0], 10, 200, 0.01, batch_size=64, seed=0)
     # 3x the weights, 3x the norm (up to the certificate's own slack: the Cholesky shift sits ~1e-8 above λ_max) ...
     assert after.lipschitz == pytest.approx(3.0 * before.lipschitz, rel=1e-6)
     # ... and exactly what a fresh smoother computes: nothing of the old weights survives.
@@ -406,11 +407,11 @@ def test_global_bound_follows_every_change_of_f_l(edit):
 def test_margin_certifier_follows_every_change_of_f_l(edit):
     model = sz.tabular_mlp(4, hidden=(6,), split_index=2)
     x = torch.randn(4, generator=_gen(9))
-    certifier = sz.MarginCertifier(model, bound="global")
+    certifier = sz.MarginCertifier(model, bound_options=sz.BoundOptions(bound="global"))
     certifier.certify(x, seed=0)
     edit(model.left)
     after = certifier.certify(x, seed=0)
-    fresh = sz.MarginCertifier(model, bound="global").certify(x, seed=0)
+    fresh = sz.MarginCertifier(model, bound_options=sz.BoundOptions(bound="global")).certify(x, seed=0)
     assert (after.prediction, after.latent_radius, after.lipschitz, after.radius) == \
            (fresh.prediction, fresh.latent_radius, fresh.lipschitz, fresh.radius)
 
@@ -432,14 +433,20 @@ def test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding():
 
 
 def test_bound_options_say_what_is_wrong():
-    from splitz_fast.radius import BoundOptions, bound_options
-
     with pytest.raises(ValueError, match="gamma_batch"):
         BoundOptions(gamma_batch=1)
     with pytest.raises(ValueError, match="gamma_search"):
         BoundOptions(gamma_search="grid")
-    with pytest.raises(TypeError, match="unknown bound option"):
-        bound_options(gamma_stpes=3)
+    with pytest.raises(TypeError, match="gamma_stpes"):
+        BoundOptions(gamma_stpes=3)
+    with pytest.raises(TypeError, match="'method'"):  # one name per setting: the CLI's --bound-method
+        BoundOptions(method="exact")
+    # The certifiers take the options as one object, and nothing else in its place.
+    model = sz.tabular_mlp(4, hidden=(8,), split_index=2)  # the whole classifier in f_L: both certifiers take it
+    for build in (functools.partial(Smoother, model, 0.5), functools.partial(sz.MarginCertifier, model)):
+        with pytest.raises(TypeError, match="bound_options must be a splitz_fast.BoundOptions or None, got dict"):
+            build(bound_options={"bound_method": "exact"})
+        assert build(bound_options=None).options == BoundOptions()
     assert BoundOptions(gamma_steps=8, gamma_batch=2).max_evaluations == 10  # L(x, 0), the ceiling, 8 midpoints
     assert BoundOptions(gamma_steps=8, gamma_batch=4).passes == 4
     assert BoundOptions(gamma_search="one-step").max_evaluations == 3
@@ -454,7 +461,7 @@ def test_batched_searches_of_a_window_equal_each_inputs_own_search(method, searc
     model = sz.build_model("lenet-splitz", split_index=1).eval()
     xs = list(torch.rand(3, 1, 28, 28, generator=_gen(5)))
     radii = [0.3, 0.8, 1.4]
-    smoother = Smoother(model, 0.5, bound_method=method, gamma_search=search, power_iters=8)
+    smoother = Smoother(model, 0.5, bound_options=BoundOptions(bound_method=method, gamma_search=search, power_iters=8))
 
     def generators():
         return [torch.Generator().manual_seed(100 + i) for i in range(len(xs))]

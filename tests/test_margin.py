@@ -23,7 +23,7 @@ def test_linear_classifier_radius_is_sound_and_tight_in_the_binary_case():
                 layer.weight[1] = -layer.weight[0]
                 layer.bias[1] = -layer.bias[0]
         model = sz.SplitModel(sz.LeftHalf([layer], [None], input_shape=(6,)), nn.Sequential(), classes)
-        certifier = sz.MarginCertifier(model, bound_method="exact")
+        certifier = sz.MarginCertifier(model, bound_options=sz.BoundOptions(bound_method="exact"))
         w, b = layer.weight.detach().double(), layer.bias.detach().double()
         for _ in range(10):
             x = torch.randn(6)
@@ -87,7 +87,7 @@ def test_the_float64_copy_follows_weight_changes():
         layer.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))
         layer.bias.zero_()
     model = sz.SplitModel(sz.LeftHalf([layer], [None], input_shape=(2,)), nn.Sequential(), 2)
-    certifier = sz.MarginCertifier(model, bound_method="exact")
+    certifier = sz.MarginCertifier(model, bound_options=sz.BoundOptions(bound_method="exact"))
     x = torch.tensor([1.0, 0.0])
     first = certifier.certify(x, seed=0)
     assert first.prediction == 0 and first.radius == pytest.approx(1.0, rel=1e-6)  # (1 − (−1)) / ‖w_0 − w_1‖ = 1

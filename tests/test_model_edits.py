@@ -16,6 +16,7 @@ import splitz_fast as sz
 from splitz_fast import lipschitz
 from splitz_fast.margin import MarginCertifier
 from splitz_fast.sequential import SequentialCertifier
+from splitz_fast.radius import BoundOptions
 from splitz_fast.smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
 
 SIGMA = 0.5
@@ -65,10 +66,11 @@ def _right_for_class(model: sz.SplitModel, cls: int) -> nn.Module:
     return right
 
 
+EXACT = BoundOptions(bound_method="exact")
 SMOOTHERS = {
-    "bisection": dict(bound_method="exact"),
-    "one-step": dict(bound_method="exact", gamma_search="one-step"),
-    "global": dict(bound="global", bound_method="exact"),
+    "bisection": EXACT,
+    "one-step": BoundOptions(bound_method="exact", gamma_search="one-step"),
+    "global": BoundOptions(bound="global", bound_method="exact"),
 }
 
 
@@ -76,11 +78,11 @@ SMOOTHERS = {
 @pytest.mark.parametrize("options", SMOOTHERS.values(), ids=SMOOTHERS.keys())
 def test_replacing_left_changes_the_bound_like_a_fresh_smoother(options):
     model, x = _image_model(), _x()
-    smoother = Smoother(model, SIGMA, **options)
+    smoother = Smoother(model, SIGMA, bound_options=options)
     before = smoother.certify(x, **COUNTS, seed=0)
     model.left = _scaled_left(model, 10.0)
     after = smoother.certify(x, **COUNTS, seed=0)
-    fresh = Smoother(model, SIGMA, **options).certify(x, **COUNTS, seed=0)
+    fresh = Smoother(model, SIGMA, bound_options=options).certify(x, **COUNTS, seed=0)
     assert _outcome(after) == _outcome(fresh)
     assert after.lipschitz > 5 * before.lipschitz  # the bound is of the new, 10x steeper f_L
 
@@ -111,11 +113,11 @@ def test_sequential_certifier_reads_the_halves_at_each_call():
 
 def test_margin_certifier_reads_the_halves_at_each_call():
     model, x = _margin_model(), _x((4,))
-    certifier = MarginCertifier(model, bound_method="exact")
+    certifier = MarginCertifier(model, bound_options=EXACT)
     before = certifier.certify(x, seed=0)
     model.left = _scaled_left(model, 10.0)
     after = certifier.certify(x, seed=0)
-    assert _outcome(after) == _outcome(MarginCertifier(model, bound_method="exact").certify(x, seed=0))
+    assert _outcome(after) == _outcome(MarginCertifier(model, bound_options=EXACT).certify(x, seed=0))
     assert after.lipschitz > 5 * before.lipschitz
     model.right = nn.Linear(3, 3)  # a fresh certifier refuses this: the bound would not cover f_R
     with pytest.raises(ValueError, match="whole classifier in f_L"):
@@ -340,7 +342,7 @@ def test_batchnorm_with_running_statistics_is_accepted():
 def test_a_float64_input_is_certified_about_itself():
     model = _image_model()
     x64 = _x().double() + 1e-9  # not representable in float32
-    smoother = Smoother(model, SIGMA, bound_method="exact")
+    smoother = Smoother(model, SIGMA, bound_options=EXACT)
     wide = smoother.certify(x64, **COUNTS, seed=0)
     rounded = smoother.certify(x64.float(), **COUNTS, seed=0)
     distance = float((x64 - x64.float().double()).norm())
@@ -356,7 +358,7 @@ def test_a_float64_input_is_certified_about_itself():
 def test_a_float64_input_to_the_margin_certifier_is_certified_about_itself():
     model = _margin_model()
     x64 = _x((4,)).double() + 1e-9
-    certifier = MarginCertifier(model, bound_method="exact")
+    certifier = MarginCertifier(model, bound_options=EXACT)
     wide, rounded = certifier.certify(x64, seed=0), certifier.certify(x64.float(), seed=0)
     assert wide.input_rounding > 0 and wide.radius < rounded.radius
 
@@ -411,9 +413,9 @@ def _edit(model: sz.SplitModel, rng: random.Random) -> str:
 
 
 CERTIFIERS = {
-    "smoother": lambda m: Smoother(m, SIGMA, bound_method="exact"),
-    "smoother-global": lambda m: Smoother(m, SIGMA, bound="global", bound_method="exact"),
-    "sequential": lambda m: SequentialCertifier(Smoother(m, SIGMA, bound_method="exact"), radii=[0.05]),
+    "smoother": lambda m: Smoother(m, SIGMA, bound_options=EXACT),
+    "smoother-global": lambda m: Smoother(m, SIGMA, bound_options=SMOOTHERS["global"]),
+    "sequential": lambda m: SequentialCertifier(Smoother(m, SIGMA, bound_options=EXACT), radii=[0.05]),
 }
 
 
@@ -423,14 +425,14 @@ def test_after_any_edits_every_certifier_gives_a_fresh_certifiers_result(seed):
     model, x = _image_model(seed=seed), _x(seed=seed)
     certifiers = {name: build(model) for name, build in CERTIFIERS.items()}
     margin_model, margin_x = _margin_model(seed), _x((4,), seed)
-    margin = MarginCertifier(margin_model, bound_method="exact")
+    margin = MarginCertifier(margin_model, bound_options=EXACT)
     for step in range(3):
         for name, certifier in certifiers.items():
             got = certifier.certify(x, 20, 300, 0.01, seed=step)
             fresh = CERTIFIERS[name](model).certify(x, 20, 300, 0.01, seed=step)
             assert _outcome(got) == _outcome(fresh), (name, step)
         got = margin.certify(margin_x, seed=step)
-        assert _outcome(got) == _outcome(MarginCertifier(margin_model, bound_method="exact").certify(margin_x,
-                                                                                                     seed=step))
+        fresh = MarginCertifier(margin_model, bound_options=EXACT).certify(margin_x, seed=step)
+        assert _outcome(got) == _outcome(fresh)
         _edit(model, rng)
         margin_model.left = _scaled_left(margin_model, rng.uniform(0.3, 4.0))

@@ -64,7 +64,8 @@ def test_paper_protocol_is_algorithm_1_with_power_iteration():
 
 def test_paper_protocol_takes_the_reference_lipschitz_for_its_first_step():
     model, x = _model(False)
-    r = sz.Smoother(model, SIGMA, protocol="paper", reference_lipschitz=1e6).certify(x, **CERTIFY, seed=0)
+    smoother = sz.Smoother(model, SIGMA, protocol="paper", bound_options=sz.BoundOptions(reference_lipschitz=1e6))
+    r = smoother.certify(x, **CERTIFY, seed=0)
     assert r.gamma_evaluations == 2  # L̃_ref given: L̃(x, γ') and L̃(x, γ*) only
 
 
@@ -108,8 +109,9 @@ def test_displacement_protocol_is_never_below_sound_and_gains_where_clipping_bin
         net[-1].bias.copy_(torch.tensor([4.0, 0.0]))
     model = sz.split_sequential(net, 1, num_classes=2, input_shape=(8,), threshold=0.05)
     x = torch.rand(8, generator=torch.Generator().manual_seed(2))
-    sound = sz.Smoother(model, SIGMA, bound_method="exact").certify(x, **CERTIFY, seed=0)
-    moved = sz.Smoother(model, SIGMA, bound_method="exact", protocol="displacement").certify(x, **CERTIFY, seed=0)
+    exact = sz.BoundOptions(bound_method="exact")
+    sound = sz.Smoother(model, SIGMA, bound_options=exact).certify(x, **CERTIFY, seed=0)
+    moved = sz.Smoother(model, SIGMA, bound_options=exact, protocol="displacement").certify(x, **CERTIFY, seed=0)
     assert sound.prediction == moved.prediction == 0
     assert moved.radius > 2 * sound.radius and moved.bound_kind == "displacement-exact"
     conv, image = _model(False)

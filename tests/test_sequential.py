@@ -364,7 +364,7 @@ from torch.utils.data import TensorDataset  # noqa: E402
 
 import splitz_fast as sz  # noqa: E402
 import splitz_fast.datasets as datasets  # noqa: E402
-from splitz_fast import ABSTAIN, ClippedReLU, LeftHalf, Smoother, SplitModel  # noqa: E402
+from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel  # noqa: E402
 from splitz_fast.analysis import load_runs  # noqa: E402
 from splitz_fast.cli import main  # noqa: E402
 from splitz_fast.datasets import DatasetInfo  # noqa: E402
@@ -449,7 +449,7 @@ def test_abstains_when_the_lower_bound_stays_at_most_one_half():
 
 def test_reproducible_for_a_seed_whatever_the_batch_size():
     model = splitz_model()
-    certifier = SequentialCertifier(Smoother(model, SIGMA, gamma_steps=3), [0.5, 1.0, 2.0])
+    certifier = SequentialCertifier(Smoother(model, SIGMA, bound_options=BoundOptions(gamma_steps=3)), [0.5, 1.0, 2.0])
     x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(3))
     first = certifier.certify(x, 100, 20_000, 0.001, batch_size=512, seed=7)
     again = certifier.certify(x, 100, 20_000, 0.001, batch_size=333, seed=7)
@@ -459,7 +459,7 @@ def test_reproducible_for_a_seed_whatever_the_batch_size():
 @pytest.mark.slow
 def test_splitz_certified_radii_are_consistent_with_the_reported_radius():
     model = splitz_model()
-    smoother = Smoother(model, SIGMA, bound_method="exact", gamma_steps=3)
+    smoother = Smoother(model, SIGMA, bound_options=BoundOptions(bound_method="exact", gamma_steps=3))
     radii = [0.5, 1.0, 2.0, 3.0, 5.0]
     certifier = SequentialCertifier(smoother, radii)
     xs = torch.rand(2, *SHAPE, generator=torch.Generator().manual_seed(4))
@@ -491,7 +491,8 @@ def test_splitz_certified_radii_are_consistent_with_the_reported_radius():
 
 
 def test_probabilistic_bounds_add_their_delta_to_alpha():
-    smoother = Smoother(splitz_model(), SIGMA, bound_method="probabilistic", bound_delta=1e-4, power_iters=16)
+    smoother = Smoother(splitz_model(), SIGMA,
+                        bound_options=BoundOptions(bound_method="probabilistic", bound_delta=1e-4, power_iters=16))
     x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(5))
     result = SequentialCertifier(smoother, [0.5, 1.0]).certify(x, 100, 5_000, 0.001, seed=0)
     assert result.prediction != ABSTAIN
@@ -500,7 +501,7 @@ def test_probabilistic_bounds_add_their_delta_to_alpha():
 
 def test_global_bound_thresholds():
     model = splitz_model()
-    smoother = Smoother(model, SIGMA, bound="global", bound_method="exact")
+    smoother = Smoother(model, SIGMA, bound_options=BoundOptions(bound="global", bound_method="exact"))
     x = torch.rand(SHAPE, generator=torch.Generator().manual_seed(6))
     result = SequentialCertifier(smoother, [0.5, 1.0]).certify(x, 100, 10_000, 0.001, seed=0)
     lip = float(smoother.radius_search.global_bound().value[0])

@@ -15,7 +15,7 @@ import torch.nn as nn
 from scipy.stats import beta, binom, binomtest, norm
 
 import splitz_fast as sz
-from splitz_fast import ABSTAIN, ClippedReLU, LeftHalf, Smoother, SplitModel
+from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel
 from splitz_fast.kernels.noise_votes import noisy_latents_native
 from splitz_fast.sampling import NOISE_BLOCK, NoiseStream
 
@@ -486,7 +486,7 @@ def _jacobian_norm(model: SplitModel, x: torch.Tensor) -> float:
 def test_splitz_local_bisection_radius():
     model, x = _splitz_model()
     sigma, n, alpha, steps = 0.25, 4000, 0.001, 10
-    r = Smoother(model, sigma, gamma_search="bisection", gamma_steps=steps).certify(
+    r = Smoother(model, sigma, bound_options=BoundOptions(gamma_search="bisection", gamma_steps=steps)).certify(
         x, n0=100, n=n, alpha=alpha, seed=1)
     assert r.prediction == 1
     assert r.bound_kind == "local-exact"
@@ -502,7 +502,8 @@ def test_splitz_local_bisection_radius():
 
     W = model.left.layers[0].weight.detach().double()
     spectral = float(torch.linalg.matrix_norm(W, ord=2))
-    L_global = float(Smoother(model, sigma, bound="global").radius_search.global_bound().value[0])
+    global_search = Smoother(model, sigma, bound_options=BoundOptions(bound="global")).radius_search
+    L_global = float(global_search.global_bound().value[0])
     assert spectral <= L_global <= spectral * (1 + 1e-6), "global bound: a tight upper bound on ‖W‖₂"
     # Local L lies between the Jacobian norm at x and the global bound.
     assert _jacobian_norm(model, x) * (1 - 1e-12) <= r.lipschitz <= L_global * (1 + 1e-9)
@@ -526,7 +527,7 @@ def test_splitz_bisection_reports_best_evaluated_gamma(steps):
     """Reference bisection on h(γ) = γ − R/L(x, γ) over [0, R/L(x, 0)]; the reported radius is the best
     min(R/L(x, γ), γ) over the γ it evaluates, and at least the final lower end of the bracket."""
     model, x = _splitz_model()
-    r = Smoother(model, 0.25, gamma_search="bisection", gamma_steps=steps).certify(
+    r = Smoother(model, 0.25, bound_options=BoundOptions(gamma_search="bisection", gamma_steps=steps)).certify(
         x, n0=100, n=4000, alpha=0.001, seed=1)
     R = r.latent_radius
     values = [_theorem1(model, x, R, 0.0)]
@@ -553,7 +554,7 @@ def test_splitz_bisection_reports_best_evaluated_gamma(steps):
 def test_splitz_one_step_reports_best_evaluated_gamma(ref):
     """Paper Remark 1: γ₁ = R / L_ref (L_ref = L(x, 0) by default), γ₂ = R / L(x, γ₁); best of the evaluated γ."""
     model, x = _splitz_model()
-    r = Smoother(model, 0.25, gamma_search="one-step", reference_lipschitz=ref).certify(
+    r = Smoother(model, 0.25, bound_options=BoundOptions(gamma_search="one-step", reference_lipschitz=ref)).certify(
         x, n0=100, n=4000, alpha=0.001, seed=1)
     R = r.latent_radius
     l0 = _local_L(model, x, 0.0)
@@ -591,8 +592,8 @@ def test_splitz_one_step_radius():
     model, x = _splitz_model()
     sigma, alpha = 0.25, 0.001
     for ref in (None, 2.0):
-        r = Smoother(model, sigma, gamma_search="one-step", reference_lipschitz=ref).certify(
-            x, n0=100, n=4000, alpha=alpha, seed=1)
+        options = BoundOptions(gamma_search="one-step", reference_lipschitz=ref)
+        r = Smoother(model, sigma, bound_options=options).certify(x, n0=100, n=4000, alpha=alpha, seed=1)
         assert r.prediction == 1
         assert r.bound_kind == "local-exact"
         assert 1 <= r.gamma_evaluations <= 3
@@ -604,7 +605,7 @@ def test_splitz_one_step_radius():
 def test_splitz_global_bound_radius():
     model, x = _splitz_model()
     sigma = 0.25
-    s = Smoother(model, sigma, bound="global")
+    s = Smoother(model, sigma, bound_options=BoundOptions(bound="global"))
     r = s.certify(x, n0=100, n=4000, alpha=0.001, seed=1)
     L_global = float(s.radius_search.global_bound().value[0])
     assert r.bound_kind == "global-exact"
@@ -724,9 +725,8 @@ def test_non_split_model_rejected():
     (dict(bound_method="power"), "bound_method"),
 ])
 def test_bad_option_names(kwargs, match):
-    model, _ = _splitz_model()
     with pytest.raises(ValueError, match=match):
-        Smoother(model, 0.25, **kwargs)
+        BoundOptions(**kwargs)
 
 
 @pytest.mark.parametrize("seed", [-1, -(2 ** 40), 1.5, "7", True])
@@ -783,8 +783,10 @@ def test_probabilistic_bounds_add_their_failure_probability_to_alpha(search):
     than ``bound_delta``; the radius stays min(R/L, γ) and L stays above the dense spectral norm."""
     model, x = _splitz_model()
     alpha, bound_delta = 0.001, 1e-4
-    exact = Smoother(model, 0.25, gamma_search=search).certify(x, n0=50, n=2000, alpha=alpha, seed=3)
-    smoother = Smoother(model, 0.25, bound_method="probabilistic", bound_delta=bound_delta, gamma_search=search)
+    exact = Smoother(model, 0.25, bound_options=BoundOptions(gamma_search=search)).certify(x, n0=50, n=2000,
+                                                                                         alpha=alpha, seed=3)
+    smoother = Smoother(model, 0.25, bound_options=BoundOptions(bound_method="probabilistic", bound_delta=bound_delta,
+                                                                gamma_search=search))
     r = smoother.certify(x, n0=50, n=2000, alpha=alpha, seed=3)
     assert r.bound_kind == "local-probabilistic" and exact.bound_kind == "local-exact"
     per_evaluation = bound_delta / smoother.options.max_evaluations
@@ -799,7 +801,7 @@ def test_probabilistic_bounds_add_their_failure_probability_to_alpha(search):
 
 def test_global_bound_is_recomputed_when_f_l_changes():
     model, x = _splitz_model()
-    smoother = Smoother(model, 0.25, bound="global")
+    smoother = Smoother(model, 0.25, bound_options=BoundOptions(bound="global"))
     before = float(smoother.radius_search.global_bound().value[0])
     with torch.no_grad():
         model.left.layers[0].weight.mul_(2.0)  # an in-place update, as an optimizer step would do

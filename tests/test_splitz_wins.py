@@ -19,8 +19,8 @@ def test_inactive_detectors_give_splitz_a_larger_radius_than_rs_at_any_sigma():
     x, y = example.box_data(d, per_class=2)
     splitz_model, rs_model = example.models(d)
     inside = x[0]
-    splitz = sz.Smoother(splitz_model, example.SIGMA_LATENT, bound_method="exact").certify(inside, 100, 2000, 0.001,
-                                                                                          seed=0)
+    splitz = sz.Smoother(splitz_model, example.SIGMA_LATENT, bound_options=sz.BoundOptions(bound_method="exact")
+                         ).certify(inside, 100, 2000, 0.001, seed=0)
     assert splitz.prediction == 0 and splitz.lipschitz == 0.0  # every detector constant on the certified ball
     reach = example.THRESHOLD_T - float(inside.abs().max())
     resolution = 10.0 / 2 ** 8  # the bisection's bracket [0, gamma_max = 10] after gamma_steps = 8 halvings
