@@ -11,12 +11,13 @@
 # GPU), RECIPE (default paper: chosen on held-out data, docs/results/mnist-recipes), RS_SIGMAS
 # ("0.25 0.5 0.75 1.0 1.5"), SPLITZ_SIGMAS ("0.25 0.5 0.75 1.0"), PROTOCOL (the SPLITZ models' certificate, default
 # sound; displacement is the other certificate — the estimates paper/published-code do not belong in an envelope),
-# RESULTS (default docs/results/mnist-envelope).
+# TRAIN_OPTIONS (more `splitz train` options for the SPLITZ models, e.g. "--flatness-weight 0.1") with LABEL (their
+# name in files, default the recipe's), RESULTS (default docs/results/mnist-envelope).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPLITZ=${SPLITZ:-.venv/bin/splitz}
 EPOCHS=${EPOCHS:-15}; SKIP=${SKIP:-50}; N=${N:-10000}; DEVICE=${DEVICE:-cpu}; BATCH=${BATCH:-100}
-RECIPE=${RECIPE:-paper}; PROTOCOL=${PROTOCOL:-sound}; STAGES=${STAGES:-"rs splitz analyze"}
+RECIPE=${RECIPE:-paper}; LABEL=${LABEL:-$RECIPE}; PROTOCOL=${PROTOCOL:-sound}; STAGES=${STAGES:-"rs splitz analyze"}
 RUNS=runs/mnist-envelope-e${EPOCHS}; OUT=${RESULTS:-docs/results/mnist-envelope}
 RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-"0.25 0.5 0.75 1.0"}
 mkdir -p "$OUT"
@@ -30,8 +31,9 @@ certify() {  # certify RUN SIGMA NAME [OPTIONS...]
 train_splitz() {  # train_splitz SIGMA
     local init=()
     if [ "$RECIPE" = warm-start ]; then init=(--init "$RUNS/rs-$1/best.pt"); fi
-    "$SPLITZ" train mnist lenet "$RUNS/splitz-$RECIPE-$1" --recipe "$RECIPE" "${init[@]}" --sigma "$1" \
-        --epochs "$EPOCHS" --batch 256 --lr-schedule none --device "$DEVICE" --resume
+    # shellcheck disable=SC2086  # TRAIN_OPTIONS is a list of words
+    "$SPLITZ" train mnist lenet "$RUNS/splitz-$LABEL-$1" --recipe "$RECIPE" "${init[@]}" --sigma "$1" \
+        --epochs "$EPOCHS" --batch 256 --lr-schedule none --device "$DEVICE" --resume ${TRAIN_OPTIONS:-}
 }
 
 for stage in $STAGES; do
@@ -47,14 +49,14 @@ for stage in $STAGES; do
     splitz)
         for sigma in $SPLITZ_SIGMAS; do
             train_splitz "$sigma"
-            certify "$RUNS/splitz-$RECIPE-$sigma" "$sigma" "splitz-$RECIPE-$sigma" --protocol "$PROTOCOL"
+            certify "$RUNS/splitz-$LABEL-$sigma" "$sigma" "splitz-$LABEL-$sigma" --protocol "$PROTOCOL"
         done ;;
     analyze)
-        "$SPLITZ" envelope --group RS "$OUT"/rs-*.tsv --group "SPLITZ ($RECIPE)" "$OUT"/splitz-"$RECIPE"-*.tsv \
+        "$SPLITZ" envelope --group RS "$OUT"/rs-*.tsv --group "SPLITZ ($LABEL)" "$OUT"/splitz-"$LABEL"-*.tsv \
             --radii 0 0.5 1.0 1.5 2.0 2.5 --references mnist --out "$OUT"
         for sigma in $SPLITZ_SIGMAS; do
-            "$SPLITZ" diagnose "$RUNS/splitz-$RECIPE-$sigma/best.pt" "$OUT/splitz-$RECIPE-$sigma.tsv" \
-                --out "$OUT/diagnostics-$RECIPE-$sigma"
+            "$SPLITZ" diagnose "$RUNS/splitz-$LABEL-$sigma/best.pt" "$OUT/splitz-$LABEL-$sigma.tsv" \
+                --out "$OUT/diagnostics-$LABEL-$sigma"
         done ;;
     *) echo "unknown stage $stage (rs, splitz-train, splitz, analyze)" >&2; exit 2 ;;
     esac
