@@ -64,6 +64,11 @@ class RunTask(abc.ABC):
     def row(self, idx: int, label: int, result: Any) -> str:
         """The TSV line of one result (no newline)."""
 
+    def earlier_settings(self, previous: dict[str, Any]) -> dict[str, Any]:
+        """A sidecar found on resume, read as this version of the task records it (a task whose recorded settings
+        changed names or placeholders maps them here, so its earlier runs stay resumable); unchanged by default."""
+        return previous
+
 
 def _inputs(pairs: Iterable[tuple[torch.Tensor, int]]) -> Iterator[torch.Tensor]:
     return (x for x, _ in pairs)
@@ -125,6 +130,18 @@ class MarginRun(RunTask):
 
     def settings(self) -> dict[str, Any]:
         return {"kind": self.kind}
+
+    #: How margin runs were recorded before the run tasks (up to a9ddd72): as CERTIFY runs with placeholder sampling
+    #: settings. Their rows are those of today's margin runs.
+    _EARLIER_PLACEHOLDERS = {"kind": "certify", "n0": 1, "n": 1, "alpha": 0.5, "sigma": None}
+
+    def earlier_settings(self, previous):
+        missing = object()
+        if previous.get("certifier") == "margin" and all(
+                previous.get(key, missing) == value for key, value in self._EARLIER_PLACEHOLDERS.items()):
+            kept = {key: value for key, value in previous.items() if key not in self._EARLIER_PLACEHOLDERS}
+            return {**kept, "kind": self.kind}
+        return previous
 
     def results(self, pairs, seeds):
         return self.certifier.certify_many(_inputs(pairs), seeds=seeds)
@@ -206,8 +223,10 @@ def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded
             f"({', '.join(only)}); use a new OUTFILE")
 
 
-def _prepare_output(out_path: Path, header: str, settings: dict[str, Any], resume: bool) -> set[int]:
-    """Create the TSV and sidecar, or validate them for a resume; returns the indices already written."""
+def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], resume: bool) -> set[int]:
+    """Create the TSV and sidecar, or validate them for a resume (the sidecar read through
+    :meth:`RunTask.earlier_settings`); returns the indices already written."""
+    header = task.header
     sidecar = _sidecar(out_path)
     if out_path.exists() and not resume:
         raise FileExistsError(f"{out_path} exists; pass --resume to continue it, or choose another OUTFILE")
@@ -218,7 +237,7 @@ def _prepare_output(out_path: Path, header: str, settings: dict[str, Any], resum
         return set()
     if not sidecar.exists():
         raise ValueError(f"cannot resume {out_path}: its settings file {sidecar} is missing")
-    previous = json.loads(sidecar.read_text())
+    previous = task.earlier_settings(json.loads(sidecar.read_text()))
     if previous != settings:
         raise ValueError(f"cannot resume {out_path}: {_settings_difference(previous, settings, sidecar.name)}")
     complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
@@ -421,7 +440,7 @@ def run_over_dataset(
     if shard is not None:
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
-    done = _prepare_output(out_path, task.header, settings, resume)
+    done = _prepare_output(out_path, task, settings, resume)
     todo = [i for i in indices if i not in done]
     if stop_after is not None:
         todo = todo[:stop_after]

@@ -5,6 +5,7 @@ tests/data/run_rows/; `SPLITZ_REGENERATE_RUN_ROWS=1` rewrites the expected rows 
 what a row contains, never to make this test pass)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -42,3 +43,22 @@ def test_each_run_kind_writes_its_pinned_rows(kind, tmp_path, tiny):
     if os.environ.get("SPLITZ_REGENERATE_RUN_ROWS") == "1":
         expected.write_text(out.read_text())
     assert _without_time(out.read_text()) == _without_time(expected.read_text())
+
+
+def test_a_margin_run_recorded_before_the_run_tasks_resumes_to_the_pinned_rows(tmp_path, tiny):
+    """Margin runs were recorded as CERTIFY runs with placeholder sampling settings (kind "certify", n0 = n = 1,
+    α = 0.5, no σ) before the run tasks; such a run, stopped after two rows, must resume to the same rows — and one
+    recorded with other margin settings must still be refused."""
+    out = tmp_path / "margin.tsv"
+    args = [arg.replace("{out}", str(out)) for arg in RUNS["certify-margin"]]
+    assert main(args) == 0
+    sidecar = out.with_name(out.name + ".json")
+    settings = json.loads(sidecar.read_text())
+    assert settings["kind"] == "certify-margin" and "n0" not in settings
+    earlier = {**settings, "kind": "certify", "n0": 1, "n": 1, "alpha": 0.5, "sigma": None}
+    out.write_text("\n".join(out.read_text().splitlines()[:3]) + "\n")  # the header and two rows
+    sidecar.write_text(json.dumps(earlier))
+    assert main([*args, "--resume"]) == 0
+    assert _without_time(out.read_text()) == _without_time((DATA / "certify-margin.tsv").read_text())
+    sidecar.write_text(json.dumps({**earlier, "gamma_search": "one-step"}))
+    assert main([*args, "--resume"]) == 2
