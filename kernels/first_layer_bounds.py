@@ -143,6 +143,10 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    # Module globals, not locals: Triton (compiled and interpreted) looks a kernel's callees up in its globals.
+    global pixel_of, tap_of
+    from ._conv_indexing import pixel_of, tap_of
+
     @triton.jit
     def first_layer_bounds_kernel(
         X, W, BIAS, MEAN, STD, GAMMA, THETA,
@@ -157,19 +161,14 @@ def _kernel():
         m_in = m < rows
         n_in = n < C_OUT
         spatial = H_OUT * W_OUT
-        b = m // spatial
-        p = m - b * spatial
-        oy = p // W_OUT
-        ox = p - oy * W_OUT
+        b, p, oy, ox = pixel_of(m, H_OUT, W_OUT)
         dtype = X.dtype.element_ty
         z = tl.zeros([BLOCK_M, BLOCK_N], dtype)
         magnitude = tl.zeros([BLOCK_M, BLOCK_N], dtype)
         r2 = tl.zeros([BLOCK_M, BLOCK_N], dtype)
         taps = KH * KW
         for k in range(0, C_IN * taps):   # one tap of the receptive field per step: x read once per output tile
-            ci = k // taps
-            ky = (k - ci * taps) // KW
-            kx = k - ci * taps - ky * KW
+            ci, ky, kx = tap_of(k, KH, KW)
             iy = oy * SH - PH + ky * DH
             ix = ox * SW - PW + kx * DW
             valid = m_in & (iy >= 0) & (iy < H) & (ix >= 0) & (ix < WIDTH)

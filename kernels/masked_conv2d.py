@@ -121,6 +121,10 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # Module globals, not locals: Triton (compiled and interpreted) looks a kernel's callees up in its globals.
+    global pixel_of, tap_of
+    from ._conv_indexing import pixel_of, tap_of
+
     @triton.jit
     def _forward(
         V, W, FAC, MOUT, OUT,
@@ -133,16 +137,11 @@ def _kernels():
         m_in = m < rows
         n_in = n < C_OUT
         spatial = H_OUT * W_OUT
-        b = m // spatial
-        p = m - b * spatial
-        oy = p // W_OUT
-        ox = p - oy * W_OUT
+        b, p, oy, ox = pixel_of(m, H_OUT, W_OUT)
         acc = tl.zeros([BLOCK_M, BLOCK_N], OUT.dtype.element_ty)
         taps = KH * KW
         for k in range(0, C_IN * taps):
-            ci = k // taps
-            ky = (k - ci * taps) // KW
-            kx = k - ci * taps - ky * KW
+            ci, ky, kx = tap_of(k, KH, KW)
             iy = oy * SH - PH + ky * DH
             ix = ox * SW - PW + kx * DW
             valid = m_in & (iy >= 0) & (iy < H) & (ix >= 0) & (ix < WID)
@@ -170,16 +169,11 @@ def _kernels():
         m_in = m < rows
         n_in = n < C_IN
         spatial = H * WID
-        b = m // spatial
-        p = m - b * spatial
-        iy = p // WID
-        ix = p - iy * WID
+        b, p, iy, ix = pixel_of(m, H, WID)
         acc = tl.zeros([BLOCK_M, BLOCK_N], OUT.dtype.element_ty)
         taps = KH * KW
         for k in range(0, C_OUT * taps):
-            co = k // taps
-            ky = (k - co * taps) // KW
-            kx = k - co * taps - ky * KW
+            co, ky, kx = tap_of(k, KH, KW)
             ty = iy + PH - ky * DH   # = oy·SH for the output pixel this tap comes from, if the phase matches
             tx = ix + PW - kx * DW
             oy = ty // SH

@@ -524,11 +524,24 @@ for dt, use_dot, blocks in (("fp32", True, (64, 64, 32)), ("fp64", False, (16, 3
                        or n.startswith("stride") else "*" + dt)
     build(mm, types, dict(HAS_PRE=True, HAS_PRE_S=True, HAS_POST=True, HAS_POST_S=True, **flags), num_warps=4)
     build(outer, types, dict(HAS_PM=True, HAS_QM=True, HAS_QS=True, **flags), num_warps=4)
+# The implicit-GEMM kernels, which call the shared index helpers of kernels/_conv_indexing.py.
+from splitz_fast.kernels.first_layer_bounds import _kernel as first_layer_kernel
+from splitz_fast.kernels.masked_conv2d import _kernels as conv_kernels
+for dt in ("fp32", "fp64"):
+    pointers = {"V": dt, "U": dt, "W": dt, "OUT": dt, "FAC": "u8", "MOUT": "u8"}
+    types = lambda n: "*" + pointers[n] if n in pointers else "i32"
+    for fn in conv_kernels():
+        build(fn, types, dict(HAS_FAC=True, HAS_MOUT=True, BLOCK_M=64, BLOCK_N=32))
+    pointers = dict.fromkeys(("X", "W", "BIAS", "MEAN", "STD", "GAMMA", "THETA", "LO", "UP", "CEN", "RAD", "LAT"), dt)
+    pointers["MASK"] = "u8"
+    types = lambda n: "*" + pointers[n] if n in pointers else "fp32" if n == "rel_rounding" else "i32"
+    build(first_layer_kernel(), types, dict(HAS_BIAS=True, STANDARDIZE=True, HAS_MARGIN=True, THETA_MODE=1,
+                                            NEED_NEXT=True, NEED_LATENT=True, BLOCK_M=32, BLOCK_N=16))
 print("compiled")
 """
 
 
-@pytest.mark.slow  # ~13 s on 2 CPU cores
+@pytest.mark.slow  # ~20 s on 2 CPU cores
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernels_compile_for_sm90_without_fma_in_the_float64_interval_step(tmp_path):
     try:
