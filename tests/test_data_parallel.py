@@ -148,13 +148,15 @@ def test_two_ranks_take_the_single_process_step_on_the_same_global_batch(case, t
 
 # ------------------------------------------------------------------------------------------------ teardown
 GLOO_TEARDOWN_SCRIPT = """
-import os, torch.distributed as dist
+import json, os, sys, torch.distributed as dist
 from splitz_fast.distributed import TorchrunEnv, process_group
-with process_group(TorchrunEnv.from_environ(), "cpu"):
+env = TorchrunEnv.from_environ()
+with process_group(env, "cpu"):
     dist.barrier()
     import torch._dynamo  # what the optimizer's first step imports, inside the group
 threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("threads after the group:", threads, flush=True)
+with open(os.path.join(sys.argv[1], f"threads-{env.rank}.json"), "w") as fh:
+    json.dump(threads, fh)
 """
 
 
@@ -167,11 +169,11 @@ def test_process_group_leaves_no_gloo_thread_behind(tmp_path):
     during interpreter shutdown aborted a successful run: SIGABRT, 'terminate called without an active exception'.)"""
     script = tmp_path / "teardown.py"
     script.write_text(GLOO_TEARDOWN_SCRIPT)
-    code, log = finish_torchrun(start_torchrun([], program=(str(script),)), 120)
+    code, log = finish_torchrun(start_torchrun([str(tmp_path)], program=(str(script),)), 120)
     assert code == 0, log[-3000:]
-    lines = [line for line in log.splitlines() if line.startswith("threads after the group:")]
-    assert len(lines) == 2, log[-3000:]
-    assert all("gloo" not in line for line in lines), lines
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"threads-{rank}.json").read_text())
+        assert threads and not any("gloo" in name for name in threads), (rank, threads)
 
 
 # ------------------------------------------------------------------------------------------------ torchrun train
