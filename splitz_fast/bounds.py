@@ -72,16 +72,23 @@ def first_layer_row_norms(layer: nn.Module, scale: torch.Tensor | None, x: torch
     return linear_part(layer, s2, weight=w2).clamp_min(0).sqrt()
 
 
+def squared_row_norms(layer: nn.Module, scale: torch.Tensor | None, input_shape: tuple[int, ...]) -> torch.Tensor:
+    """``Σ_j W_ij² d_j²`` for every neuron ``i`` of a first layer, ``[1, *out_shape]``: ``‖w_i D‖₂²`` with ``D`` the
+    input scale ``1/sd`` (``None``: 1) on ``input_shape`` and the taps outside the image left out (the convolution's
+    zero padding); one convolution with ``W²`` in the weight's dtype, differentiable in the weights. For training
+    objectives and measurements (certificates use :func:`first_layer_row_norms`, in float64 on detached weights)."""
+    d2 = (torch.ones((1, *input_shape), dtype=layer.weight.dtype, device=layer.weight.device) if scale is None
+          else scale.to(layer.weight.dtype).square())
+    return linear_part(layer, d2, weight=layer.weight.square())
+
+
 def masked_frobenius_sq(layer: nn.Module, masks: torch.Tensor, scale: torch.Tensor | None,
                         input_shape: tuple[int, ...]) -> torch.Tensor:
-    """``‖M W D‖_F² = Σ_i m_i Σ_j W_ij² d_j²`` per input, ``[B]``: the squared Frobenius norm — the sum of the squared
-    singular values — of a first layer's masked operator (``M`` the ``[B, *out_shape]`` varying mask, ``D`` the input
-    scale ``1/sd`` on ``input_shape``, taps outside the image left out), from one convolution with ``W²`` in the
-    weight's dtype; differentiable in the weights. For measurements and training objectives; no certificate reads it."""
-    dtype = layer.weight.dtype
-    d2 = (torch.ones((1, *input_shape), dtype=dtype, device=masks.device) if scale is None
-          else scale.to(dtype).square())
-    return (linear_part(layer, d2, weight=layer.weight.square()) * masks.to(dtype)).flatten(1).sum(1)
+    """``‖M W D‖_F² = Σ_i m_i ‖w_i D‖₂²`` per input, ``[B]``: the squared Frobenius norm — the sum of the squared
+    singular values — of a first layer's masked operator (``M`` the ``[B, *out_shape]`` varying mask; see
+    :func:`squared_row_norms`). For measurements and training objectives; no certificate reads it."""
+    rows = squared_row_norms(layer, scale, input_shape)
+    return (rows * masks.to(rows.dtype)).flatten(1).sum(1)
 
 
 @dataclass

@@ -114,7 +114,7 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
                           np.logical_or.reduce([p.ever_awake for p in parts]))
     flatness = None
     if frobenius2:
-        n = int(np.prod(dataset[int(idx[0])][0].shape))
+        n = x[0].numel()  # the input dimension
         flatness = np.concatenate(frobenius2) / (n * np.square(lipschitz))
     return CertificateDiagnostics(idx=idx, lipschitz=lipschitz, gamma=gamma,
                                   p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],

@@ -55,7 +55,8 @@ from ._checks import check_count, check_nonnegative, check_positive, check_tenso
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .models import build_model
 from .modules import AFFINE_TYPES, SplitModel
-from .bounds import BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part, masked_frobenius_sq
+from .bounds import (BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part,
+                     masked_frobenius_sq, squared_row_norms)
 # Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
 from .distributed import SINGLE_PROCESS, BatchRows, DataParallelGroup  # also importable from here
 from .checkpoints import (CHECKPOINT_DIGEST_COVERS, CHECKPOINT_FORMAT, checkpoint_digest, load_checkpoint_file,
@@ -393,9 +394,8 @@ def ball_intervals(left, x: torch.Tensor, gamma: float | torch.Tensor) -> list[t
         if k == 0:
             z = layer(left.layer_input(layer, h))
             scale = input_scale(left, x.detach())
-            s2 = torch.ones_like(x[:1]) if scale is None else scale.square()
             # ‖w_i D‖₂ with gradient to the weights; sqrt's gradient at 0 is kept finite (a row of zeros only).
-            r = linear_part(layer, s2, weight=layer.weight.square()).clamp_min(1e-30).sqrt()
+            r = squared_row_norms(layer, scale, tuple(x.shape[1:])).to(x.dtype).clamp_min(1e-30).sqrt()
             r = g.view(-1, *([1] * (z.ndim - 1))) * r
         else:
             z = layer(left.layer_input(layer, center))

@@ -237,7 +237,7 @@ def test_checkpoints_without_the_new_fields_resume_as_before(tmp_path):
     config = TrainConfig(sigma=0.5, epochs=2, batch_size=16, val_fraction=0.25, lr_schedule="none")
     train(_toy_model(), _toy_data(), config, tmp_path, model_spec={"name": "mlp"}, stop_after_epochs=1)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
-    for key in ("gamma_ramp_fraction", "stability_weight", "stability_scale"):
+    for key in ("gamma_ramp_fraction", "stability_weight", "stability_scale", "flatness_weight"):
         del ckpt["config"][key]  # as written before these fields existed
     torch.save(ckpt, tmp_path / "last.pt")
     result = train(_toy_model(), _toy_data(), config, tmp_path, model_spec={"name": "mlp"}, resume=True)
