@@ -39,7 +39,7 @@ from typing import Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from ._checks import check_output_folder
-from .protocols import is_estimate_kind
+from .protocols import certificate_status
 from .results import COHEN_COLUMNS, SPLITZ_COLUMNS
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -67,8 +67,12 @@ class CertificationTable:
         extra: columns after Cohen's six, by name, in file order: ``float64`` when every value parses as a
             number, otherwise the raw strings (``object`` array), e.g. SPLITZ's ``bound`` column.
         path: the file this was read from, if any.
+        recorded_certificate: ``False`` when the run's sidecar (``OUTFILE.json``) records ``certificate: false`` (an
+            estimate protocol's run), else ``None``.
 
     ``table["name"]`` returns any column (Cohen's six or an extra one); ``len(table)`` is the number of rows.
+    Rows that mix certificates with estimates (their ``bound`` column), or estimate-run sidecars beside certificate
+    rows, are refused (``ValueError``): such a table would count estimates as certified.
     """
 
     idx: np.ndarray
@@ -79,6 +83,15 @@ class CertificationTable:
     time: np.ndarray
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     path: str | None = None
+    recorded_certificate: bool | None = None
+
+    def __post_init__(self) -> None:
+        where = self.path or "the certification table"
+        rows = certificate_status(self.extra.get("bound", ()), where)
+        if rows is True and self.recorded_certificate is False:
+            raise ValueError(f"{where}: its sidecar records an estimate run (certificate: false) but its rows are "
+                             "certificates; the file and its sidecar belong to different runs")
+        object.__setattr__(self, "_rows_certificate", rows)
 
     def __len__(self) -> int:
         return int(self.idx.shape[0])
@@ -102,9 +115,10 @@ class CertificationTable:
 
     @property
     def is_estimate(self) -> bool:
-        """True when a row's ``bound`` names an estimate protocol (``splitz certify --protocol paper`` or
-        ``published-code``): its radii are not certificates (:mod:`splitz_fast.protocols`)."""
-        return "bound" in self.extra and any(is_estimate_kind(str(kind)) for kind in self.extra["bound"])
+        """True for an estimate protocol's run (``splitz certify --protocol paper`` or ``published-code``: its rows'
+        ``bound`` or its sidecar say so): its radii are not certificates (:mod:`splitz_fast.protocols`), never counted
+        as certified nor shown as a best value."""
+        return self._rows_certificate is False or self.recorded_certificate is False
 
 
 def _parse_seconds(text: str) -> float:
@@ -198,6 +212,7 @@ def read_certification(path: PathLike) -> CertificationTable:
         for name in extra:
             extra[name].append(row[name])
 
+    settings = _sidecar_settings(path)
     return CertificationTable(
         idx=np.array(ints["idx"], dtype=np.int64),
         label=np.array(ints["label"], dtype=np.int64),
@@ -207,7 +222,18 @@ def read_certification(path: PathLike) -> CertificationTable:
         time=np.array(seconds, dtype=np.float64),
         extra={name: _extra_column(values) for name, values in extra.items()},
         path=path,
+        recorded_certificate=False if settings.get("certificate", True) is False else None,
     )
+
+
+def _sidecar_settings(path: str | None) -> dict:
+    """The settings ``splitz certify`` recorded beside ``path`` (``OUTFILE.json``); empty when there are none (Cohen's
+    files, tables built in memory) or they do not parse (they only label the run: the rows are what is read)."""
+    try:
+        settings = json.loads(Path(f"{path}.json").read_text(encoding="utf-8")) if path else None
+    except (OSError, ValueError):
+        settings = None
+    return settings if isinstance(settings, dict) else {}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -295,8 +321,9 @@ def _cells(named_tables: Mapping[str, CertificationTable], radii: Sequence[float
            ) -> tuple[list[str], list[list[str]], list[list[bool]]]:
     """Run names, formatted cells (accuracy % to 0.1 then ACR to 0.001) and which cells are a column's best.
 
-    Best is decided on the displayed (rounded) values, so ties all show in bold; with a single run nothing is
-    bold (there is nothing to compare).
+    Best is decided on the displayed (rounded) values among the certificate runs, so ties all show in bold; an
+    estimate run is never bold (its values are not certified); with fewer than two certificate runs nothing is bold
+    (there is nothing to compare).
     """
     items = _check_named(named_tables)
     names = [name for name, _ in items]
@@ -305,11 +332,12 @@ def _cells(named_tables: Mapping[str, CertificationTable], radii: Sequence[float
         accuracy = np.atleast_1d(certified_accuracy(table, np.asarray(radii, dtype=np.float64)))
         cells.append([f"{100 * a:.1f}" for a in accuracy] + [f"{acr(table):.3f}"])
     bold = [[False] * (len(radii) + 1) for _ in items]
-    if len(items) > 1:
+    ranked = [i for i, (_, table) in enumerate(items) if not table.is_estimate]
+    if len(ranked) > 1:
         for column in range(len(radii) + 1):
-            best = max(float(row[column]) for row in cells)
-            for row_cells, row_bold in zip(cells, bold):
-                row_bold[column] = float(row_cells[column]) == best
+            best = max(float(cells[i][column]) for i in ranked)
+            for i in ranked:
+                bold[i][column] = float(cells[i][column]) == best
     return names, cells, bold
 
 
@@ -320,7 +348,8 @@ def _markdown_escape(text: str) -> str:
 def markdown_table(named_tables: Mapping[str, CertificationTable], radii: Iterable[float]) -> str:
     """Markdown table: one line per run, certified accuracy (%) at each radius (input units), then ACR.
 
-    The best value of each column is bold (``**60.0**``); ties are all bold; a single run has no bold.
+    The best value of each column among the certificate runs is bold (``**60.0**``); ties are all bold; estimate runs
+    (``--protocol paper|published-code``) are never bold; a single run has no bold.
     """
     radii = [float(r) for r in radii]
     names, cells, bold = _cells(named_tables, radii)
@@ -411,11 +440,8 @@ def run_protocol(table: CertificationTable) -> str:
     certificates say that they draw no samples; without a sidecar (Cohen's files, tables built in memory) n and α are
     "not recorded"."""
     inputs = f"{len(table)} input{'s' * (len(table) != 1)}"
-    try:
-        settings = json.loads(Path(f"{table.path}.json").read_text(encoding="utf-8")) if table.path else None
-    except (OSError, ValueError):
-        settings = None
-    if not isinstance(settings, dict) or not {"n", "alpha"} <= set(settings):
+    settings = _sidecar_settings(table.path)
+    if not {"n", "alpha"} <= set(settings):
         return f"n, α not recorded, {inputs}"
     if settings.get("certifier") == "margin":
         return f"margin certificates (no sampling), {inputs}"

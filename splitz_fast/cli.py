@@ -326,10 +326,6 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, S
         settings["precision"] = smoother.precision
     if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
         settings["gamma_batch"] = smoother.options.gamma_batch
-    if smoother.protocol.name != "sound":  # recorded only when set, so sound files written before still resume
-        settings["protocol"] = smoother.protocol.name
-        if not smoother.protocol.certificate:
-            settings["certificate"] = False
     return run, smoother, settings
 
 

@@ -11,6 +11,10 @@ confidence bound from the certification TSV. For a one-layer ``f_L`` it also rep
 assumes — latent noise σ acts as noise ``σ / s_j`` along the j-th singular direction while the radius divides by
 ``L``, so a low flatness is noise the certificate pays for without the signal to match. ``splitz diagnose`` is its
 command line.
+
+A run of an estimate protocol (``--protocol paper|published-code``) is diagnosed too, labelled as such everywhere: its
+rows are inputs with a positive *estimated* radius, not certified inputs, and its ``L`` is an estimate, not an upper
+bound; the spectral flatness is left out there (measured against an estimate it is no longer bounded by 1).
 """
 from __future__ import annotations
 
@@ -75,7 +79,8 @@ def _states(left: LeftHalf, bounds: BallBounds) -> NeuronStates:
 class CertificateDiagnostics:
     """One row per certified input (correct, radius > 0): its ``idx``, ``L(x, γ*)``, ``γ*``, ``p_A``'s lower bound,
     the neuron states at ``γ*`` and, for a one-layer ``f_L``, the spectral flatness ``‖A‖_F² / (n L(x, γ*)²)`` of the
-    masked operator on ``B(x, γ*)`` (``None`` for deeper ``f_L``)."""
+    masked operator on ``B(x, γ*)`` (``None`` for deeper ``f_L``). ``estimate``: the rows come from an estimate
+    protocol's run — inputs with a positive estimated radius, ``lipschitz`` an estimate, no flatness."""
 
     idx: np.ndarray
     lipschitz: np.ndarray
@@ -83,6 +88,7 @@ class CertificateDiagnostics:
     p_a_lower: np.ndarray
     states: NeuronStates
     flatness: np.ndarray | None = None
+    estimate: bool = False
 
 
 def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, batch: int = 64) -> CertificateDiagnostics:
@@ -113,12 +119,12 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
                                                                                         "varying")),
                           np.logical_or.reduce([p.ever_awake for p in parts]))
     flatness = None
-    if frobenius2:
+    if frobenius2 and not table.is_estimate:
         n = x[0].numel()  # the input dimension
         flatness = np.concatenate(frobenius2) / (n * np.square(lipschitz))
     return CertificateDiagnostics(idx=idx, lipschitz=lipschitz, gamma=gamma,
                                   p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],
-                                  states=states, flatness=flatness)
+                                  states=states, flatness=flatness, estimate=table.is_estimate)
 
 
 _QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -130,7 +136,8 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
     if out_dir is not None:
         check_output_folder("output folder", out_dir)
     constant = diag.states.inactive + diag.states.saturated
-    columns = {"L(x, γ*)": diag.lipschitz, "γ*": diag.gamma, "p_A lower bound": diag.p_a_lower,
+    words = _Words.of(diag)
+    columns = {words.lipschitz: diag.lipschitz, "γ*": diag.gamma, "p_A lower bound": diag.p_a_lower,
                "constant neurons (%)": 100 * constant, "inactive (%)": 100 * diag.states.inactive,
                "saturated at θ (%)": 100 * diag.states.saturated}
     if diag.flatness is not None:
@@ -138,9 +145,10 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
     head = "| quantity | " + " | ".join("min" if q == 0 else "max" if q == 1 else f"q{int(100 * q)}"
                                         for q in _QUANTILES) + " | mean |"
     dead = 100 * (1 - diag.states.ever_awake.mean())
-    lines = [f"{title}: {diag.idx.size} certified inputs (correct, radius > 0). {dead:.1f} % of f_L's neurons are "
-             "inactive on the ball of every one of them (dead: constant, but carrying no signal to f_R; the constant "
-             "neurons that buy radius are the others).", "", head, "|---" + "|---:" * (len(_QUANTILES) + 1) + "|"]
+    lines = [f"{title}: {diag.idx.size} {words.inputs} (correct, radius > 0).{words.warning} {dead:.1f} % of f_L's "
+             "neurons are inactive on the ball of every one of them (dead: constant, but carrying no signal to f_R; "
+             "the constant neurons that buy radius are the others).", "",
+             head, "|---" + "|---:" * (len(_QUANTILES) + 1) + "|"]
     for name, values in columns.items():
         cells = [f"{v:.4g}" for v in np.quantile(values, _QUANTILES)] + [f"{values.mean():.4g}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -150,18 +158,37 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
         out.mkdir(parents=True, exist_ok=True)
         (out / "diagnostics.md").write_text(text, encoding="utf-8")
         flat = diag.flatness is not None
-        rows = ["idx\tL\tgamma\tpA_lower\tinactive\tsaturated\tvarying" + ("\tflatness" if flat else "")]
+        rows = [f"idx\t{words.lipschitz_column}\tgamma\tpA_lower\tinactive\tsaturated\tvarying"
+                + ("\tflatness" if flat else "")]
         rows += [f"{i}\t{l:.6g}\t{g:.6g}\t{p:.6g}\t{a:.6g}\t{s:.6g}\t{v:.6g}" + (f"\t{f:.6g}" if flat else "")
                  for i, l, g, p, a, s, v, f in zip(
                      diag.idx, diag.lipschitz, diag.gamma, diag.p_a_lower, diag.states.inactive,
                      diag.states.saturated, diag.states.varying,
                      diag.flatness if flat else np.zeros_like(diag.lipschitz))]
         (out / "diagnostics.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
-        _plot(diag, constant, title, out / "diagnostics")
+        _plot(diag, constant, title, words, out / "diagnostics")
     return text
 
 
-def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, stem: Path) -> None:
+@dataclass(frozen=True)
+class _Words:
+    """How the report names its rows and ``L``: certified inputs and a proven bound, or an estimate run's."""
+
+    inputs: str
+    lipschitz: str
+    lipschitz_column: str
+    warning: str
+
+    @classmethod
+    def of(cls, diag: CertificateDiagnostics) -> "_Words":
+        if not diag.estimate:
+            return cls("certified inputs", "L(x, γ*)", "L", "")
+        return cls("inputs with a positive estimated radius", "estimated L(x, γ*) (not an upper bound)",
+                   "L_estimate", " ESTIMATES, NOT CERTIFICATES: the run's protocol estimates L, so none of these "
+                   "radii is certified and no spectral flatness is reported.")
+
+
+def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, words: _Words, stem: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -169,11 +196,11 @@ def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, stem: 
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
     left.hist(diag.lipschitz, bins=30)
-    left.set_xlabel("L(x, γ*)")
-    left.set_ylabel("certified inputs")
+    left.set_xlabel(words.lipschitz)
+    left.set_ylabel(words.inputs)
     right.hist(100 * constant, bins=30)
     right.set_xlabel("neurons of f_L constant on B(x, γ*) (%)")
-    fig.suptitle(title)
+    fig.suptitle(f"{title} (estimates, not certificates)" if diag.estimate else title)
     fig.savefig(stem.with_name(stem.name + ".png"), dpi=150)
     fig.savefig(stem.with_name(stem.name + ".pdf"), metadata={"CreationDate": None})
 

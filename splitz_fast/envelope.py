@@ -59,8 +59,7 @@ def _sigma_of(path: Path) -> float:
 
 def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationTable]:
     """``{σ: table}`` of certification TSVs, σ from each sidecar; two files of the same σ are an error, and so is a
-    group that mixes certificates with estimates (``--protocol paper|published-code``): an envelope of both would
-    pass estimates off as certified."""
+    group that mixes certificates with estimates (:func:`envelope_report` refuses such groups too)."""
     runs: dict[float, CertificationTable] = {}
     for path in map(Path, paths):
         sigma = _sigma_of(path)
@@ -69,12 +68,18 @@ def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationT
         runs[sigma] = read_certification(path)
     if not runs:
         raise ValueError("a group needs at least one certification file")
-    kinds = {table.is_estimate for table in runs.values()}
-    if len(kinds) > 1:
-        estimates = [table.path for table in runs.values() if table.is_estimate]
-        raise ValueError(f"a group mixes sound certificates with estimates ({', '.join(estimates)} are "
-                         f"{NOT_A_CERTIFICATE}s); give estimates a group of their own")
+    _check_group("the group", runs)
     return dict(sorted(runs.items()))
+
+
+def _check_group(name: str, runs: SigmaRuns) -> None:
+    """Refuse a group that mixes certificates with estimates (``--protocol paper|published-code``): its envelope would
+    pass estimates off as certified wherever an estimate run reaches the maximum."""
+    estimates = [f"σ={sigma:g}" + (f" ({table.path})" if table.path else "") for sigma, table in runs.items()
+                 if table.is_estimate]
+    if estimates and len(estimates) < len(runs):
+        raise ValueError(f"{name} mixes certificates with estimates ({', '.join(estimates)}: {NOT_A_CERTIFICATE}); "
+                         "give the estimates a group of their own")
 
 
 def _group_label(name: str, runs: SigmaRuns) -> str:
@@ -88,6 +93,7 @@ def envelope(runs: SigmaRuns, radii: Sequence[float]) -> tuple[np.ndarray, list[
     sigmas = sorted(runs)
     if not sigmas:
         raise ValueError("no runs for an envelope")
+    _check_group("the runs", runs)
     table = np.stack([np.atleast_1d(certified_accuracy(runs[s], radii)) for s in sigmas])  # [σ, radius]
     best = table.argmax(axis=0)  # first maximum: the smallest σ
     return table.max(axis=0), [sigmas[i] for i in best]
@@ -163,6 +169,10 @@ def envelope_report(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
         check_output_folder("output folder", out_dir)
     if not groups:
         raise ValueError("no groups of runs to compare")
+    for name, runs in groups.items():
+        if not runs:
+            raise ValueError(f"group {name} has no runs")
+        _check_group(f"group {name}", runs)
     radii = [float(r) for r in radii]
     parts = ["Best-σ envelope: certified accuracy (%) at each ε, the σ reaching it in parentheses.", "",
              *_envelope_rows(groups, radii, references), ""]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -202,10 +203,38 @@ def get_protocol(protocol: str | CertificationProtocol) -> CertificationProtocol
     return PROTOCOLS[protocol]
 
 
+#: The ``bound`` of an abstention (and of an undecided sequential row): no radius, so neither certificate nor estimate.
+NO_BOUND = "none"
+
+
 def is_estimate_kind(bound_kind: str) -> bool:
     """Whether a result's ``bound`` column names an estimate protocol (not a certificate)."""
     return bound_kind.endswith("-estimate")
 
 
+def certificate_status(bound_kinds: Iterable[str], where: str) -> bool | None:
+    """Whether rows with these ``bound`` kinds are certificates — the one test every reader of results applies (run
+    files, resume, merge, analysis, envelopes, diagnostics). ``True``: every row with a radius is a certificate;
+    ``False``: every one is an estimate (:func:`is_estimate_kind`); ``None``: no row has a radius (all abstained).
+
+    Raises ``ValueError`` naming ``where`` when certificates and estimates are mixed: a radius next to an estimate
+    would read as certified, so such a set of rows is never accepted."""
+    certificate = estimate = None
+    for kind in map(str, bound_kinds):
+        if kind == NO_BOUND:
+            continue
+        if is_estimate_kind(kind):
+            estimate = estimate or kind
+        else:
+            certificate = certificate or kind
+    if certificate and estimate:
+        raise ValueError(f"{where} mixes certificates ({certificate}) with estimates ({estimate}, "
+                         "not certificates); keep each protocol's rows in a file of their own")
+    if certificate is None and estimate is None:
+        return None
+    return estimate is None
+
+
 __all__ = ["CertificationProtocol", "SoundCertificate", "DisplacementCertificate", "PaperAlgorithm1", "PublishedCode", "PROTOCOLS",
-           "PUBLISHED_DATA_STD", "get_protocol", "is_estimate_kind", "PAPER_POWER_ITERS"]
+           "PUBLISHED_DATA_STD", "get_protocol", "is_estimate_kind", "certificate_status", "NO_BOUND",
+           "PAPER_POWER_ITERS"]

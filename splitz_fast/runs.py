@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from ._checks import check_certify_counts, check_count, check_output_file
+from .protocols import certificate_status
 from .attacks import ATTACK_HEADER, Attacker
 from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 from .margin import MarginCertifier
@@ -51,6 +52,9 @@ class RunTask(abc.ABC):
 
     kind: str  # recorded in the sidecar; names the header when shards are merged (HEADERS)
     header: str
+    #: Whether the task's radii are certificates; False for an estimate protocol's (``certificate: false`` in the
+    #: sidecar). A file never mixes the two: resume and merge refuse it (:func:`~splitz_fast.protocols.certificate_status`).
+    certificate: bool = True
 
     @abc.abstractmethod
     def settings(self) -> dict[str, Any]:
@@ -84,9 +88,16 @@ class CertifyRun(RunTask):
                  batch_size: int | None = None):
         check_certify_counts(n0, n, alpha, batch_size)
         self.certifier, self.n0, self.n, self.alpha, self.batch_size = certifier, n0, n, alpha, batch_size
+        self.certificate = certifier.protocol.certificate
 
     def settings(self) -> dict[str, Any]:
-        return {"kind": self.kind, "n0": self.n0, "n": self.n, "alpha": self.alpha, "sigma": self.certifier.sigma}
+        settings = {"kind": self.kind, "n0": self.n0, "n": self.n, "alpha": self.alpha, "sigma": self.certifier.sigma}
+        protocol = self.certifier.protocol
+        if protocol.name != "sound":  # recorded only when set, so sound files written before still resume
+            settings["protocol"] = protocol.name
+        if not protocol.certificate:
+            settings["certificate"] = False
+        return settings
 
     def results(self, pairs, seeds):
         return self.certifier.certify_many(_inputs(pairs), self.n0, self.n, self.alpha, batch_size=self.batch_size,
@@ -203,6 +214,19 @@ def _split_rows(text: str, header: str, where: str) -> tuple[list[str], bool]:
     return complete, torn
 
 
+def _rows_certificate(header: str, rows: Iterable[str], where: str) -> bool | None:
+    """:func:`~splitz_fast.protocols.certificate_status` of TSV rows with a ``bound`` column (``None`` without one)."""
+    columns = header.split("\t")
+    if "bound" not in columns:
+        return None
+    column = columns.index("bound")
+    return certificate_status((row.split("\t")[column] for row in rows), where)
+
+
+def _results_are(certificate: bool) -> str:
+    return "certificates" if certificate else "estimates (not certificates)"
+
+
 def _changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
@@ -238,9 +262,15 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
     if not sidecar.exists():
         raise ValueError(f"cannot resume {out_path}: its settings file {sidecar} is missing")
     previous = task.earlier_settings(json.loads(sidecar.read_text()))
+    complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
+    written = _rows_certificate(header, complete, f"cannot resume {out_path}: it")
+    if written is None:
+        written = previous.get("certificate", True)
+    if written != task.certificate:
+        raise ValueError(f"cannot resume {out_path}: its rows are {_results_are(written)} and this run computes "
+                         f"{_results_are(task.certificate)}; one file holds one protocol's rows, use a new OUTFILE")
     if previous != settings:
         raise ValueError(f"cannot resume {out_path}: {_settings_difference(previous, settings, sidecar.name)}")
-    complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
     if torn:  # a torn last row: drop it, it is recomputed
         with out_path.open("w") as fh:
             fh.write("\n".join([header] + complete) + "\n")
@@ -381,6 +411,8 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
                              "sidecar records (duplicated or foreign rows); recompute that shard")
         rows.extend(zip(indices, complete))
     rows.sort(key=lambda row: row[0])
+    if _rows_certificate(header, (line for _, line in rows), "cannot merge: the shards' rows") is False:
+        settings["certificate"] = False  # estimate rows are labelled so whatever wrote the shards
     sidecar = _sidecar(out_path)
     if out_path.exists() or sidecar.exists():
         previous = json.loads(sidecar.read_text()) if sidecar.is_file() else None

@@ -45,6 +45,7 @@ from scipy.stats import norm
 
 from ._checks import check_certify_counts, check_count, check_positive, check_probability
 from .lipschitz import lipschitz_bound
+from .protocols import CertificationProtocol
 from .sampling import NoiseStream, SamplingJob
 from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
 from .smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
@@ -384,6 +385,11 @@ class SequentialCertifier:
     @property
     def sigma(self) -> float:
         return self.smoother.sigma
+
+    @property
+    def protocol(self) -> CertificationProtocol:
+        """The smoother's protocol: always a certificate (estimates are refused at construction)."""
+        return self.smoother.protocol
 
     def certify(self, x: torch.Tensor, n0: int, budget: int, alpha: float, batch_size: int | None = None,
                 seed: int | None = None) -> SequentialCertifyResult:

@@ -24,7 +24,7 @@ from ._checks import check_certify_counts, check_count, check_positive
 from .inputs import (CallGuard, PreparedInput, evaluating, inputs_of, model_device, prepare_input, resolve_seed,
                      seeds_for)
 from .modules import SplitModel
-from .protocols import CertificationProtocol, get_protocol
+from .protocols import CertificationProtocol, get_protocol, is_estimate_kind
 from .radius import BoundOptions, RadiusResult, RadiusSearch, check_bound_options
 from .sampling import PRECISIONS, NoiseStream, SamplingEngine, SamplingJob
 from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
@@ -71,6 +71,12 @@ class CertifyResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def is_certificate(self) -> bool:
+        """False for the results of an estimate protocol (``bound_kind`` ``paper-estimate`` /
+        ``published-code-estimate``): their radii are not certified (:mod:`splitz_fast.protocols`)."""
+        return not is_estimate_kind(self.bound_kind)
 
 
 @dataclass

@@ -153,7 +153,7 @@ def test_analysis_and_envelope_label_estimates_and_refuse_to_mix(tmp_path):
     assert read_certification(paper).is_estimate and not read_certification(sound).is_estimate
     text = analyze([sound, paper], [0.0, 0.5], out_dir=tmp_path / "out")
     assert "paper (not a certificate)" in text and "sound (not a certificate)" not in text
-    with pytest.raises(ValueError, match="mixes sound certificates with estimates"):
+    with pytest.raises(ValueError, match="mixes certificates with estimates"):
         load_group([sound, paper_other])
     report = sz.envelope_report({"sound": load_group([sound]), "paper": load_group([paper, paper_other])}, [0.0])
     assert "paper (not a certificate) envelope" in report
@@ -189,3 +189,158 @@ def test_cli_published_code_without_a_known_std_is_one_line_before_anything_is_w
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error:") and "data_std" in err
     assert not out.exists() and not (tmp_path / "pc.tsv.json").exists()
+
+
+# ------------------------------------------------------------------------ one notion of "a certificate"
+def _dataset(count: int = 3):
+    from torch.utils.data import TensorDataset
+
+    x = torch.rand(count, 1, 6, 6, generator=torch.Generator().manual_seed(2))
+    return TensorDataset(x, torch.zeros(count, dtype=torch.long))
+
+
+def _api_run(path, protocol: str, **kwargs):
+    """A certification run through the Python API only (no CLI settings), as a user's own script writes one."""
+    from splitz_fast.runs import CertifyRun, run_over_dataset
+
+    model, _ = _model(True)
+    data = _dataset()
+    task = CertifyRun(sz.Smoother(model, SIGMA, protocol=protocol), **CERTIFY)
+    return run_over_dataset(task, data, path, settings={"sigma_note": "api"}, indices=list(range(len(data))), seed=0,
+                            progress=False, **kwargs)
+
+
+def test_certify_result_says_whether_it_is_a_certificate():
+    model, x = _model(True)
+    assert sz.Smoother(model, SIGMA).certify(x, **CERTIFY, seed=0).is_certificate
+    assert not sz.Smoother(model, SIGMA, protocol="paper").certify(x, **CERTIFY, seed=0).is_certificate
+
+
+def test_the_run_task_records_the_protocol_whatever_the_entry_point(tmp_path):
+    _api_run(tmp_path / "paper.tsv", "paper")
+    sidecar = json.loads((tmp_path / "paper.tsv.json").read_text())
+    assert sidecar["protocol"] == "paper" and sidecar["certificate"] is False
+    _api_run(tmp_path / "sound.tsv", "sound")
+    sidecar = json.loads((tmp_path / "sound.tsv.json").read_text())
+    assert "protocol" not in sidecar and "certificate" not in sidecar  # as sound runs always recorded it
+
+
+@pytest.mark.parametrize("first,then", [("sound", "paper"), ("paper", "sound"), ("sound", "published-code")])
+def test_resume_through_the_api_refuses_another_kind_of_result(tmp_path, first, then):
+    out = tmp_path / "run.tsv"
+    if then == "published-code":
+        then = PublishedCode(data_std=(0.3081,))
+    _api_run(out, first, stop_after=1)
+    with pytest.raises(ValueError, match="its rows are .* and this run computes .*use a new OUTFILE"):
+        _api_run(out, then, resume=True)
+    assert len(out.read_text().splitlines()) == 2  # nothing appended
+
+
+def test_resume_reads_the_rows_when_the_sidecar_does_not_say(tmp_path):
+    """A file whose sidecar predates the protocol record (estimate rows, no ``certificate`` entry) still refuses to be
+    continued with certificates: the rows themselves say what they are."""
+    out = tmp_path / "run.tsv"
+    _api_run(out, "paper", stop_after=1)
+    sidecar = tmp_path / "run.tsv.json"
+    settings = json.loads(sidecar.read_text())
+    del settings["protocol"], settings["certificate"]
+    sidecar.write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="its rows are estimates .* and this run computes certificates"):
+        _api_run(out, "sound", resume=True)
+
+
+def test_merge_refuses_shards_of_certificates_and_estimates(tmp_path):
+    from splitz_fast.runs import ShardData, ShardSpec, merge_shards
+
+    out = tmp_path / "run.tsv"
+    sound = _api_run(out, "sound", shard=ShardSpec(0, 2))
+    paper = _api_run(out, "paper", shard=ShardSpec(1, 2))
+    with pytest.raises(ValueError, match="different settings .*certificate, protocol"):
+        merge_shards(out, [ShardData.read(sound), ShardData.read(paper)])
+    # Even with sidecars that do not tell them apart (written before the protocol was recorded), the rows refuse.
+    for shard in (sound, paper):
+        sidecar = shard.with_name(shard.name + ".json")
+        settings = json.loads(sidecar.read_text())
+        settings.pop("protocol", None), settings.pop("certificate", None)
+        sidecar.write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="mixes certificates .* with estimates"):
+        merge_shards(out, [ShardData.read(sound), ShardData.read(paper)])
+    assert not out.exists()
+
+
+def test_merged_estimate_shards_are_labelled_an_estimate_run(tmp_path):
+    from splitz_fast.runs import ShardData, ShardSpec, merge_shards
+
+    out = tmp_path / "run.tsv"
+    shards = [_api_run(out, "paper", shard=ShardSpec(k, 2)) for k in range(2)]
+    for shard in shards:  # sidecars that do not record the protocol
+        sidecar = shard.with_name(shard.name + ".json")
+        settings = json.loads(sidecar.read_text())
+        del settings["protocol"], settings["certificate"]
+        sidecar.write_text(json.dumps(settings))
+    merge_shards(out, [ShardData.read(s) for s in shards])
+    assert json.loads((tmp_path / "run.tsv.json").read_text())["certificate"] is False
+    assert read_certification(out).is_estimate
+
+
+def _table(radius, bound, correct=None, **kwargs):
+    from splitz_fast.analysis import CertificationTable
+
+    k = len(radius)
+    correct = np.ones(k, dtype=bool) if correct is None else np.asarray(correct, dtype=bool)
+    predict = np.where(correct, 0, 1)
+    return CertificationTable(idx=np.arange(k), label=np.zeros(k, dtype=np.int64), predict=predict,
+                              radius=np.asarray(radius, dtype=np.float64), correct=correct, time=np.ones(k),
+                              extra={"bound": np.array(bound, dtype=object)}, **kwargs)
+
+
+def test_a_table_never_mixes_certificates_and_estimates():
+    with pytest.raises(ValueError, match="mixes certificates \\(local-exact\\) with estimates \\(paper-estimate"):
+        _table([0.5, 0.7], ["local-exact", "paper-estimate"])
+    with pytest.raises(ValueError, match="sidecar records an estimate run"):
+        _table([0.5], ["local-exact"], recorded_certificate=False)
+    assert _table([0.5, 0.0], ["paper-estimate", "none"]).is_estimate
+    assert _table([0.0], ["none"], recorded_certificate=False).is_estimate  # all abstained: the sidecar says
+    assert not _table([0.5, 0.0], ["identity", "none"]).is_estimate
+
+
+def test_envelope_report_from_python_refuses_a_mixed_group():
+    sound, paper = _table([0.5, 0.2], ["local-exact"] * 2), _table([1.5, 1.2], ["published-code-estimate"] * 2)
+    with pytest.raises(ValueError, match="group mixed mixes certificates with estimates \\(σ=0.75"):
+        sz.envelope_report({"mixed": {0.5: sound, 0.75: paper}}, [0.0, 0.5])
+    with pytest.raises(ValueError, match="mixes certificates with estimates"):
+        sz.envelope.envelope({0.5: sound, 0.75: paper}, [0.0])
+    report = sz.envelope_report({"sound": {0.5: sound}, "estimate": {0.75: paper}}, [0.0, 1.0])
+    assert "estimate (not a certificate) envelope" in report
+
+
+def test_estimates_are_never_the_bold_best_value():
+    from splitz_fast.analysis import markdown_table
+
+    sound_a = _table([0.5, 0.2], ["local-exact"] * 2)
+    sound_b = _table([0.3, 0.1], ["local-exact"] * 2)
+    paper = _table([1.5, 1.2], ["paper-estimate"] * 2)
+    text = markdown_table({"a": sound_a, "b": sound_b, "paper (not a certificate)": paper}, [0.0, 0.4])
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()[2:]}
+    assert "**" not in rows["paper (not a certificate)"]
+    assert "**50.0**" in rows["a"] and "**" not in rows["b"].split("|")[3]  # at r = 0.4: a 50 %, b 0 %
+    alone = markdown_table({"a": sound_a, "paper (not a certificate)": paper}, [0.0, 0.4])
+    assert "**" not in alone  # one certificate run: nothing to compare it with
+
+
+def test_diagnose_labels_an_estimate_run_and_reports_no_flatness(tmp_path):
+    from splitz_fast.diagnostics import diagnose, diagnostics_report
+
+    model, _ = _model(True)
+    out = _api_run(tmp_path / "paper.tsv", "paper")
+    table = read_certification(out)
+    assert table.is_estimate and (table.radius > 0).any()
+    diag = diagnose(model, _dataset(), table)
+    assert diag.estimate and diag.flatness is None
+    text = diagnostics_report(diag, "paper run", out_dir=tmp_path / "diag")
+    assert "ESTIMATES, NOT CERTIFICATES" in text and "estimated L(x, γ*) (not an upper bound)" in text
+    assert "certified inputs" not in text and "flatness" not in text.split("ESTIMATES")[1].split("\n", 2)[2]
+    assert (tmp_path / "diag" / "diagnostics.tsv").read_text().startswith("idx\tL_estimate\t")
+    sound = diagnose(model, _dataset(), read_certification(_api_run(tmp_path / "sound.tsv", "sound")))
+    assert not sound.estimate and sound.flatness is not None and (sound.flatness <= 1 + 1e-9).all()
+    assert "certified inputs" in diagnostics_report(sound, "sound run")
