@@ -4,7 +4,8 @@ One op per file (Triton kernels, launcher, ``autograd.Function`` where gradients
 reference beside it — the reference is both the CPU path and the test oracle:
 
 * ``noise_votes``: ``noisy_latents`` (Philox noise added to a broadcast latent in float32, optional bf16/channels_last
-  store) and ``count_votes`` (row argmax + histogram on the device) — used by the sampling engine;
+  store), ``noisy_latents_maxpool2`` (the same draw through a 2x2 max pool in one pass, for an ``f_R`` that starts
+  with one) and ``count_votes`` (row argmax + histogram on the device) — used by the sampling engine;
 * ``first_layer_bounds``: standardization, the first affine layer (conv as an implicit GEMM, or linear), its exact
   l2-ball bound with the rounding margin, the varying mask, ``f_L(x)`` and the clipped interval, in one pass over the
   input — layer 1 of ``bounds.ball_bounds``;
@@ -19,8 +20,8 @@ reference beside it — the reference is both the CPU path and the test oracle:
 Native (C++) kernels live in ``csrc/`` and are built and loaded by ``native`` (:mod:`splitz_fast.kernels.native`):
 
 * ``noisy_latents`` on CPU tensors (``csrc/noise_cpu.cpp``): the same Philox stream as the Triton kernel, 4.5x
-  ``torch.randn`` + add on 2 cores (benchmarks/RESULTS.md); and ``noisy_latents_maxpool2_native``, the same draw
-  followed by a 2x2 max pool in one pass (used by the sampling engine, not dispatched separately).
+  ``torch.randn`` + add on 2 cores (benchmarks/RESULTS.md); and ``noisy_latents_maxpool2``, the same draw
+  followed by a 2x2 max pool in one pass.
 * the SPLITZ training step on CPU tensors (``csrc/train_cpu.cpp``, a second module): ``conv_power``
   (``conv_power.py``: the masked convolution power step and norm of the Lipschitz estimate, fused per image, with the
   weight gradient), ``clip_mask`` (``clip_mask.py``: the first layer's clipped ReLU and varying mask in one pass, with
@@ -45,12 +46,15 @@ import torch
 BACKEND_ENV = "SPLITZ_BACKEND"
 BACKENDS = ("auto", "reference", "triton", "native")
 # Ops with a Triton implementation.
-TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes", "first_layer_bounds", "interval_clip",
-                                        "masked_linear", "masked_conv2d"})
+TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "noisy_latents_maxpool2", "count_votes", "first_layer_bounds",
+                                        "interval_clip", "masked_linear", "masked_conv2d"})
 # Ops that ``auto`` sends to Triton on CUDA: the ones measured faster than their reference there
 # (benchmarks/test_bench_kernels.py, H200, batch 256). masked_conv2d is not: its implicit GEMM ran at 0.04–0.39x
 # cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
-AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
+# noisy_latents_maxpool2 (the noise and f_R's leading 2x2 max pool in one pass) writes a quarter of the unfused
+# draw's bytes and runs half its Philox calls, but is not measured on a GPU yet: forced only (SPLITZ_BACKEND=triton),
+# until benchmarks/targets.py's LeNet s = 1 rows compare the two there.
+AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d", "noisy_latents_maxpool2"}
 # Ops that ``auto`` sends to the CUDA kernels of csrc/ (kernels/native_cuda.py: CUDA_OPS) on CUDA instead of Triton:
 # none until benchmarks/test_bench_kernels.py measures them faster than Triton on a GPU (not yet run). Until then
 # ``SPLITZ_BACKEND=native`` reaches them on CUDA tensors.

@@ -37,7 +37,8 @@ SOURCES = ("noise_cpu.cpp",)
 HEADERS = ("philox.h", "philox_cpu.h")
 TRAIN_SOURCES = ("train_cpu.cpp",)  # the training step's module (train_module)
 # Ops with a native CPU kernel, and the sources of the module that holds each.
-OP_SOURCES: dict[str, tuple[str, ...]] = {"noisy_latents": SOURCES, "conv_power": TRAIN_SOURCES,
+OP_SOURCES: dict[str, tuple[str, ...]] = {"noisy_latents": SOURCES, "noisy_latents_maxpool2": SOURCES,
+                                          "conv_power": TRAIN_SOURCES,
                                           "train_noise": TRAIN_SOURCES, "clip_mask": TRAIN_SOURCES}
 NATIVE_OPS: frozenset[str] = frozenset(OP_SOURCES)
 # -ffp-contract=off: no FMA contraction, so the float32 roundings are the ones the contract writes down;

@@ -50,6 +50,7 @@ where Triton is missing). Only Triton features present in Triton 3.6 are used.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -68,6 +69,39 @@ tl = None  # triton.language, bound by _kernels() at the first launch (the jitte
 # Plain functions here, wrapped by triton.jit in _kernels(): Triton decides between the compiler and the interpreter
 # (TRITON_INTERPRET) when a function is wrapped, so wrapping happens at the first launch, not at import.
 
+def _philox_normals(seed, pair):
+    """``(z_2i, z_2i+1)``: both normals of the Philox call at counter ``pair = i`` (the module docstring's stream)."""
+    w0, w1, w2, _ = tl.randint4x(seed, pair)
+    # u1 in (0, 1] from 64 bits: (w0 + (w1 + 1/2) 2^-32) 2^-32; u2 in [-1/2, 1/2) from 32 bits.
+    u1 = w0.to(tl.float32) * 2.3283064365386963e-10 + (w1.to(tl.float32) + 0.5) * 5.421010862427522e-20
+    u1 = tl.minimum(u1, 1.0)
+    u2 = w2.to(tl.float32) * 2.3283064365386963e-10 - 0.5
+    # max(., 0): an approximate log may return a tiny positive value just below u1 = 1 (sqrt would give NaN)
+    radius = tl.sqrt(tl.maximum(-2.0 * tl.log(u1), 0.0))
+    angle = 6.283185307179586 * u2
+    return radius * tl.cos(angle), radius * tl.sin(angle)
+
+
+def _store_sample(ptrs, value, mask, BF16: tl.constexpr):
+    """Store the float32 ``value`` at ``ptrs`` in their dtype: the only rounding to a narrower type."""
+    if BF16:
+        # float32 -> bfloat16, round to nearest even on the bit pattern (torch's rule; NaN -> canonical NaN). Spelt
+        # out because Triton's interpreter truncates this cast, while compiled Triton rounds to nearest even.
+        bits = value.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        rounded = tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
+        tl.store(ptrs, rounded.to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
+
+
+def _stream_base(seed_lo, seed_hi, base_lo, base_hi):
+    """The Philox key and the launch's first stream index, from their signed 32-bit halves."""
+    seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    base = (base_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | base_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return seed, base
+
+
 def _noisy_latents_kernel(
     latent_ptr, out_ptr, num, numel, channels, spatial, sigma,
     seed_lo, seed_hi, base_lo, base_hi,
@@ -85,30 +119,53 @@ def _noisy_latents_kernel(
         j = (q % channels) * spatial + q // channels
     else:
         j = q
-    seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
-    base = (base_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | base_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    seed, base = _stream_base(seed_lo, seed_hi, base_lo, base_hi)
     row = k.to(tl.int64)[:, None] * numel
     t = base + (row + j.to(tl.int64)[None, :]).to(tl.uint64)  # stream index (offset + k) * numel + j
-    w0, w1, w2, _ = tl.randint4x(seed, t >> 1)  # one Philox call per pair (z_2i, z_2i+1)
-    # u1 in (0, 1] from 64 bits: (w0 + (w1 + 1/2) 2^-32) 2^-32; u2 in [-1/2, 1/2) from 32 bits.
-    u1 = w0.to(tl.float32) * 2.3283064365386963e-10 + (w1.to(tl.float32) + 0.5) * 5.421010862427522e-20
-    u1 = tl.minimum(u1, 1.0)
-    u2 = w2.to(tl.float32) * 2.3283064365386963e-10 - 0.5
-    # max(., 0): an approximate log may return a tiny positive value just below u1 = 1 (sqrt would give NaN)
-    radius = tl.sqrt(tl.maximum(-2.0 * tl.log(u1), 0.0))
-    angle = 6.283185307179586 * u2
-    z = radius * tl.where((t & 1) == 1, tl.sin(angle), tl.cos(angle))
+    even, odd = _philox_normals(seed, t >> 1)  # one Philox call per pair (z_2i, z_2i+1)
+    z = tl.where((t & 1) == 1, odd, even)
     lat = tl.load(latent_ptr + j, mask=emask, other=0.0).to(tl.float32)[None, :]
-    value = lat + sigma * z  # float32; the cast below is the only rounding to a narrower type
-    if BF16:
-        # float32 -> bfloat16, round to nearest even on the bit pattern (torch's rule; NaN -> canonical NaN). Spelt
-        # out because Triton's interpreter truncates this cast, while compiled Triton rounds to nearest even.
-        bits = value.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
-        rounded = tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
-        tl.store(out_ptr + (row + q[None, :]), rounded.to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(out_ptr + (row + q[None, :]), value.to(out_ptr.dtype.element_ty), mask=mask)
+    value = lat + sigma * z  # float32; the store's cast is the only rounding to a narrower type
+    _store_sample(out_ptr + (row + q[None, :]), value, mask, BF16)
+
+
+def _max_nan(a, b):
+    """Elementwise max where a NaN wins, as ``F.max_pool2d``."""
+    return tl.where((a > b) | (a != a), a, b)
+
+
+def _noisy_row_pair_max(latent_ptr, j, emask, t, seed, sigma):
+    """``max(latent[j] + σ z_t, latent[j+1] + σ z_t+1)`` for even ``t``: one Philox call gives both normals."""
+    left, right = _philox_normals(seed, t >> 1)
+    lat_left = tl.load(latent_ptr + j, mask=emask, other=0.0).to(tl.float32)[None, :]
+    lat_right = tl.load(latent_ptr + j + 1, mask=emask, other=0.0).to(tl.float32)[None, :]
+    return _max_nan(lat_left + sigma * left, lat_right + sigma * right)
+
+
+def _noisy_maxpool2_kernel(
+    latent_ptr, out_ptr, num, pooled, channels, height, width, sigma,
+    seed_lo, seed_hi, base_lo, base_hi,
+    BF16: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """A ``[BLOCK_S samples, BLOCK_E pooled positions]`` tile of the channels_last output ``[num, C, H/2, W/2]``
+    (storage order ``(h, w, c)``). Each output is the max of the 2x2 window of the samples the unfused kernel draws:
+    with ``H`` and ``W`` even a window row is the stream pair ``(z_2i, z_2i+1)``, so the window costs two Philox calls
+    and the full-size noisy sample is never written."""
+    q = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # pooled storage position within a sample (int32)
+    k = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # sample index within the launch
+    emask = q < pooled
+    mask = (k < num)[:, None] & emask[None, :]
+    half_width = width // 2
+    c = q % channels
+    h = (q // channels) // half_width
+    w = (q // channels) % half_width
+    j = c * (height * width) + (2 * h) * width + 2 * w  # the window's top-left element, row-major over (C, H, W)
+    seed, base = _stream_base(seed_lo, seed_hi, base_lo, base_hi)
+    row = k.to(tl.int64)[:, None] * (channels * height * width)
+    t = base + (row + j.to(tl.int64)[None, :]).to(tl.uint64)  # even: C·H·W, the base and j are
+    top = _noisy_row_pair_max(latent_ptr, j, emask, t, seed, sigma)
+    bottom = _noisy_row_pair_max(latent_ptr, j + width, emask, t + width, seed, sigma)
+    _store_sample(out_ptr + (k.to(tl.int64)[:, None] * pooled + q[None, :]), _max_nan(top, bottom), mask, BF16)
 
 
 def _count_votes_kernel(
@@ -149,8 +206,15 @@ def _count_votes_kernel(
         tl.atomic_add(counts_ptr + vote, ones, mask=rmask, sem="relaxed")
 
 
+class _Kernels(NamedTuple):
+    triton: object
+    noise: object
+    noise_maxpool2: object
+    votes: object
+
+
 @functools.cache
-def _kernels():
+def _kernels() -> _Kernels:
     """The jitted kernels (built once, at the first launch)."""
     global tl
     try:
@@ -160,14 +224,19 @@ def _kernels():
         raise RuntimeError("the Triton kernels of splitz_fast.kernels.noise_votes need the `triton` package; use "
                            "noisy_latents_reference / count_votes_reference (SPLITZ_BACKEND=reference)") from exc
     tl = language
-    noise = triton.jit(_noisy_latents_kernel, do_not_specialize=["sigma", "seed_lo", "seed_hi", "base_lo", "base_hi"])
+    # The device functions the kernels call, jitted under their own names (the kernels resolve them as globals).
+    global _philox_normals, _store_sample, _stream_base, _max_nan, _noisy_row_pair_max
+    _philox_normals, _store_sample, _stream_base = map(triton.jit, (_philox_normals, _store_sample, _stream_base))
+    _max_nan, _noisy_row_pair_max = triton.jit(_max_nan), triton.jit(_noisy_row_pair_max)
+    stream_args = ["sigma", "seed_lo", "seed_hi", "base_lo", "base_hi"]
+    noise = triton.jit(_noisy_latents_kernel, do_not_specialize=stream_args)
+    pooled = triton.jit(_noisy_maxpool2_kernel, do_not_specialize=stream_args)
     votes = triton.jit(_count_votes_kernel)
-    return triton, noise, votes
+    return _Kernels(triton, noise, pooled, votes)
 
 
 def _check_launch_device(name: str, t: torch.Tensor) -> None:
-    _, noise, _ = _kernels()
-    interpreted = type(noise).__name__ == "InterpretedFunction"
+    interpreted = type(_kernels().noise).__name__ == "InterpretedFunction"
     if t.device.type != "cuda" and not interpreted:
         raise ValueError(f"{name} is on {t.device}: the Triton kernels run on CUDA tensors (or on CPU tensors when "
                          "TRITON_INTERPRET=1 is set before the first launch); use the *_reference function elsewhere")
@@ -266,7 +335,7 @@ def noisy_latents_triton(
     out = _output(latent, num, out_dtype, channels_last, out)
     numel = latent.numel()
     _check_launch_device("latent", latent)
-    triton, kernel, _ = _kernels()
+    triton, kernel = _kernels().triton, _kernels().noise
     source = latent.detach().contiguous()
     channels, spatial = (latent.shape[0], latent.shape[1] * latent.shape[2]) if channels_last else (1, numel)
     seed_lo, seed_hi = _split32(seed)
@@ -352,6 +421,37 @@ def _pooled_output(latent, num, out_dtype, out) -> torch.Tensor:
             or not out.is_contiguous(memory_format=torch.channels_last)):
         raise ValueError(f"out must be a dense channels_last tensor of shape {shape}, dtype {out_dtype} on "
                          f"{latent.device}; got {tuple(out.shape)}, {out.dtype} on {out.device}")
+    return out
+
+
+def noisy_latents_maxpool2_triton(
+    latent: torch.Tensor, num: int, sigma: float, seed: int, offset: int, out_dtype: torch.dtype = torch.float32,
+    *, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``max_pool2d(noisy_latents_triton(latent, num, σ, seed, offset, out_dtype, channels_last=True), 2)`` in one pass
+    of a Triton kernel that never writes the full-size batch (the same numbers, as
+    :func:`noisy_latents_maxpool2_native`, whose contract it shares: ``[C, H, W]`` latents with ``H``, ``W`` even, output
+    ``[num, C, H/2, W/2]`` channels_last). It reads each window's two Philox pairs once, where the unfused kernel runs
+    every Philox call twice and writes four times the output."""
+    sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, True)
+    out = _pooled_output(latent, num, out_dtype, out)
+    _check_launch_device("latent", latent)
+    triton, kernel = _kernels().triton, _kernels().noise_maxpool2
+    channels, height, width = latent.shape
+    numel, pooled = latent.numel(), latent.numel() // 4
+    seed_lo, seed_hi = _split32(seed)
+    block_e = min(triton.next_power_of_2(pooled), 512)
+    block_s = max(1, 512 // block_e)
+    chunk = block_s * _MAX_GRID_Y
+    flat = out.as_strided((num, pooled), (pooled, 1))  # the dense channels_last storage, one row per sample
+    source = latent.detach().contiguous()
+    for start in range(0, num, chunk):
+        rows = min(chunk, num - start)
+        base_lo, base_hi = _split32(((offset + start) * numel) % _U64)
+        kernel[(triton.cdiv(pooled, block_e), triton.cdiv(rows, block_s))](
+            source, flat[start:], rows, pooled, channels, height, width, sigma, seed_lo, seed_hi, base_lo, base_hi,
+            BF16=out_dtype == torch.bfloat16, BLOCK_S=block_s, BLOCK_E=block_e,
+        )
     return out
 
 
@@ -496,7 +596,7 @@ def count_votes_triton(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tens
     if rows == 0:
         return counts
     _check_launch_device("logits", logits)
-    triton, _, kernel = _kernels()
+    triton, kernel = _kernels().triton, _kernels().votes
     block_c = min(triton.next_power_of_2(classes), 512)
     block_r = max(1, min(64, 4096 // block_c))
     block_h = triton.next_power_of_2(classes)

@@ -37,6 +37,7 @@ from .kernels.noise_votes import (
     noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_maxpool2_native,
+    noisy_latents_maxpool2_triton,
     noisy_latents_native,
 )
 from .modules import ModuleSnapshot
@@ -64,6 +65,18 @@ PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-
 _TUNED_BATCH: dict[tuple, int] = {}
 
 
+def pooled_noise_kernel(device: torch.device):
+    """The kernel that draws the Philox noise and a 2x2 max pool in one pass on ``device`` (the native CPU kernel, or
+    Triton where ``select_backend("noisy_latents_maxpool2")`` picks it), or ``None``: then the pool runs in ``f_R``.
+    Only where the unfused noise is the same Philox stream, so fusing never changes which samples are drawn."""
+    if select_backend("noisy_latents", device) not in ("native", "triton"):
+        return None
+    backend = select_backend("noisy_latents_maxpool2", device)
+    if backend == "native" and device.type == "cpu":
+        return noisy_latents_maxpool2_native
+    return noisy_latents_maxpool2_triton if backend == "triton" else None
+
+
 class NoiseStream:
     """The noise of one input: sample ``k`` of the stream is a pure function of ``(seed, k)``.
 
@@ -81,11 +94,15 @@ class NoiseStream:
         backend = select_backend("noisy_latents", self.device)
         native = noisy_latents_cuda if self.device.type == "cuda" else noisy_latents_native  # csrc/ kernels
         self._philox = {"triton": noisy_latents_triton, "native": native}.get(backend)
-        # the native CPU kernel can draw max_pool2d(latent + σz, 2) in one pass (noisy(..., pool2=True))
-        self.pools = backend == "native" and self.device.type == "cpu"
+        self._pooled = pooled_noise_kernel(self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._spare: torch.Tensor | None = None  # fallback path: drawn, not yet used N(0, 1) rows
+
+    @property
+    def pools(self) -> bool:
+        """Whether :meth:`noisy` can draw ``max_pool2d(latent + σz, 2)`` in one pass (``pool2=True``)."""
+        return self._pooled is not None
 
     @property
     def source(self) -> str:
@@ -119,8 +136,9 @@ class NoiseStream:
         offset = self.offset if at is None else at
         if pool2:
             if not self.pools:
-                raise ValueError("this noise stream cannot fuse the max pool (native CPU kernel only)")
-            result = noisy_latents_maxpool2_native(latent32, num, sigma, self.seed, offset, out_dtype, out=out)
+                raise ValueError("this noise stream cannot fuse the max pool (no noisy_latents_maxpool2 kernel selected "
+                                 "for this device)")
+            result = self._pooled(latent32, num, sigma, self.seed, offset, out_dtype, out=out)
         elif self._philox is not None:
             result = self._philox(latent32, num, sigma, self.seed, offset, out_dtype=out_dtype,
                                   channels_last=channels_last, out=out)
@@ -230,12 +248,12 @@ class SamplingEngine:
     def pools_in_noise(self, latent_shape: torch.Size) -> bool:
         """Whether ``f_R``'s leading 2x2 max pool is drawn by the noise kernel (:meth:`NoiseStream.noisy` with
         ``pool2``): ``f_R`` is an ``nn.Sequential`` that starts with ``MaxPool2d(2)`` (stride 2, no padding or
-        dilation, floor mode), the latent is ``[C, H, W]`` with H and W even, and the noise comes from the native CPU
-        kernel. The same base classifier (bitwise the same pooled values, tested); on LeNet split 1 it removes the
-        largest single cost of a sample (the full-size noisy batch and its pooling pass)."""
+        dilation, floor mode), the latent is ``[C, H, W]`` with H and W even, and a fused kernel is selected for the
+        device (:func:`pooled_noise_kernel`). The same base classifier (bitwise the same pooled values, tested); on
+        LeNet split 1 it removes the largest single cost of a sample (the full-size noisy batch and its pooling
+        pass)."""
         return (len(latent_shape) == 3 and latent_shape[1] % 2 == 0 and latent_shape[2] % 2 == 0
-                and _starts_with_maxpool2(self.source) and self.device.type == "cpu"
-                and select_backend("noisy_latents", self.device) == "native")
+                and _starts_with_maxpool2(self.source) and pooled_noise_kernel(self.device) is not None)
 
     def classifier(self, channels_last: bool, pooled: bool = False) -> nn.Module:
         """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm

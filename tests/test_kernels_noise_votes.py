@@ -304,6 +304,101 @@ def test_reference_path_output_contract():
         noisy_latents_reference(latent, 6, -0.5, 3, 0)
 
 
+# ------------------------------------------------------------------------------------- noise through a 2x2 max pool
+# The fused draw of noise and f_R's leading max pool: Triton (interpreter or CUDA) and the native CPU kernel, each the
+# same numbers as its own unfused draw followed by F.max_pool2d (bitwise: max is exact and commutes with the cast).
+POOLED_BACKENDS = [param for param in NOISE_BACKENDS if param.id in ("triton-interpreter", "triton-cuda", "native-cpu")]
+
+
+@pytest.fixture(params=POOLED_BACKENDS)
+def pooled(request):
+    """``(fused draw, unfused draw of the same backend, device)``."""
+    name, device = request.param
+    if name == "native":
+        if not native_available():
+            pytest.skip("the native kernels could not be built here (test_native_kernels_build says why)")
+        return noise_votes.noisy_latents_maxpool2_native, noisy_latents_native, torch.device(device)
+    return noise_votes.noisy_latents_maxpool2_triton, noisy_latents_triton, torch.device(device)
+
+
+@pytest.mark.parametrize("shape,num,seed,offset", [((3, 6, 4), 5, 2**40 + 3, 11), ((1, 2, 2), 3, 0, 0),
+                                                   ((2, 8, 10), 4, 2**64 - 1, 2**20)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pooled_draw_is_the_unfused_draw_max_pooled(pooled, shape, num, seed, offset, dtype):
+    fused, unfused, device = pooled
+    latent = _latent(shape, device, seed=num)
+    out = torch.full((num, shape[0], shape[1] // 2, shape[2] // 2), float("nan"), dtype=dtype,
+                     device=device).contiguous(memory_format=torch.channels_last)  # poisoned: every entry written
+    got = fused(latent, num, 0.5, seed, offset, dtype, out=out)
+    assert got is out and got.is_contiguous(memory_format=torch.channels_last)
+    expected = torch.nn.functional.max_pool2d(unfused(latent, num, 0.5, seed, offset, dtype, channels_last=True), 2)
+    assert torch.equal(got, expected)
+
+
+def test_pooled_draw_does_not_depend_on_batching_and_propagates_nan(pooled):
+    fused, _, device = pooled
+    latent = _latent((2, 4, 6), device, seed=3)
+    whole = fused(latent, 7, 0.25, 5, 3)
+    assert torch.equal(whole, torch.cat([fused(latent, 3, 0.25, 5, 3), fused(latent, 4, 0.25, 5, 6)]))
+    latent[1, 2, 5] = float("nan")  # window (1, 1, 2) of every sample, and no other
+    poisoned = fused(latent, 2, 0.25, 5, 3)
+    nan = poisoned.isnan()
+    assert nan[:, 1, 1, 2].all() and int(nan.sum()) == 2
+
+
+def test_pooled_draw_input_validation(pooled):
+    fused, _, device = pooled
+    with pytest.raises(ValueError, match="H and W even"):
+        fused(_latent((2, 3, 4), device), 2, 0.5, 0, 0)
+    with pytest.raises(ValueError, match="C, H, W"):
+        fused(_latent((12,), device), 2, 0.5, 0, 0)
+    with pytest.raises(ValueError, match="out must be a dense channels_last tensor"):
+        fused(_latent((2, 4, 4), device), 2, 0.5, 0, 0, out=torch.empty(2, 2, 2, 2, device=device))
+    with pytest.raises(ValueError, match="sigma"):
+        fused(_latent((2, 4, 4), device), 2, 0.0, 0, 0)
+
+
+def test_fused_pool_dispatch_waits_for_a_gpu_measurement(monkeypatch):
+    """On CUDA ``auto`` keeps the pool in f_R until a GPU measurement puts the fused kernel in AUTO_TRITON_OPS; forcing
+    Triton selects it; on the CPU the native kernel fuses where it is built."""
+    from splitz_fast.sampling import pooled_noise_kernel
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("SPLITZ_BACKEND", "auto")
+    assert pooled_noise_kernel(cuda) is None
+    if native_available():
+        assert pooled_noise_kernel(torch.device("cpu")) is noise_votes.noisy_latents_maxpool2_native
+    monkeypatch.setenv("SPLITZ_BACKEND", "triton")
+    assert pooled_noise_kernel(cuda) is noise_votes.noisy_latents_maxpool2_triton
+    monkeypatch.setenv("SPLITZ_BACKEND", "reference")  # the torch generator's stream: no fused kernel draws it
+    assert pooled_noise_kernel(cuda) is None and pooled_noise_kernel(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(CUDA, reason="runs the Triton interpreter on CPU tensors")
+def test_engine_samples_through_the_triton_pooled_draw_like_the_native_one(monkeypatch):
+    """A split-1 LeNet-like model whose f_R starts with the 2x2 pool: CERTIFY with the Triton fused draw (forced, in
+    the interpreter) gives exactly the counts and radius of the native fused draw (the same Philox samples)."""
+    import torch.nn as nn
+
+    import splitz_fast as sz
+
+    if not native_available():
+        pytest.skip("the native kernels could not be built here")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 3))
+    model = sz.split_sequential(net, 1, num_classes=3, input_shape=(1, 8, 8), threshold=1.0)
+    x = torch.rand(1, 8, 8, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for backend in ("auto", "triton"):
+        monkeypatch.setenv("SPLITZ_BACKEND", backend)
+        smoother = sz.Smoother(model, 0.5, bound_options=sz.BoundOptions(bound_method="exact"))
+        assert smoother.engine().pools_in_noise(torch.Size((4, 8, 8)))
+        results[backend] = smoother.certify(x, 10, 200, 0.01, batch_size=64, seed=9)
+    assert (results["auto"].count_a, results["auto"].prediction) == (results["triton"].count_a,
+                                                                      results["triton"].prediction)
+    assert results["auto"].radius == results["triton"].radius
+
+
 # ------------------------------------------------------------------------------------------------------ vote counts
 # The vote kernels: Triton (interpreter or CUDA) and the CUDA kernel of csrc/ (no CPU one; the reference is the oracle).
 VOTE_BACKENDS = [param for param in NOISE_BACKENDS if param.id in ("triton-interpreter", "triton-cuda", "native-cuda")]
