@@ -685,7 +685,8 @@ def _add_certify_predict_parser(sub) -> None:
                                 "are ESTIMATES, NOT CERTIFICATES, for comparing with the paper's numbers: every row's "
                                 "bound column and the sidecar say so")
         c.add_argument("--precision", choices=tuple(PRECISIONS), default="float32",
-                       help="dtype of f_R while sampling (noise stays float32)")
+                       help="how f_R computes while sampling (noise stays float32): float32 is IEEE float32 also on "
+                            "CUDA; tf32 uses TF32 tensor cores on CUDA (a different base classifier, recorded)")
         c.add_argument("--compile", action="store_true",
                        help="sample through torch.compile(f_R) with static batch shapes (eager if compiling fails)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")

@@ -44,8 +44,11 @@ from .modules import ModuleSnapshot
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
-# it as long as the same precision is used for PREDICT and CERTIFY (a Smoother applies it to both).
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# it as long as the same precision is used for PREDICT and CERTIFY (a Smoother applies it to both). "float32" is IEEE
+# float32 throughout, also on CUDA (cuDNN's TF32 convolutions, on by default in PyTorch, are switched off while
+# sampling); "tf32" is float32 storage with TF32 tensor-core convolutions and matmuls on CUDA (10-bit mantissa
+# products), a different base classifier, labelled as such (on a CPU it computes what "float32" does).
+PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Samples per normal_ call on the fallback path (the unit that makes its stream batch-size independent).
 NOISE_BLOCK = 64
 # Batch sizes tried by the tuner (powers of two up to the cap), and its time budget per configuration.
@@ -276,7 +279,7 @@ class SamplingEngine:
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
-        with autocast, _cudnn_benchmark(self.device):
+        with autocast, _cuda_math(self.device, tf32=self.precision == "tf32"):
             logits = net(batch)
         if logits.ndim != 2 or logits.shape[1] != self.num_classes:
             raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
@@ -642,21 +645,25 @@ class _CompiledOrEager(nn.Module):
         return self.net(x)
 
 
-class _cudnn_benchmark:
-    """``torch.backends.cudnn.benchmark`` on while sampling on CUDA (static shapes: the autotuned convolution
-    algorithm is reused), restored afterwards so the user's setting is untouched."""
+class _cuda_math:
+    """While sampling on CUDA: ``torch.backends.cudnn.benchmark`` on (static shapes: the autotuned convolution algorithm
+    is reused) and TF32 for convolutions and matmuls exactly when the precision is ``tf32``; the user's settings are
+    restored afterwards."""
 
-    def __init__(self, device: torch.device):
-        self.active = device.type == "cuda"
+    def __init__(self, device: torch.device, tf32: bool):
+        self.active, self.tf32 = device.type == "cuda", tf32
 
     def __enter__(self):
         if self.active:
-            self.previous = torch.backends.cudnn.benchmark
+            self.previous = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+                             torch.backends.cuda.matmul.allow_tf32)
             torch.backends.cudnn.benchmark = True
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = self.tf32
 
     def __exit__(self, *exc):
         if self.active:
-            torch.backends.cudnn.benchmark = self.previous
+            (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32) = self.previous
 
 
 def _synchronize(device: torch.device) -> None:

@@ -126,9 +126,11 @@ class Smoother:
         sigma: noise level σ > 0, in latent units.
         bound_options: the Lipschitz bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (``None``: its
             defaults); kept as :attr:`options`.
-        precision: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype ``f_R`` runs in while sampling
-            (noise and the noisy latent are float32 until the cast). Lower precision changes the base classifier, not
-            the validity of its certificates; compare runs only at the same precision.
+        precision: ``"float32"`` (default: IEEE float32, also on CUDA, where cuDNN's default TF32 convolutions are
+            switched off while sampling), ``"tf32"`` (float32 with TF32 tensor-core convolutions and matmuls on CUDA;
+            float32 elsewhere), ``"bfloat16"`` or ``"float16"``: how ``f_R`` computes while sampling (noise and the
+            noisy latent are float32 until the cast). Lower precision changes the base classifier, not the validity of
+            its certificates; compare runs only at the same precision.
         compile: sample through ``torch.compile(f_R)`` with static batch shapes (falls back to eager with a warning).
         max_batch_size: the largest ``f_R`` batch the tuner tries when ``batch_size`` is not given.
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)

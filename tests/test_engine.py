@@ -469,3 +469,32 @@ def test_batched_searches_of_a_window_equal_each_inputs_own_search(method, searc
     together = smoother.radius_search.search_many(xs, radii, generators())
     alone = [smoother.radius_search.search(x, r, g) for x, r, g in zip(xs, radii, generators())]
     assert together == alone
+
+
+def test_tf32_is_a_labelled_precision_and_float32_is_ieee_on_cuda():
+    """On CUDA the engine runs f_R with TF32 convolutions and matmuls exactly when the precision is ``tf32`` (PyTorch
+    enables cuDNN TF32 by default: "float32" must switch it off), and restores the user's flags; on the CPU ``tf32``
+    computes what ``float32`` does."""
+    from splitz_fast.sampling import PRECISIONS, _cuda_math
+
+    assert PRECISIONS["tf32"] is torch.float32
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = (cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32)
+    try:
+        cudnn.allow_tf32, matmul.allow_tf32 = True, False  # PyTorch's defaults
+        with _cuda_math(torch.device("cuda"), tf32=False):
+            assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == (False, False, True)
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)
+        with _cuda_math(torch.device("cuda"), tf32=True):
+            assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
+        with _cuda_math(torch.device("cpu"), tf32=False):
+            assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)  # nothing touched off CUDA
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)
+    finally:
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = before
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
+    model = sz.split_sequential(net, 1, num_classes=3, input_shape=(1, 6, 6), threshold=1.0)
+    x = torch.rand(1, 6, 6, generator=torch.Generator().manual_seed(1))
+    fp32, tf32 = (sz.Smoother(model, 0.5, precision=p).certify(x, 10, 200, 0.01, seed=3) for p in ("float32", "tf32"))
+    assert fp32.count_a == tf32.count_a and fp32.radius == tf32.radius
