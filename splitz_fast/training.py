@@ -237,9 +237,10 @@ class PerSampleHinge(LipschitzObjective):
 
 
 class BatchMeanHinge(LipschitzObjective):
-    """The published SPLITZ code's effective objective: the hinge on the batch mean, ``κ CE + (1 − κ) max(θ_lip,
-    mean L̂)`` with ``κ = 1 − λ``, and the cross-entropy's weight set to 1 while ``mean L̂ ≤ θ_lip`` (the hinge is then
-    constant). Samples with large ``L̂`` can hide behind small ones; kept as a recipe to reproduce that code."""
+    """The published SPLITZ code's effective objective: the hinge on the batch mean, ``(1 − κ) CE + κ max(θ_lip,
+    mean L̂)`` with ``κ = λ`` (that code's Lipschitz weight), and the cross-entropy alone while ``mean L̂ ≤ θ_lip``
+    (the hinge is then constant). Samples with large ``L̂`` can hide behind small ones; kept as a recipe to reproduce
+    that code."""
 
     reads_batch_mean = True
 

@@ -263,3 +263,19 @@ def test_cli_diagnose_reads_the_certified_split_and_refuses_another_checkpoint(t
         assert "nothing to diagnose" in text.err
     assert main(["diagnose", str(tmp_path / "b" / "best.pt"), str(out)]) == 2
     assert "another model" in capsys.readouterr().err
+
+
+def test_published_code_recipe_weights_the_lipschitz_term_as_that_code_does():
+    """The published code's loss is (1 − κ)·CE + κ·L̂ (batch mean) while L̂ > θ_lip, cross-entropy alone below, with κ
+    from 1.0 down to 0.7: at the first epoch the cross-entropy has no weight at all."""
+    config = recipe_config("published-code", sigma=0.5, epochs=4)
+    assert config.lambda_at(0) == 1.0 and config.lambda_at(3) == pytest.approx(0.7)
+    ce = torch.tensor(2.0, requires_grad=True)
+    lip = torch.tensor([0.9, 1.1], requires_grad=True)
+    loss = config.objective.combine(ce, lip, config.lambda_at(0), config, 1.0, float(lip.mean()))
+    loss.backward()
+    assert float(ce.grad) == 0.0 and float(loss) == pytest.approx(1.0)
+    late = config.objective.combine(torch.tensor(2.0), lip.detach(), config.lambda_at(3), config, 1.0, 1.0)
+    assert float(late) == pytest.approx(0.3 * 2.0 + 0.7 * 1.0)
+    below = config.objective.combine(torch.tensor(2.0), torch.tensor([0.2, 0.4]), config.lambda_at(0), config, 1.0, 0.3)
+    assert float(below) == pytest.approx(2.0)  # mean L̂ ≤ θ_lip = 0.5: cross-entropy alone
