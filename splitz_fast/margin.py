@@ -44,7 +44,8 @@ class MarginCertifier:
     Args:
         model: a :class:`~splitz_fast.modules.SplitModel` split after its last affine layer.
         bound_options: the Lipschitz bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (``None``: its
-            defaults) as :class:`~splitz_fast.smoothing.Smoother` takes it; kept as :attr:`options`.
+            defaults) as :class:`~splitz_fast.smoothing.Smoother` takes it; kept as :attr:`options`. The 0.1.0 keywords
+            (``bound_method=...``, …) still work with a ``DeprecationWarning`` until 0.3.0, as for the Smoother.
 
     Logits are computed in float64 from a float64 copy of ``f_L`` (rebuilt whenever ``f_L`` changes; the README's
     caveat applies: the guarantee is for the real-valued network). Results carry ``p_a_lower = nan``,
@@ -53,12 +54,15 @@ class MarginCertifier:
     :class:`~splitz_fast.runs.MarginRun`).
     """
 
-    def __init__(self, model: SplitModel, *, bound_options: BoundOptions | None = None):
+    def __init__(self, model: SplitModel, *, bound_options: BoundOptions | None = None,
+                 **deprecated_bound_keywords):
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}")
         check_margin_model(model)
         self._model = model
-        self.options = check_bound_options(bound_options)
+        if "sigma" in deprecated_bound_keywords:
+            raise TypeError("MarginCertifier adds no noise: it takes no sigma")
+        self.options = check_bound_options(bound_options, deprecated_bound_keywords, "MarginCertifier")
         self.radius_search = RadiusSearch(model, self.options)
         self._left64: tuple[nn.Module, ModuleSnapshot, nn.Module] | None = None
 

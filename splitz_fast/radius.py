@@ -19,6 +19,7 @@ bound evaluations in each pass — worth it where a batched pass costs little mo
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
@@ -103,9 +104,29 @@ class BoundOptions:
         return 1 + self.gamma_batch + (self.passes - 1) * (self.gamma_batch - 1)
 
 
-def check_bound_options(options: BoundOptions | None) -> BoundOptions:
+#: The keywords ``Smoother`` and ``MarginCertifier`` took in 0.1.0 instead of ``bound_options``: each is now the
+#: :class:`BoundOptions` field of the same name. Accepted with a ``DeprecationWarning`` until 0.3.0.
+DEPRECATED_BOUND_KEYWORDS = ("bound", "bound_method", "bound_delta", "power_iters", "exact_max_dim", "gamma_search",
+                             "gamma_steps", "gamma_batch", "reference_lipschitz", "gamma_max")
+
+
+def check_bound_options(options: BoundOptions | None, deprecated: dict | None = None,
+                        owner: str = "the certifier") -> BoundOptions:
     """A certifier's ``bound_options`` argument: a :class:`BoundOptions` (validated when it was built), or ``None`` for
-    the defaults."""
+    the defaults. ``deprecated``: the other keywords the certifier ``owner`` was called with — the 0.1.0 spelling
+    (:data:`DEPRECATED_BOUND_KEYWORDS`) becomes the same :class:`BoundOptions` with a ``DeprecationWarning`` that
+    names the new spelling; any other keyword is a ``TypeError`` as Python gives it."""
+    if deprecated:
+        unknown = sorted(set(deprecated) - set(DEPRECATED_BOUND_KEYWORDS))
+        if unknown:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        if options is not None:
+            raise TypeError(f"{owner}: give bound_options or the deprecated keywords "
+                            f"{', '.join(sorted(deprecated))}, not both")
+        spelled = ", ".join(f"{key}={value!r}" for key, value in deprecated.items())
+        warnings.warn(f"{owner}(..., {spelled}) is deprecated since 0.2.0 and will be removed in 0.3.0; pass "
+                      f"bound_options=BoundOptions({spelled}) instead", DeprecationWarning, stacklevel=3)
+        return BoundOptions(**deprecated)
     if options is None:
         return BoundOptions()
     if not isinstance(options, BoundOptions):

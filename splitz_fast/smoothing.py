@@ -139,6 +139,10 @@ class Smoother:
             :class:`~splitz_fast.protocols.CertificationProtocol` such as ``PublishedCode(data_std=(0.3081,))``), the
             estimates behind the SPLITZ paper's numbers (:mod:`splitz_fast.protocols`): **not certificates** — their
             rows say ``paper-estimate`` / ``published-code-estimate`` and a failure probability of NaN.
+
+    Deprecated: the 0.1.0 keywords ``bound``, ``bound_method``, ``bound_delta``, ``power_iters``, ``exact_max_dim``,
+    ``gamma_search``, ``gamma_steps``, ``gamma_batch``, ``reference_lipschitz`` and ``gamma_max`` still work, with a
+    ``DeprecationWarning``, until 0.3.0: pass ``bound_options=BoundOptions(...)`` with the same names instead.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class Smoother:
         max_batch_size: int = DEFAULT_MAX_BATCH,
         overlap_bounds: bool | None = None,
         protocol: str | CertificationProtocol = "sound",
+        **deprecated_bound_keywords,
     ):
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
@@ -160,7 +165,7 @@ class Smoother:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         self._model = model
         self.sigma = check_positive("sigma", sigma)
-        self.options = check_bound_options(bound_options)
+        self.options = check_bound_options(bound_options, deprecated_bound_keywords, "Smoother")
         self.radius_search = RadiusSearch(model, self.options)
         self.protocol = get_protocol(protocol)
         self.protocol.check(model)
