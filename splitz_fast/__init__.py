@@ -40,7 +40,7 @@ from .envelope import envelope_report
 from .diagnostics import diagnose, neuron_states
 from . import analysis, attacks, diagnostics, envelope, recipes
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "ABSTAIN",

@@ -62,3 +62,13 @@ def test_margin_certifier_old_keywords_warn_and_work():
     assert old.options == sz.BoundOptions(bound_method="exact")
     with pytest.raises(TypeError, match="no sigma"):
         MarginCertifier(model, sigma=0.5)
+
+
+def test_the_version_is_the_changelogs_unreleased_one():
+    """The package version moves with CHANGELOG.md: its first section names the version in development."""
+    from pathlib import Path
+
+    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text(encoding="utf-8")
+    first = next(line for line in changelog.splitlines() if line.startswith("## ["))
+    released = sz.__version__.split(".dev")[0]
+    assert f"({released})" in first or f"[{released}]" in first, (sz.__version__, first)
