@@ -38,7 +38,7 @@ from typing import Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
-from ._checks import check_output_folder
+from ._checks import check_input_file, check_output_folder
 from .protocols import is_estimate_kind
 from .results import COHEN_COLUMNS, SPLITZ_COLUMNS
 
@@ -137,11 +137,15 @@ def read_certification(path: PathLike) -> CertificationTable:
             ``idx label predict radius correct time`` (tab-separated) or repeats a column name; a row has the
             wrong number of fields, a value that does not parse, a negative or non-finite radius, ``correct``
             other than ``predict == label``, an abstention with a nonzero radius, or an ``idx`` seen before.
+        FileNotFoundError, IsADirectoryError: no file at ``path`` (one line naming it).
     """
     path = os.fspath(path)
+    check_input_file(path, "a certification TSV")
     try:
         with open(path, encoding="utf-8") as fh:
             lines = [(number, line.rstrip("\r\n")) for number, line in enumerate(fh, start=1)]
+    except OSError as err:
+        raise type(err)(f"{path}: cannot be read ({err.strerror or type(err).__name__})") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a text file (byte {err.start} is not UTF-8); expected a certification TSV "
                          f"whose header starts with {' '.join(COHEN_COLUMNS)}") from None

@@ -56,6 +56,9 @@ def _unreadable_reason(path: Path) -> str:
 def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
     """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"checkpoint {path} is a folder; give a checkpoint file ({path / 'best.pt'} or "
+                                f"{path / 'last.pt'} of a `splitz train` run)")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:

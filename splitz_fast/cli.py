@@ -25,7 +25,7 @@ import torch
 
 from . import __version__
 from ._checks import (check_count, check_device, check_output_file, check_output_folder, check_positive,
-                      check_probability)
+                      check_probability, read_settings_file)
 from .checkpoints import load_model  # also importable from here (scripts/ use splitz_fast.cli.load_model)
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
@@ -460,13 +460,16 @@ def diagnose_command(args: argparse.Namespace) -> int:
     from .diagnostics import diagnose, diagnostics_report
     from .checkpoints import checkpoint_digest
 
-    sidecar_path = Path(args.certification + ".json")
+    table = read_certification(args.certification)  # first: a missing TSV is named as such, not as a missing sidecar
     try:
-        sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ValueError(f"{args.certification}: its sidecar {sidecar_path} (written by `splitz certify`) is missing "
-                         "or unreadable; it records which images were certified") from None
-    table = read_certification(args.certification)
+        sidecar = read_settings_file(args.certification + ".json")
+    except ValueError as err:
+        raise ValueError(f"{args.certification}: its sidecar {err}; diagnose needs the one `splitz certify` wrote "
+                         "(it records which images were certified)") from None
+    missing = [key for key in ("dataset", "split", "sigma") if key not in sidecar]
+    if missing:
+        raise ValueError(f"{args.certification}: its sidecar records no {', '.join(missing)}; diagnose reads a "
+                         "`splitz certify` run")
     args.dataset, args.split = sidecar["dataset"], sidecar["split"]
     model, ckpt, info = _model_and_dataset(args)
     if checkpoint_digest(ckpt) != sidecar.get("checkpoint_digest"):

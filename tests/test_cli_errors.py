@@ -249,6 +249,35 @@ def test_certify_resume_names_only_the_settings_that_differ(tmp_path, capsys, ch
     assert "another command or version" in (err := _one_line_error(capsys)) and "(max, skip)" in err
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b'{"alpha": 0.001, "n\x01', "is not valid JSON (Invalid control character at: line 1 column 20 (char 19))"),
+    (b"[1, 2]", "holds no settings (a JSON object) but an array"),
+    (b"\xff\xfe{}", "is not a text file"),
+    (None, "is missing"),
+])
+def test_resume_with_a_damaged_settings_file_names_it_and_says_what_to_do(tmp_path, capsys, checkpoint, content,
+                                                                           problem):
+    out, sidecar = tmp_path / "out.tsv", tmp_path / "out.tsv.json"
+    assert main(_certify_args(checkpoint, out, "--max", "1")) == 0
+    sidecar.unlink() if content is None else sidecar.write_bytes(content)
+    capsys.readouterr()
+    assert main(_certify_args(checkpoint, out, "--max", "2", "--resume")) == 2
+    assert _one_line_error(capsys) == (f"error: cannot resume {out}: its settings file {sidecar} {problem}; restore it "
+                                       "or start a new OUTFILE\n")
+    assert len(out.read_text().splitlines()) == 2  # the finished row is kept
+
+
+def test_merge_over_a_file_with_a_damaged_settings_file_names_it(tmp_path, capsys, checkpoint):
+    out = tmp_path / "out.tsv"
+    assert main(_certify_args(checkpoint, out, "--max", "1", "--shard", "0/1")) == 0
+    assert main(["merge", str(out)]) == 0
+    (tmp_path / "out.tsv.json").write_text('{"kind": "certify",')
+    capsys.readouterr()
+    assert main(["merge", str(out)]) == 2
+    assert (f"{out} exists and was not written by this run (its settings file {out}.json is not valid JSON (Expecting "
+            "property name enclosed in double quotes") in _one_line_error(capsys)
+
+
 # ------------------------------------------------------------------------------------------------ option messages
 def test_option_messages_use_the_options_the_command_has(tmp_path, capsys, checkpoint):
     assert main(_certify_args(checkpoint, tmp_path / "out.tsv", "--skip", "0")) == 2
@@ -331,6 +360,32 @@ def test_analyze_names_a_binary_file_and_prints_bad_radii_plainly(tmp_path, caps
     assert main(["analyze", str(tsv), "--radii", "-1", "0.5"]) == 2
     err = _one_line_error(capsys)
     assert err == "error: radii must be >= 0, got -1\n"
+
+
+@pytest.mark.parametrize("command", [["analyze", "{tsv}"], ["envelope", "--group", "A", "{tsv}"],
+                                     ["diagnose", "{ckpt}", "{tsv}"]])
+def test_a_missing_or_folder_input_is_one_line_that_names_it(tmp_path, capsys, command):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for tsv, problem in ((tmp_path / "out" / "x.tsv", "no such file"),
+                         (folder, "is a folder; give a certification TSV")):
+        assert main([word.format(tsv=tsv, ckpt=tmp_path / "missing.pt") for word in command]) == 2
+        assert _one_line_error(capsys) == f"error: {tsv}: {problem}\n"
+
+
+def test_diagnose_names_its_sidecar_and_checkpoint_problems(tmp_path, capsys):
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("idx\tlabel\tpredict\tradius\tcorrect\ttime\n0\t1\t1\t0.5\t1\t0.1\n")
+    assert main(["diagnose", str(tmp_path / "run"), str(tsv)]) == 2
+    assert f"{tsv}: its sidecar {tsv}.json is missing; diagnose needs the one `splitz certify` wrote" in (
+        _one_line_error(capsys))
+    Path(f"{tsv}.json").write_text(json.dumps({"sigma": 0.5}))
+    assert main(["diagnose", str(tmp_path / "run"), str(tsv)]) == 2
+    assert f"{tsv}: its sidecar records no dataset, split; " in _one_line_error(capsys)
+    Path(f"{tsv}.json").write_text(json.dumps({"sigma": 0.5, "dataset": "mnist", "split": "test"}))
+    (tmp_path / "run").mkdir()
+    assert main(["diagnose", str(tmp_path / "run"), str(tsv)]) == 2
+    assert f"checkpoint {tmp_path / 'run'} is a folder; give a checkpoint file" in _one_line_error(capsys)
 
 
 def test_help_lists_dataset_names_and_every_default():
