@@ -819,11 +819,19 @@ def _add_envelope_parser(sub) -> None:
     e.set_defaults(func=envelope_command)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, with a pointer to ``--help`` instead of the usage
+    (exit status 2, as argparse's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} — see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``splitz`` parser: one builder per verb."""
-    parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
+    """The ``splitz`` parser: one builder per verb (each verb's parser a :class:`_Parser` too)."""
+    parser = _Parser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
     parser.add_argument("--version", action="version", version=f"splitz_fast {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_demo_parser, _add_train_parser, _add_certify_predict_parser, _add_merge_parser,
                 _add_certify_margin_parser, _add_attack_parser, _add_analyze_parser, _add_diagnose_parser,
                 _add_envelope_parser):

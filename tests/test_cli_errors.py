@@ -388,6 +388,25 @@ def test_diagnose_names_its_sidecar_and_checkpoint_problems(tmp_path, capsys):
     assert f"checkpoint {tmp_path / 'run'} is a folder; give a checkpoint file" in _one_line_error(capsys)
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["certify", "mnist", "ck.pt", "0.5", "out.tsv", "--protocol", "fancy"],
+     "splitz certify: error: argument --protocol: invalid choice: 'fancy' (choose from 'sound', 'displacement', "
+     "'paper', 'published-code') — see `splitz certify --help`"),
+    (["certify", "mnist", "ck.pt", "abc", "out.tsv"],
+     "splitz certify: error: argument sigma: invalid float value: 'abc' — see `splitz certify --help`"),
+    (["train", "tiny", "mlp", "run"], "splitz train: error: the following arguments are required: --sigma — see "
+                                      "`splitz train --help`"),
+    (["certfy"], "splitz: error: argument command: invalid choice: 'certfy' (choose from "),
+])
+def test_parser_errors_are_one_line_that_points_to_help(tmp_path, monkeypatch, capsys, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(expected) and "usage" not in err, err
+    assert err.endswith(f" — see `{expected.split(':')[0]} --help`\n") and list(tmp_path.iterdir()) == []
+
+
 def test_help_lists_dataset_names_and_every_default():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # argparse keeps the subparsers here
