@@ -819,12 +819,36 @@ def _add_envelope_parser(sub) -> None:
     e.set_defaults(func=envelope_command)
 
 
+#: How long a torchrun rank other than 0 waits before it exits with an error (:func:`_print_error`).
+RANK_ERROR_EXIT_DELAY = 2.0
+
+
+def _print_error(line: str) -> None:
+    """An error line on stderr, once per torchrun job. The ranks of a command mostly fail alike (the same arguments
+    and files), so under torchrun only rank 0 prints; every rank also writes its line to its torchrun error file
+    (``TORCHELASTIC_ERROR_FILE``), which torchrun's failure report shows (``traceback : error: ...``), so a line of
+    another rank alone is not lost. The other ranks then wait :data:`RANK_ERROR_EXIT_DELAY` seconds before exiting:
+    torchrun stops every rank as soon as one exits, and rank 0, failing alike, must get to print first. Without an
+    error file to write (no torchrun), every process prints at once."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The format of torch.distributed.elastic's ErrorHandler, without a Python call stack: the report shows the line.
+        record = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps(record))
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_ERROR_EXIT_DELAY)
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr, with a pointer to ``--help`` instead of the usage
-    (exit status 2, as argparse's)."""
+    (exit status 2, as argparse's; once per torchrun job, :func:`_print_error`)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} — see `{self.prog} --help`\n")
+        _print_error(f"{self.prog}: error: {message} — see `{self.prog} --help`")
+        self.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -935,7 +959,8 @@ def _refuse_conflicts(args: argparse.Namespace, typed: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; errors are one line on stderr with exit status 2, Ctrl-C exits with 130."""
+    """Run the command line; errors are one line on stderr with exit status 2 (under torchrun printed by rank 0 only,
+    :func:`_print_error`), Ctrl-C exits with 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
@@ -953,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {_stopped_at(args)}; to continue, run: {_continue_command(args, argv)}", file=sys.stderr)
         return 130
     except (DatasetUnavailableError, ValueError, TypeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        _print_error(f"error: {err}")
         return 2
 
 
