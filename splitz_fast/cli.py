@@ -671,8 +671,8 @@ def _add_certify_predict_parser(sub) -> None:
             c.add_argument("--gamma-search", choices=GAMMA_SEARCHES, default="bisection",
                            help="how γ is searched (every evaluated γ gives a valid radius)")
             c.add_argument("--gamma-batch", type=int, default=2,
-                           help="bisection: γ candidates per batched bound pass (2 = classic bisection; 4 = a "
-                                "superset of its points in half the passes)")
+                           help="bisection: γ candidates per batched bound pass, a power of two (2 = classic "
+                                "bisection; 4 = a superset of its points in half the passes; 8, ...)")
             c.add_argument("--bound", choices=BOUNDS, default="local",
                            help="local L(x, γ) or the global product of norms")
             c.add_argument("--bound-method", choices=BOUND_METHODS, default="auto",
@@ -920,8 +920,13 @@ def _bound_options(args: argparse.Namespace) -> BoundOptions:
     options: each option is the field of the same name (``--bound-method`` is ``bound_method``); a field the command
     has no option for keeps its default. Options typed together where one does nothing were refused before
     (:data:`_CONFLICTS`)."""
-    return BoundOptions(**{field.name: getattr(args, field.name) for field in fields(BoundOptions)
-                           if hasattr(args, field.name)})
+    given = {field.name: getattr(args, field.name) for field in fields(BoundOptions) if hasattr(args, field.name)}
+    try:
+        return BoundOptions(**given)
+    except (ValueError, TypeError) as err:  # BoundOptions' messages start with the field's name: name the option
+        field, _, rest = str(err).partition(" ")
+        option = f"--{field.replace('_', '-')}" if field in given else field
+        raise type(err)(f"{option} {rest}") from None
 
 
 _PGD = ("pgd", "smooth-pgd")

@@ -328,7 +328,9 @@ def test_bound_options_are_built_before_the_checkpoint_is_read(tmp_path, capsys)
     """The command line builds the BoundOptions (their only validation) from the parsed options before it loads
     anything: a missing checkpoint does not hide a bad --gamma-batch."""
     assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", "--gamma-batch", "1")) == 2
-    assert "gamma_batch must be >= 2, got 1" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+    assert "--gamma-batch must be >= 2, got 1" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+    assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", "--gamma-batch", "3")) == 2
+    assert _one_line_error(capsys).startswith("error: --gamma-batch must be a power of two (2, 4, 8, ...), got 3: ")
 
 
 @pytest.mark.parametrize("command", [
