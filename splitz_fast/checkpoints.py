@@ -122,7 +122,7 @@ def load_model(checkpoint: str | os.PathLike, device: str | torch.device = "cpu"
     return model.to(device).eval(), ckpt
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class LoadedCheckpoint:
     """What :func:`load_checkpoint` returns.
 
@@ -144,6 +144,16 @@ class LoadedCheckpoint:
     model_spec: dict[str, Any]
     config: dict[str, Any]
     data: dict[str, Any]
+
+    def __repr__(self) -> str:
+        """One line: what was trained, where, and how far (the weights and the optimizer state are not printed)."""
+        name = self.model_spec.get("name", type(self.model).__name__)
+        on = f" on {self.dataset}" if self.dataset else ""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        optimizer = "with" if self.data.get("optimizer") else "without"
+        return (f"LoadedCheckpoint({name}{on}, split_index={self.model.split_index}, epoch={self.epoch}, "
+                f"sigma={self.sigma}, {parameters:,} parameters, {optimizer} optimizer state, "
+                f"digest={self.digest[:12]}…)")
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:

@@ -210,6 +210,20 @@ def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, c
         sz.load_checkpoint(tmp_path / "missing.pt")
 
 
+def test_a_loaded_checkpoint_prints_as_one_short_line(tmp_path, checkpoint):
+    import splitz_fast as sz
+
+    ckpt = sz.load_checkpoint(checkpoint)
+    parameters = sum(p.numel() for p in ckpt.model.parameters())
+    assert repr(ckpt) == str(ckpt) == (
+        f"LoadedCheckpoint(mlp on tiny, split_index=1, epoch={ckpt.epoch}, sigma=0.5, {parameters:,} parameters, with "
+        f"optimizer state, digest={ckpt.digest[:12]}…)")
+    data = load_checkpoint_file(checkpoint)
+    del data["optimizer"]
+    torch.save(data, tmp_path / "weights-only.pt")
+    assert ", without optimizer state, " in repr(sz.load_checkpoint(tmp_path / "weights-only.pt"))
+
+
 def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys, checkpoint):
     ckpt = load_checkpoint_file(checkpoint)
     ckpt["model_spec"]["kwargs"]["split_index"] = 2
