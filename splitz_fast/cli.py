@@ -84,7 +84,7 @@ def demo(args: argparse.Namespace) -> int:
         # Checkpoints hold no wall times (identical runs give identical files): read them from the log.
         epoch_times = [json.loads(line)["epoch_seconds"] for line in (run_dir / "train.log").read_text().splitlines()]
         print(f"{name}: trained in {time.perf_counter() - started:.0f} s this call; epoch times "
-              f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch + 1}, "
+              f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch}, "
               f"val noisy acc {result.best_val_noisy_acc:.3f}", flush=True)
         best, _ = load_model(str(run_dir / "best.pt"), args.device)
         smoother = Smoother(best, args.sigma)
@@ -189,12 +189,12 @@ def train_command(args: argparse.Namespace) -> int:
     with ranks:
         result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
                        resume=args.resume, data_parallel=group, on_epoch_end=lambda r: print(
-                           f"epoch {r['epoch'] + 1}: loss {r['train_loss']:.4f}, val noisy acc "
+                           f"epoch {r['epoch']} of 0-{config.epochs - 1}: loss {r['train_loss']:.4f}, val noisy acc "
                            f"{r['val_noisy_acc']:.4f}, L̂ {r['val_lip_estimate']:.3f}, {r['epoch_seconds']:.1f} s",
                            flush=True))
     if group.rank == 0:
         on_ranks = f" on {group.world_size} ranks" if env is not None else ""
-        print(f"best epoch {result.best_epoch + 1} (val noisy acc {result.best_val_noisy_acc:.4f}){on_ranks} → "
+        print(f"best epoch {result.best_epoch} (val noisy acc {result.best_val_noisy_acc:.4f}){on_ranks} → "
               f"{Path(args.outdir) / 'best.pt'}")
     return 0
 
@@ -543,7 +543,7 @@ def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="train RS and SPLITZ LeNets on offline MNIST, certify, compare",
                        formatter_class=_HelpFormatter)
     d.add_argument("--out", default="runs/demo", help="folder for checkpoints, TSVs, tables, plot")
-    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model")
+    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model (numbered from 0)")
     d.add_argument("--train-batch", type=int, default=256, help="training batch size")
     d.add_argument("--lambda-start", type=float, default=0.8, help="SPLITZ λ at the first epoch")
     d.add_argument("--lambda-end", type=float, default=0.4, help="SPLITZ λ at the last epoch")
@@ -593,7 +593,8 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--threshold-per-element", action=argparse.BooleanOptionalAction, default=None,
                    help="one θ per element of f_L's activations (lenet, mlp; unset: the recipe's, else one per layer)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
-    t.add_argument("--epochs", type=int, default=10, help="training epochs")
+    t.add_argument("--epochs", type=int, default=10,
+                   help="training epochs, numbered from 0 to EPOCHS-1 (messages, train.log, a checkpoint's epoch)")
     t.add_argument("--batch", type=int, default=512,
                    help="training batch size (under torchrun: the global batch, shared out over the ranks)")
     t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")

@@ -235,6 +235,18 @@ def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys
     assert "Missing key" not in err and not (tmp_path / "out.tsv").exists()
 
 
+def test_train_numbers_epochs_from_0_as_its_log_and_checkpoints_do(tmp_path, capsys, tiny):
+    run = tmp_path / "run"
+    assert main(["train", "tiny", "mlp", str(run), *TRAIN[:3], "3", *TRAIN[4:]]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines()[:-1]] == ["epoch 0 of 0-2", "epoch 1 of 0-2",
+                                                                       "epoch 2 of 0-2"]
+    assert [json.loads(line)["epoch"] for line in (run / "train.log").read_text().splitlines()] == [0, 1, 2]
+    best = load_checkpoint_file(run / "best.pt")
+    assert out.splitlines()[-1].startswith(f"best epoch {best['epoch']} (") and best["epoch"] == best["best_epoch"]
+    assert load_checkpoint_file(run / "last.pt")["epoch"] == 2
+
+
 def test_resume_with_other_settings_names_them(tmp_path, capsys, tiny):
     run = tmp_path / "run"
     assert main(["train", "tiny", "mlp", str(run), *TRAIN[:3], "1", *TRAIN[4:]]) == 0
