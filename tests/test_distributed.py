@@ -395,6 +395,6 @@ def test_torchrun_predict_merges_to_the_single_process_rows(tmp_path, law_checkp
     assert main(_law_args("predict", law_checkpoint, single, 50)) == 0
     assert _rows(out) == _rows(single) and len(_rows(out)) == 84
     assert json.loads(Path(f"{out}.json").read_text()) == json.loads(Path(f"{single}.json").read_text())
-    # Without --resume a finished OUTFILE is refused before any work (every rank says so; torchrun fails).
+    # Without --resume a finished OUTFILE is refused before any work (rank 0 says so; torchrun fails).
     code, log = _finish(_torchrun(_law_args("predict", law_checkpoint, out, 50)), 180)
     assert code != 0 and "exists; pass --resume" in log
