@@ -4,6 +4,7 @@ Each check raises ``ValueError`` (or ``TypeError``) with a message that names th
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -143,6 +144,40 @@ def _check_writable(name: str, path: Path, folder: Path) -> None:
         except OSError as err:
             raise ValueError(f"cannot write {name} {str(path)!r}: this user cannot write to that file "
                              f"({err.strerror or type(err).__name__}); choose another path") from None
+
+
+def check_input_file(path: str | os.PathLike, what: str) -> Path:
+    """``path`` when it names a file that exists; otherwise one line naming it (``what``: the file expected, e.g. "a
+    certification TSV"): ``FileNotFoundError("out/x.tsv: no such file")``, ``IsADirectoryError`` for a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a folder; give {what}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    return path
+
+
+def read_settings_file(path: str | os.PathLike) -> dict:
+    """The settings a run's sidecar ``OUTFILE.json`` records (a JSON object). Raises ``ValueError`` with the problem
+    in words after the file's name, for the caller to prefix: ``"out.tsv.json is missing"``, ``"... is not valid
+    JSON (Expecting value: line 1 column 1 (char 0))"``, ``"... is not a text file"``, ``"... holds no settings"``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file") from None
+    except OSError as err:
+        raise ValueError(f"{path} cannot be read ({err.strerror or type(err).__name__})") from None
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(settings, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(settings), "a number")
+        raise ValueError(f"{path} holds no settings (a JSON object) but {kind}")
+    return settings
 
 
 def check_output_folder(name: str, path: str | os.PathLike) -> Path:

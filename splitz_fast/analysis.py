@@ -28,7 +28,6 @@ optionally writes) a markdown table, a LaTeX (booktabs) table and certified-accu
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -38,7 +37,7 @@ from typing import Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
-from ._checks import check_output_folder
+from ._checks import check_input_file, check_output_folder, read_settings_file
 from .protocols import certificate_status
 from .results import COHEN_COLUMNS, SPLITZ_COLUMNS
 
@@ -151,11 +150,15 @@ def read_certification(path: PathLike) -> CertificationTable:
             ``idx label predict radius correct time`` (tab-separated) or repeats a column name; a row has the
             wrong number of fields, a value that does not parse, a negative or non-finite radius, ``correct``
             other than ``predict == label``, an abstention with a nonzero radius, or an ``idx`` seen before.
+        FileNotFoundError, IsADirectoryError: no file at ``path`` (one line naming it).
     """
     path = os.fspath(path)
+    check_input_file(path, "a certification TSV")
     try:
         with open(path, encoding="utf-8") as fh:
             lines = [(number, line.rstrip("\r\n")) for number, line in enumerate(fh, start=1)]
+    except OSError as err:
+        raise type(err)(f"{path}: cannot be read ({err.strerror or type(err).__name__})") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a text file (byte {err.start} is not UTF-8); expected a certification TSV "
                          f"whose header starts with {' '.join(COHEN_COLUMNS)}") from None
@@ -230,10 +233,9 @@ def _sidecar_settings(path: str | None) -> dict:
     """The settings ``splitz certify`` recorded beside ``path`` (``OUTFILE.json``); empty when there are none (Cohen's
     files, tables built in memory) or they do not parse (they only label the run: the rows are what is read)."""
     try:
-        settings = json.loads(Path(f"{path}.json").read_text(encoding="utf-8")) if path else None
-    except (OSError, ValueError):
-        settings = None
-    return settings if isinstance(settings, dict) else {}
+        return read_settings_file(f"{path}.json") if path else {}
+    except ValueError:
+        return {}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ def _unreadable_reason(path: Path) -> str:
 def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
     """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"checkpoint {path} is a folder; give a checkpoint file ({path / 'best.pt'} or "
+                                f"{path / 'last.pt'} of a `splitz train` run)")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
@@ -119,7 +122,7 @@ def load_model(checkpoint: str | os.PathLike, device: str | torch.device = "cpu"
     return model.to(device).eval(), ckpt
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class LoadedCheckpoint:
     """What :func:`load_checkpoint` returns.
 
@@ -141,6 +144,16 @@ class LoadedCheckpoint:
     model_spec: dict[str, Any]
     config: dict[str, Any]
     data: dict[str, Any]
+
+    def __repr__(self) -> str:
+        """One line: what was trained, where, and how far (the weights and the optimizer state are not printed)."""
+        name = self.model_spec.get("name", type(self.model).__name__)
+        on = f" on {self.dataset}" if self.dataset else ""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        optimizer = "with" if self.data.get("optimizer") else "without"
+        return (f"LoadedCheckpoint({name}{on}, split_index={self.model.split_index}, epoch={self.epoch}, "
+                f"sigma={self.sigma}, {parameters:,} parameters, {optimizer} optimizer state, "
+                f"digest={self.digest[:12]}…)")
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:

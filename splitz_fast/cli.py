@@ -25,7 +25,7 @@ import torch
 
 from . import __version__
 from ._checks import (check_count, check_device, check_output_file, check_output_folder, check_positive,
-                      check_probability)
+                      check_probability, read_settings_file)
 from .checkpoints import load_model  # also importable from here (scripts/ use splitz_fast.cli.load_model)
 from .data import DatasetUnavailableError
 from .margin import MarginCertifier
@@ -84,7 +84,7 @@ def demo(args: argparse.Namespace) -> int:
         # Checkpoints hold no wall times (identical runs give identical files): read them from the log.
         epoch_times = [json.loads(line)["epoch_seconds"] for line in (run_dir / "train.log").read_text().splitlines()]
         print(f"{name}: trained in {time.perf_counter() - started:.0f} s this call; epoch times "
-              f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch + 1}, "
+              f"{', '.join(f'{t:.0f}' for t in epoch_times)} s; best epoch {result.best_epoch}, "
               f"val noisy acc {result.best_val_noisy_acc:.3f}", flush=True)
         best, _ = load_model(str(run_dir / "best.pt"), args.device)
         smoother = Smoother(best, args.sigma)
@@ -189,12 +189,12 @@ def train_command(args: argparse.Namespace) -> int:
     with ranks:
         result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
                        resume=args.resume, data_parallel=group, on_epoch_end=lambda r: print(
-                           f"epoch {r['epoch'] + 1}: loss {r['train_loss']:.4f}, val noisy acc "
+                           f"epoch {r['epoch']} of 0-{config.epochs - 1}: loss {r['train_loss']:.4f}, val noisy acc "
                            f"{r['val_noisy_acc']:.4f}, L̂ {r['val_lip_estimate']:.3f}, {r['epoch_seconds']:.1f} s",
                            flush=True))
     if group.rank == 0:
         on_ranks = f" on {group.world_size} ranks" if env is not None else ""
-        print(f"best epoch {result.best_epoch + 1} (val noisy acc {result.best_val_noisy_acc:.4f}){on_ranks} → "
+        print(f"best epoch {result.best_epoch} (val noisy acc {result.best_val_noisy_acc:.4f}){on_ranks} → "
               f"{Path(args.outdir) / 'best.pt'}")
     return 0
 
@@ -456,13 +456,16 @@ def diagnose_command(args: argparse.Namespace) -> int:
     from .diagnostics import diagnose, diagnostics_report
     from .checkpoints import checkpoint_digest
 
-    sidecar_path = Path(args.certification + ".json")
+    table = read_certification(args.certification)  # first: a missing TSV is named as such, not as a missing sidecar
     try:
-        sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ValueError(f"{args.certification}: its sidecar {sidecar_path} (written by `splitz certify`) is missing "
-                         "or unreadable; it records which images were certified") from None
-    table = read_certification(args.certification)
+        sidecar = read_settings_file(args.certification + ".json")
+    except ValueError as err:
+        raise ValueError(f"{args.certification}: its sidecar {err}; diagnose needs the one `splitz certify` wrote "
+                         "(it records which images were certified)") from None
+    missing = [key for key in ("dataset", "split", "sigma") if key not in sidecar]
+    if missing:
+        raise ValueError(f"{args.certification}: its sidecar records no {', '.join(missing)}; diagnose reads a "
+                         "`splitz certify` run")
     args.dataset, args.split = sidecar["dataset"], sidecar["split"]
     model, ckpt, info = _model_and_dataset(args)
     if checkpoint_digest(ckpt) != sidecar.get("checkpoint_digest"):
@@ -536,7 +539,7 @@ def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="train RS and SPLITZ LeNets on offline MNIST, certify, compare",
                        formatter_class=_HelpFormatter)
     d.add_argument("--out", default="runs/demo", help="folder for checkpoints, TSVs, tables, plot")
-    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model")
+    d.add_argument("--epochs", type=int, default=2, help="training epochs of each model (numbered from 0)")
     d.add_argument("--train-batch", type=int, default=256, help="training batch size")
     d.add_argument("--lambda-start", type=float, default=0.8, help="SPLITZ λ at the first epoch")
     d.add_argument("--lambda-end", type=float, default=0.4, help="SPLITZ λ at the last epoch")
@@ -586,7 +589,8 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--threshold-per-element", action=argparse.BooleanOptionalAction, default=None,
                    help="one θ per element of f_L's activations (lenet, mlp; unset: the recipe's, else one per layer)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
-    t.add_argument("--epochs", type=int, default=10, help="training epochs")
+    t.add_argument("--epochs", type=int, default=10,
+                   help="training epochs, numbered from 0 to EPOCHS-1 (messages, train.log, a checkpoint's epoch)")
     t.add_argument("--batch", type=int, default=512,
                    help="training batch size (under torchrun: the global batch, shared out over the ranks)")
     t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")
@@ -664,8 +668,8 @@ def _add_certify_predict_parser(sub) -> None:
             c.add_argument("--gamma-search", choices=GAMMA_SEARCHES, default="bisection",
                            help="how γ is searched (every evaluated γ gives a valid radius)")
             c.add_argument("--gamma-batch", type=int, default=2,
-                           help="bisection: γ candidates per batched bound pass (2 = classic bisection; 4 = a "
-                                "superset of its points in half the passes)")
+                           help="bisection: γ candidates per batched bound pass, a power of two (2 = classic "
+                                "bisection; 4 = a superset of its points in half the passes; 8, ...)")
             c.add_argument("--bound", choices=BOUNDS, default="local",
                            help="local L(x, γ) or the global product of norms")
             c.add_argument("--bound-method", choices=BOUND_METHODS, default="auto",
@@ -813,11 +817,43 @@ def _add_envelope_parser(sub) -> None:
     e.set_defaults(func=envelope_command)
 
 
+#: How long a torchrun rank other than 0 waits before it exits with an error (:func:`_print_error`).
+RANK_ERROR_EXIT_DELAY = 2.0
+
+
+def _print_error(line: str) -> None:
+    """An error line on stderr, once per torchrun job. The ranks of a command mostly fail alike (the same arguments
+    and files), so under torchrun only rank 0 prints; every rank also writes its line to its torchrun error file
+    (``TORCHELASTIC_ERROR_FILE``), which torchrun's failure report shows (``traceback : error: ...``), so a line of
+    another rank alone is not lost. The other ranks then wait :data:`RANK_ERROR_EXIT_DELAY` seconds before exiting:
+    torchrun stops every rank as soon as one exits, and rank 0, failing alike, must get to print first. Without an
+    error file to write (no torchrun), every process prints at once."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The format of torch.distributed.elastic's ErrorHandler, without a Python call stack: the report shows the line.
+        record = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps(record))
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_ERROR_EXIT_DELAY)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, with a pointer to ``--help`` instead of the usage
+    (exit status 2, as argparse's; once per torchrun job, :func:`_print_error`)."""
+
+    def error(self, message: str):
+        _print_error(f"{self.prog}: error: {message} — see `{self.prog} --help`")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``splitz`` parser: one builder per verb."""
-    parser = argparse.ArgumentParser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
+    """The ``splitz`` parser: one builder per verb (each verb's parser a :class:`_Parser` too)."""
+    parser = _Parser(prog="splitz", description="SPLITZ: split Lipschitz randomized smoothing")
     parser.add_argument("--version", action="version", version=f"splitz_fast {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_demo_parser, _add_train_parser, _add_certify_predict_parser, _add_merge_parser,
                 _add_certify_margin_parser, _add_attack_parser, _add_analyze_parser, _add_diagnose_parser,
                 _add_envelope_parser):
@@ -882,8 +918,13 @@ def _bound_options(args: argparse.Namespace) -> BoundOptions:
     options: each option is the field of the same name (``--bound-method`` is ``bound_method``); a field the command
     has no option for keeps its default. Options typed together where one does nothing were refused before
     (:data:`_CONFLICTS`)."""
-    return BoundOptions(**{field.name: getattr(args, field.name) for field in fields(BoundOptions)
-                           if hasattr(args, field.name)})
+    given = {field.name: getattr(args, field.name) for field in fields(BoundOptions) if hasattr(args, field.name)}
+    try:
+        return BoundOptions(**given)
+    except (ValueError, TypeError) as err:  # BoundOptions' messages start with the field's name: name the option
+        field, _, rest = str(err).partition(" ")
+        option = f"--{field.replace('_', '-')}" if field in given else field
+        raise type(err)(f"{option} {rest}") from None
 
 
 _PGD = ("pgd", "smooth-pgd")
@@ -921,7 +962,8 @@ def _refuse_conflicts(args: argparse.Namespace, typed: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; errors are one line on stderr with exit status 2, Ctrl-C exits with 130."""
+    """Run the command line; errors are one line on stderr with exit status 2 (under torchrun printed by rank 0 only,
+    :func:`_print_error`), Ctrl-C exits with 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
@@ -939,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {_stopped_at(args)}; to continue, run: {_continue_command(args, argv)}", file=sys.stderr)
         return 130
     except (DatasetUnavailableError, ValueError, TypeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        _print_error(f"error: {err}")
         return 2
 
 

@@ -11,7 +11,6 @@ from a file name.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ._checks import check_output_folder
+from ._checks import check_output_folder, read_settings_file
 from .analysis import (NOT_A_CERTIFICATE, CertificationTable, acr, certified_accuracy, certified_accuracy_curve,
                        labelled, markdown_table, read_certification)
 
@@ -51,10 +50,14 @@ SigmaRuns = Mapping[float, CertificationTable]
 def _sigma_of(path: Path) -> float:
     sidecar = Path(os.fspath(path) + ".json")
     try:
-        return float(json.loads(sidecar.read_text(encoding="utf-8"))["sigma"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ValueError(f"{path}: its sidecar {sidecar} (written by `splitz certify`) is missing or records no "
-                         "sigma; the envelope needs each run's σ") from None
+        settings = read_settings_file(sidecar)
+    except ValueError as err:
+        raise ValueError(f"{path}: its sidecar {err}; the envelope needs the one `splitz certify` wrote (it records "
+                         "the run's σ)") from None
+    try:
+        return float(settings["sigma"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: its sidecar {sidecar} records no sigma; the envelope needs each run's σ") from None
 
 
 def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationTable]:
@@ -62,10 +65,11 @@ def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationT
     group that mixes certificates with estimates (:func:`envelope_report` refuses such groups too)."""
     runs: dict[float, CertificationTable] = {}
     for path in map(Path, paths):
+        table = read_certification(path)  # first: a missing TSV is named as such, not as a missing sidecar
         sigma = _sigma_of(path)
         if sigma in runs:
             raise ValueError(f"two runs of σ = {sigma:g} in one group ({path} is the second); give one per σ")
-        runs[sigma] = read_certification(path)
+        runs[sigma] = table
     if not runs:
         raise ValueError("a group needs at least one certification file")
     _check_group("the group", runs)

@@ -56,7 +56,8 @@ class BoundOptions:
         exact_max_dim: largest Gram dimension handled by the exact bound under ``"auto"``.
         gamma_search: ``"bisection"`` or ``"one-step"``.
         gamma_steps: halvings of the bisection bracket ``[0, R/L(x, 0)]``.
-        gamma_batch: bracket parts per batched bound pass of the bisection (2 = classic bisection).
+        gamma_batch: bracket parts per batched bound pass of the bisection, a power of two (2 = classic bisection;
+            4, 8, ...: a superset of its points in fewer passes, so never a smaller radius with exact bounds).
         reference_lipschitz: ``L_ref`` of the one-step search (e.g. the mean ``L`` over data); ``L(x, 0)`` if None.
         gamma_max: search ceiling when ``L(x, 0) = 0`` (``f_L`` locally constant), in raw input units.
     """
@@ -84,6 +85,9 @@ class BoundOptions:
         check_count("exact_max_dim", self.exact_max_dim, 0)
         check_count("gamma_steps", self.gamma_steps, 0)
         check_count("gamma_batch", self.gamma_batch, 2)
+        if self.gamma_batch & (self.gamma_batch - 1):
+            raise ValueError(f"gamma_batch must be a power of two (2, 4, 8, ...), got {self.gamma_batch}: only then "
+                             "does a pass evaluate the bisection's own points (a superset of them)")
         if self.reference_lipschitz is not None:
             check_positive("reference_lipschitz", self.reference_lipschitz)
         check_positive("gamma_max", self.gamma_max)

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from ._checks import check_certify_counts, check_count, check_output_file
+from ._checks import check_certify_counts, check_count, check_output_file, read_settings_file
 from .protocols import certificate_status
 from .attacks import ATTACK_HEADER, Attacker
 from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
@@ -259,9 +259,12 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
         sidecar.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         out_path.write_text(header + "\n")
         return set()
-    if not sidecar.exists():
-        raise ValueError(f"cannot resume {out_path}: its settings file {sidecar} is missing")
-    previous = task.earlier_settings(json.loads(sidecar.read_text()))
+    try:
+        recorded = read_settings_file(sidecar)
+    except ValueError as err:
+        raise ValueError(f"cannot resume {out_path}: its settings file {err}; restore it or start a new "
+                         "OUTFILE") from None
+    previous = task.earlier_settings(recorded)
     complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
     written = _rows_certificate(header, complete, f"cannot resume {out_path}: it")
     if written is None:
@@ -343,9 +346,9 @@ class ShardData:
         if not sidecar.is_file():
             raise ValueError(f"cannot merge: {where} has no settings file {sidecar}")
         try:
-            settings = json.loads(sidecar.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"cannot merge: {sidecar} is not valid JSON ({err})") from None
+            settings = read_settings_file(sidecar)
+        except ValueError as err:
+            raise ValueError(f"cannot merge: {err}") from None
         return cls(where, settings, path.read_text())
 
 
@@ -415,10 +418,13 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
         settings["certificate"] = False  # estimate rows are labelled so whatever wrote the shards
     sidecar = _sidecar(out_path)
     if out_path.exists() or sidecar.exists():
-        previous = json.loads(sidecar.read_text()) if sidecar.is_file() else None
-        if previous != settings:
-            raise FileExistsError(f"{out_path} exists and was not written by this run (settings differ or its sidecar "
-                                  "is missing); remove it or choose another OUTFILE")
+        try:
+            why = "settings differ" if read_settings_file(sidecar) != settings else None
+        except ValueError as err:
+            why = f"its settings file {err}"
+        if why is not None:
+            raise FileExistsError(f"{out_path} exists and was not written by this run ({why}); remove it or choose "
+                                  "another OUTFILE")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     for path, text in ((sidecar, json.dumps(settings, indent=2, sort_keys=True) + "\n"),
                        (out_path, "\n".join([header] + [line for _, line in rows]) + "\n")):

@@ -640,6 +640,9 @@ def training_step(model: SplitModel, x: torch.Tensor, y: torch.Tensor, rows: Bat
 
 @dataclass
 class TrainResult:
+    """What :func:`train` returns: every epoch's record (``history``), the best epoch (0-based, as ``train.log``'s
+    ``epoch`` and a checkpoint's; ``-1`` before any) with its validation noisy accuracy, and the run folder."""
+
     history: list[dict[str, Any]] = field(default_factory=list)
     best_epoch: int = -1
     best_val_noisy_acc: float = -1.0
@@ -684,7 +687,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
     sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0, "flatness": 0.0}
     gamma = config.gamma_at(epoch)
     progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
-                    total=len(positions), desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
+                    total=len(positions), desc=f"epoch {epoch} of 0-{config.epochs - 1}", leave=False,
                     disable=group.rank != 0)
     for batch, ((x, y), share) in enumerate(progress, start=1):
         weight = multiplier if config.objective.has_multiplier else lam

@@ -210,6 +210,20 @@ def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, c
         sz.load_checkpoint(tmp_path / "missing.pt")
 
 
+def test_a_loaded_checkpoint_prints_as_one_short_line(tmp_path, checkpoint):
+    import splitz_fast as sz
+
+    ckpt = sz.load_checkpoint(checkpoint)
+    parameters = sum(p.numel() for p in ckpt.model.parameters())
+    assert repr(ckpt) == str(ckpt) == (
+        f"LoadedCheckpoint(mlp on tiny, split_index=1, epoch={ckpt.epoch}, sigma=0.5, {parameters:,} parameters, with "
+        f"optimizer state, digest={ckpt.digest[:12]}…)")
+    data = load_checkpoint_file(checkpoint)
+    del data["optimizer"]
+    torch.save(data, tmp_path / "weights-only.pt")
+    assert ", without optimizer state, " in repr(sz.load_checkpoint(tmp_path / "weights-only.pt"))
+
+
 def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys, checkpoint):
     ckpt = load_checkpoint_file(checkpoint)
     ckpt["model_spec"]["kwargs"]["split_index"] = 2
@@ -219,6 +233,18 @@ def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys
     err = _one_line_error(capsys)
     assert err.startswith(f"error: {other}: ") and "another split or architecture" in err
     assert "Missing key" not in err and not (tmp_path / "out.tsv").exists()
+
+
+def test_train_numbers_epochs_from_0_as_its_log_and_checkpoints_do(tmp_path, capsys, tiny):
+    run = tmp_path / "run"
+    assert main(["train", "tiny", "mlp", str(run), *TRAIN[:3], "3", *TRAIN[4:]]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines()[:-1]] == ["epoch 0 of 0-2", "epoch 1 of 0-2",
+                                                                       "epoch 2 of 0-2"]
+    assert [json.loads(line)["epoch"] for line in (run / "train.log").read_text().splitlines()] == [0, 1, 2]
+    best = load_checkpoint_file(run / "best.pt")
+    assert out.splitlines()[-1].startswith(f"best epoch {best['epoch']} (") and best["epoch"] == best["best_epoch"]
+    assert load_checkpoint_file(run / "last.pt")["epoch"] == 2
 
 
 def test_resume_with_other_settings_names_them(tmp_path, capsys, tiny):
@@ -247,6 +273,35 @@ def test_certify_resume_names_only_the_settings_that_differ(tmp_path, capsys, ch
     assert "different settings: n (50 in out.tsv.json, 60 now); use" in err and "skip" not in err and "max" not in err
     assert main(_certify_args(checkpoint, out, "--resume")) == 2
     assert "another command or version" in (err := _one_line_error(capsys)) and "(max, skip)" in err
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"alpha": 0.001, "n\x01', "is not valid JSON (Invalid control character at: line 1 column 20 (char 19))"),
+    (b"[1, 2]", "holds no settings (a JSON object) but an array"),
+    (b"\xff\xfe{}", "is not a text file"),
+    (None, "is missing"),
+])
+def test_resume_with_a_damaged_settings_file_names_it_and_says_what_to_do(tmp_path, capsys, checkpoint, content,
+                                                                           problem):
+    out, sidecar = tmp_path / "out.tsv", tmp_path / "out.tsv.json"
+    assert main(_certify_args(checkpoint, out, "--max", "1")) == 0
+    sidecar.unlink() if content is None else sidecar.write_bytes(content)
+    capsys.readouterr()
+    assert main(_certify_args(checkpoint, out, "--max", "2", "--resume")) == 2
+    assert _one_line_error(capsys) == (f"error: cannot resume {out}: its settings file {sidecar} {problem}; restore it "
+                                       "or start a new OUTFILE\n")
+    assert len(out.read_text().splitlines()) == 2  # the finished row is kept
+
+
+def test_merge_over_a_file_with_a_damaged_settings_file_names_it(tmp_path, capsys, checkpoint):
+    out = tmp_path / "out.tsv"
+    assert main(_certify_args(checkpoint, out, "--max", "1", "--shard", "0/1")) == 0
+    assert main(["merge", str(out)]) == 0
+    (tmp_path / "out.tsv.json").write_text('{"kind": "certify",')
+    capsys.readouterr()
+    assert main(["merge", str(out)]) == 2
+    assert (f"{out} exists and was not written by this run (its settings file {out}.json is not valid JSON (Expecting "
+            "property name enclosed in double quotes") in _one_line_error(capsys)
 
 
 # ------------------------------------------------------------------------------------------------ option messages
@@ -299,7 +354,9 @@ def test_bound_options_are_built_before_the_checkpoint_is_read(tmp_path, capsys)
     """The command line builds the BoundOptions (their only validation) from the parsed options before it loads
     anything: a missing checkpoint does not hide a bad --gamma-batch."""
     assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", "--gamma-batch", "1")) == 2
-    assert "gamma_batch must be >= 2, got 1" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+    assert "--gamma-batch must be >= 2, got 1" in _one_line_error(capsys) and list(tmp_path.iterdir()) == []
+    assert main(_certify_args(tmp_path / "missing.pt", tmp_path / "out.tsv", "--gamma-batch", "3")) == 2
+    assert _one_line_error(capsys).startswith("error: --gamma-batch must be a power of two (2, 4, 8, ...), got 3: ")
 
 
 @pytest.mark.parametrize("command", [
@@ -331,6 +388,51 @@ def test_analyze_names_a_binary_file_and_prints_bad_radii_plainly(tmp_path, caps
     assert main(["analyze", str(tsv), "--radii", "-1", "0.5"]) == 2
     err = _one_line_error(capsys)
     assert err == "error: radii must be >= 0, got -1\n"
+
+
+@pytest.mark.parametrize("command", [["analyze", "{tsv}"], ["envelope", "--group", "A", "{tsv}"],
+                                     ["diagnose", "{ckpt}", "{tsv}"]])
+def test_a_missing_or_folder_input_is_one_line_that_names_it(tmp_path, capsys, command):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for tsv, problem in ((tmp_path / "out" / "x.tsv", "no such file"),
+                         (folder, "is a folder; give a certification TSV")):
+        assert main([word.format(tsv=tsv, ckpt=tmp_path / "missing.pt") for word in command]) == 2
+        assert _one_line_error(capsys) == f"error: {tsv}: {problem}\n"
+
+
+def test_diagnose_names_its_sidecar_and_checkpoint_problems(tmp_path, capsys):
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("idx\tlabel\tpredict\tradius\tcorrect\ttime\n0\t1\t1\t0.5\t1\t0.1\n")
+    assert main(["diagnose", str(tmp_path / "run"), str(tsv)]) == 2
+    assert f"{tsv}: its sidecar {tsv}.json is missing; diagnose needs the one `splitz certify` wrote" in (
+        _one_line_error(capsys))
+    Path(f"{tsv}.json").write_text(json.dumps({"sigma": 0.5}))
+    assert main(["diagnose", str(tmp_path / "run"), str(tsv)]) == 2
+    assert f"{tsv}: its sidecar records no dataset, split; " in _one_line_error(capsys)
+    Path(f"{tsv}.json").write_text(json.dumps({"sigma": 0.5, "dataset": "mnist", "split": "test"}))
+    (tmp_path / "run").mkdir()
+    assert main(["diagnose", str(tmp_path / "run"), str(tsv)]) == 2
+    assert f"checkpoint {tmp_path / 'run'} is a folder; give a checkpoint file" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["certify", "mnist", "ck.pt", "0.5", "out.tsv", "--protocol", "fancy"],
+     "splitz certify: error: argument --protocol: invalid choice: 'fancy' (choose from 'sound', 'displacement', "
+     "'paper', 'published-code') — see `splitz certify --help`"),
+    (["certify", "mnist", "ck.pt", "abc", "out.tsv"],
+     "splitz certify: error: argument sigma: invalid float value: 'abc' — see `splitz certify --help`"),
+    (["train", "tiny", "mlp", "run"], "splitz train: error: the following arguments are required: --sigma — see "
+                                      "`splitz train --help`"),
+    (["certfy"], "splitz: error: argument command: invalid choice: 'certfy' (choose from "),
+])
+def test_parser_errors_are_one_line_that_points_to_help(tmp_path, monkeypatch, capsys, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(expected) and "usage" not in err, err
+    assert err.endswith(f" — see `{expected.split(':')[0]} --help`\n") and list(tmp_path.iterdir()) == []
 
 
 def test_help_lists_dataset_names_and_every_default():

@@ -163,6 +163,49 @@ def test_shard_option_errors_are_one_line(tmp_path, capsys, checkpoint, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_error_under_torchrun_is_printed_by_rank_0_and_in_every_ranks_error_file(tmp_path, capsys, monkeypatch):
+    """Every rank usually fails alike, so rank 0 alone prints the line; each rank writes it to its torchrun error file,
+    which torchrun's failure report shows (read here with torchrun's own classes), so another rank's line is kept."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import splitz_fast.cli as cli
+
+    demo = "error: `splitz demo` runs as one process; under torchrun (WORLD_SIZE=2)"
+    parser = "splitz certify: error: argument sigma: invalid float value: 'abc' — see `splitz certify --help`"
+    monkeypatch.setattr(cli, "RANK_ERROR_EXIT_DELAY", 0.0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        error_file = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        assert main(["demo", "--out", str(tmp_path / "demo")]) == 2
+        err = capsys.readouterr().err
+        assert (err.startswith(demo) and err.count("\n") == 1) if rank == 0 else err == ""
+        report = ChildFailedError("splitz_fast", {rank: ProcessFailure(rank, 1, 2, str(error_file))}).format_msg()
+        assert f"traceback : {demo}" in report and "Traceback" not in report
+        with pytest.raises(SystemExit) as exit_:
+            main(["certify", "mnist", "c.pt", "abc", "o.tsv"])
+        assert exit_.value.code == 2 and capsys.readouterr().err == (f"{parser}\n" if rank == 0 else "")
+        assert json.loads(error_file.read_text())["message"]["message"] == parser
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # another launcher: no error file to keep the line, so it prints
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 2
+    assert capsys.readouterr().err.startswith(demo)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error-0.json", "error-1.json"]
+
+
+@pytest.mark.slow  # ~8 s on 2 CPU cores: three Python processes import torch
+@pytest.mark.skipif(not TORCHRUN.exists(), reason=f"needs torchrun beside {sys.executable}")
+def test_torchrun_prints_an_error_line_once_and_its_report_names_it(tmp_path):
+    """torchrun itself then reports the failed workers (a ChildFailedError traceback, exit status 1): it does so for
+    every worker that exits non-zero, so only our own line can be kept to one."""
+    code, log = _finish(_torchrun(["demo", "--out", str(tmp_path / "demo")]), 120)
+    line = "error: `splitz demo` runs as one process"
+    printed = [ln for ln in log.splitlines() if ln.startswith("error: ")]
+    assert code == 1 and len(printed) == 1 and printed[0].startswith(line), log
+    assert f"traceback : {line}" in log, log
+    assert not (tmp_path / "demo").exists()
+
+
 def test_certify_margin_shards_merge_to_the_single_process_rows(tmp_path, capsys, tiny):
     run = tmp_path / "lip"
     assert main(["train", "tiny", "mlp", str(run), "--split-index", "3", "--sigma", "0.01", "--epochs", "1",
@@ -352,6 +395,6 @@ def test_torchrun_predict_merges_to_the_single_process_rows(tmp_path, law_checkp
     assert main(_law_args("predict", law_checkpoint, single, 50)) == 0
     assert _rows(out) == _rows(single) and len(_rows(out)) == 84
     assert json.loads(Path(f"{out}.json").read_text()) == json.loads(Path(f"{single}.json").read_text())
-    # Without --resume a finished OUTFILE is refused before any work (every rank says so; torchrun fails).
+    # Without --resume a finished OUTFILE is refused before any work (rank 0 says so; torchrun fails).
     code, log = _finish(_torchrun(_law_args("predict", law_checkpoint, out, 50)), 180)
     assert code != 0 and "exists; pass --resume" in log

@@ -331,16 +331,18 @@ def test_batch_size_is_measured_once_and_never_changes_results():
 # ---------------------------------------------------------------------------------------------------- γ search
 @pytest.mark.parametrize("name", [pytest.param("lenet", marks=pytest.mark.slow), "lenet-splitz"])  # ~9 s each, 2 cores
 def test_batched_gamma_passes_never_lose_radius_against_bisection(name):
-    """gamma_batch = 4 evaluates a superset of the bisection's points (in half the passes): never a smaller radius
-    with exact bounds, and every reported radius is min(R/L(x, γ), γ) at its γ."""
+    """gamma_batch = 4 (8) evaluates a superset of the bisection's points (in half (a third of) the passes): never a
+    smaller radius with exact bounds, and every reported radius is min(R/L(x, γ), γ) at its γ."""
     torch.manual_seed(0)
     model = sz.build_model(name, split_index=1).eval()
     xs = torch.rand(2, 1, 28, 28, generator=_gen(len(name)))
     for i, x in enumerate(xs):
         for radius_latent in (0.2, 0.8):
-            two, four = (Smoother(model, 0.5, bound_options=BoundOptions(gamma_batch=batch, bound_method="exact"))
-                         .radius_search.search(x, radius_latent, None) for batch in (2, 4))
-            assert four.radius >= two.radius - 1e-15, (i, radius_latent)
+            two, four, eight = (
+                Smoother(model, 0.5, bound_options=BoundOptions(gamma_batch=batch, bound_method="exact"))
+                .radius_search.search(x, radius_latent, None) for batch in (2, 4, 8))
+            assert four.radius >= two.radius - 1e-15 and eight.radius >= two.radius - 1e-15, (i, radius_latent)
+            assert eight.passes <= 4
             # At most the bisection's passes and points (points covered by a larger bounded ball are not re-bounded).
             assert two.passes <= 9 and four.passes <= 5
             assert two.evaluations <= 10 and four.evaluations <= 14
@@ -435,6 +437,10 @@ def test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding():
 def test_bound_options_say_what_is_wrong():
     with pytest.raises(ValueError, match="gamma_batch"):
         BoundOptions(gamma_batch=1)
+    for batch in (3, 6, 12):  # only powers of two evaluate a superset of the bisection's points
+        with pytest.raises(ValueError, match=rf"gamma_batch must be a power of two \(2, 4, 8, ...\), got {batch}"):
+            BoundOptions(gamma_batch=batch)
+    assert BoundOptions(gamma_batch=8).passes == 3
     with pytest.raises(ValueError, match="gamma_search"):
         BoundOptions(gamma_search="grid")
     with pytest.raises(TypeError, match="gamma_stpes"):
