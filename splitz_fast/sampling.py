@@ -248,7 +248,7 @@ class SamplingEngine:
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
-                prepared = _cheaper_chain(fold_batchnorm(source).to(self.device), channels_last)
+                prepared = _cheaper_chain(fold_batchnorm(source).to(self.device), channels_last, device=self.device)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
                 if self.compile:
@@ -500,7 +500,7 @@ _CHAIN_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAv
                  nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)
 
 
-def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
+def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: torch.device) -> nn.Module:
     """The prepared copy of a plain layer chain, rearranged to cost less for the same function:
 
     * every ``ReLU`` directly followed by a ``MaxPool2d`` runs after it: ``maxpool(relu(x)) = relu(maxpool(x))``
@@ -508,14 +508,15 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
       -inf, which never wins a window holding a real value; NaN propagates through both), so ReLU touches 4x fewer
       values behind a 2x2 pool (LeNet at s = 0: the sampling engine 1.4x faster, the same votes);
     * the ReLUs run in place (one large allocation less per layer): in such a chain no ReLU input is used again;
-    * every plain 2x2 max pool of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise
-      maxima of strided views, bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through
-      both), without its index bookkeeping, and written channels_last where the chain runs channels_last (NCHW
-      where a Flatten follows, which then needs no copy). ATen's
-      CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at s = 0: oneDNN runs the first
-      convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs its slow NCHW loop and hands
-      the next convolution an NCHW activation (measured, one thread: the pool after LeNet's first convolution 105 →
-      8 us per sample in NCHW, 8.5 → 4.1 in channels_last).
+    * on the CPU only (``device``, where the copy runs: :func:`_pools_as_strided_maxima`), every plain 2x2 max pool
+      of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise maxima of strided views,
+      bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through both), without its index
+      bookkeeping, and written channels_last where the chain runs channels_last (NCHW where a Flatten follows, which
+      then needs no copy). ATen's CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at
+      s = 0: oneDNN runs the first convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs
+      its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
+      LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
+      stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time).
 
     Only for an ``nn.Sequential`` whose layers are all exactly of the types in :data:`_CHAIN_LAYERS` (subclasses may
     return aliases or compute something else); other modules are returned as they are."""
@@ -529,11 +530,18 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
         if isinstance(layer, nn.ReLU):
             layer.inplace = True
     for i, layer in enumerate(layers):
-        if _is_maxpool2(layer):
+        if _is_maxpool2(layer) and _pools_as_strided_maxima(device):
             # a pool that feeds a Flatten (through in-place ReLUs) writes NCHW: the Flatten is then a view, not a copy
             rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
             layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
     return nn.Sequential(*layers)
+
+
+def _pools_as_strided_maxima(device: torch.device) -> bool:
+    """Whether a prepared chain on ``device`` runs its plain 2x2 max pools as :class:`_MaxPool2x2`: on the CPU only,
+    where it was measured to win (:func:`_cheaper_chain`). On CUDA the pooling kernel stays: measured on an H100, the
+    two strided maxima (two ``aten::maximum`` kernels) cost 31 % of LeNet's GPU time."""
+    return torch.device(device).type == "cpu"
 
 
 class _MaxPool2x2(nn.Module):

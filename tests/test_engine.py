@@ -19,6 +19,9 @@ from splitz_fast.radius import BoundOptions, bisection_reference
 from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine, fold_batchnorm
 
 
+CPU = torch.device("cpu")
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -130,6 +133,26 @@ def test_prepared_f_r_folds_batchnorm_and_leaves_the_user_model_unchanged():
     assert fold_batchnorm(nn.Linear(3, 2)).weight is not None  # nothing to fold: still a working copy
 
 
+def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
+    """The 2x2 max pool runs as two strided maxima (_MaxPool2x2) on the CPU only; a copy prepared for CUDA keeps
+    nn.MaxPool2d (decided from the device; nothing is allocated on it here)."""
+    from splitz_fast import sampling
+
+    right = sz.build_model("lenet", split_index=0).right
+    cuda, cpu = torch.device("cuda"), CPU
+    assert sampling._pools_as_strided_maxima(cpu) and not sampling._pools_as_strided_maxima(cuda)
+    on_cpu = sampling._cheaper_chain(copy.deepcopy(right), True, device=cpu)
+    on_cuda = sampling._cheaper_chain(copy.deepcopy(right), True, device=cuda)
+    assert [type(m).__name__ for m in on_cpu][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "_MaxPool2x2", "ReLU"]
+    assert [type(m).__name__ for m in on_cuda][:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    # the engine passes its own device: with moves to the device stubbed out, a CUDA engine prepares MaxPool2d
+    monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
+    engine = SamplingEngine(right, 10, 0.25, cuda)
+    prepared = engine.classifier(channels_last=True)
+    assert sum(type(m) is nn.MaxPool2d for m in prepared) == 2
+    assert not any(isinstance(m, sampling._MaxPool2x2) for m in prepared)
+
+
 def _pooling_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
     """LeNet's shape in miniature: f_R starts with MaxPool2d(2), so the engine draws the pooled noise in one pass."""
     torch.manual_seed(seed)
@@ -167,7 +190,7 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     right = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1),
                           nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), nn.Flatten(),
                           nn.Linear(54, 5))
-    prepared = sampling._cheaper_chain(copy.deepcopy(right))
+    prepared = sampling._cheaper_chain(copy.deepcopy(right), device=CPU)
     assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
     assert not any(m.inplace for m in right if isinstance(m, nn.ReLU))  # the user's chain is untouched
@@ -179,10 +202,11 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     model = SplitModel(LeftHalf([], [], input_shape=(1, 8, 8)), right, 5)
     xs = torch.rand(3, 1, 8, 8, generator=_gen(4))
     fast = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
-    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module, channels_last=False: module)
+    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module, channels_last=False, device=None: module)
     plain = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
     assert [(p.count_top, p.count_second) for p in fast] == [(p.count_top, p.count_second) for p in plain]
-    assert sampling._cheaper_chain(nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2)))[0].inplace is False
+    chain = nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2))
+    assert sampling._cheaper_chain(chain, device=CPU)[0].inplace is False
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -207,9 +231,10 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     from splitz_fast import sampling
 
     chain = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
-                                                  nn.MaxPool2d(2, ceil_mode=True)), channels_last)
+                                                  nn.MaxPool2d(2, ceil_mode=True)), channels_last, device=CPU)
     assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
-    flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True)
+    flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True,
+                                   device=CPU)
     assert flat[1].channels_last is False  # feeds a Flatten (through the ReLU): NCHW, so the Flatten is a view
     with torch.no_grad():
         y = flat[:3](torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last))
