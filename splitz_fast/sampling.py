@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .folding import fold_batchnorm, folded_copy, unfolded_batchnorms
 from .kernels import select_backend
 from .kernels.noise_votes import (
     count_votes_triton,
@@ -173,21 +174,6 @@ class SamplingJob:
     counts: torch.Tensor
 
 
-def fold_batchnorm(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` (eval mode) with every BatchNorm that directly follows a convolution or linear layer
-    folded into it (``torch.fx``); the same real-valued function, one pass less. Modules that ``torch.fx`` cannot
-    trace are returned unfolded (still a copy)."""
-    module = copy.deepcopy(module).eval()
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
-        return module
-    from torch.fx.experimental.optimization import fuse
-
-    try:
-        return fuse(module)
-    except Exception:  # noqa: BLE001 — untraceable control flow: keep the unfolded copy
-        return module
-
-
 class SamplingEngine:
     """Votes of ``f_R`` over noisy copies of latents, for one input or a stream of them.
 
@@ -217,6 +203,8 @@ class SamplingEngine:
         self._probed: set[tuple[bool, bool]] = set()  # prepared copies whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
         self._count_lock = threading.Lock()
+        self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
+        self._warned_unfolded: set[tuple[str, ...]] = set()
 
     # ------------------------------------------------------------------ the prepared f_R
     def check_current(self) -> None:
@@ -225,7 +213,22 @@ class SamplingEngine:
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
             self._probed.clear()
+            self._unfolded = None
             self._snapshot = ModuleSnapshot(self.source)
+
+    @property
+    def unfolded_batchnorms(self) -> dict[str, str]:
+        """The BatchNorm layers of ``f_R`` that the prepared copy keeps unfolded (qualified name → why; see
+        :func:`~splitz_fast.folding.unfolded_batchnorms`), decided from the modules alone: empty when every BatchNorm
+        folds or ``f_R`` has none."""
+        if self._unfolded is None:
+            self._unfolded = unfolded_batchnorms(self.source)
+        return self._unfolded
+
+    @property
+    def batchnorm_folded(self) -> bool:
+        """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
+        return not self.unfolded_batchnorms
 
     def pools_in_noise(self, latent_shape: torch.Size) -> bool:
         """Whether ``f_R``'s leading 2x2 max pool is drawn by the noise kernel (:meth:`NoiseStream.noisy` with
@@ -248,13 +251,29 @@ class SamplingEngine:
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
-                prepared = _cheaper_chain(fold_batchnorm(source).to(self.device), channels_last, device=self.device)
+                folded, unfolded = folded_copy(source)
+                if not pooled:
+                    self._unfolded = unfolded
+                self._warn_unfolded(unfolded)
+                prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
                 if self.compile:
                     prepared = _CompiledOrEager(prepared)
             self._prepared[key] = prepared
         return self._prepared[key]
+
+    def _warn_unfolded(self, unfolded: dict[str, str]) -> None:
+        """Warn once per engine (and set of layers) that the prepared ``f_R`` keeps BatchNorm layers unfolded."""
+        if not unfolded or tuple(unfolded) in self._warned_unfolded:
+            return
+        self._warned_unfolded.add(tuple(unfolded))
+        shown = [f"{name or 'f_R'} ({why})" for name, why in unfolded.items()]
+        if len(shown) > 5:
+            shown = shown[:5] + [f"and {len(shown) - 5} more"]
+        warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
+                      f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
+                      "of the model as it is", stacklevel=4)
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -654,4 +673,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm"]
+__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm",
+           "unfolded_batchnorms"]
