@@ -300,6 +300,23 @@ def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
     assert not any(isinstance(m, sampling._MaxPool2x2) for m in prepared)
 
 
+def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_path):
+    """`bn_folded: false` enters the settings only for an f_R that keeps a BatchNorm unfolded, so files of folded or
+    BatchNorm-free models keep their sidecars (and resume)."""
+    from types import SimpleNamespace
+
+    from splitz_fast import cli
+
+    small, pooling = _small_splitz()[0], _pooling_splitz()[0]
+    unfoldable = SplitModel(copy.deepcopy(small.left), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4),
+                                                                     nn.Flatten(), nn.Linear(64, 5)), 5)
+    args = cli.build_parser().parse_args(["certify", "mnist", "ckpt.pt", "0.5", str(tmp_path / "out.tsv")])
+    for model, recorded in ((small, None), (pooling, None), (unfoldable, False)):
+        monkeypatch.setattr(cli._DatasetRun, "open", classmethod(lambda cls, a, m=model: SimpleNamespace(model=m)))
+        settings = cli._smoother(args, selection=True)[2]
+        assert settings.get("bn_folded") is recorded
+
+
 def _pooling_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
     """LeNet's shape in miniature: f_R starts with MaxPool2d(2), so the engine draws the pooled noise in one pass."""
     torch.manual_seed(seed)
