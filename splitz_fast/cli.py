@@ -31,7 +31,7 @@ from .data import DatasetUnavailableError
 from .margin import MarginCertifier
 from .protocols import PROTOCOLS, PUBLISHED_DATA_STD, CertificationProtocol, PublishedCode, get_protocol
 from .radius import BOUND_METHODS, BOUNDS, GAMMA_SEARCHES, BoundOptions
-from .sampling import PRECISIONS
+from .sampling import PRECISIONS, unfolded_batchnorms
 from .sequential import SequentialCertifier
 from .smoothing import Smoother
 from .stats import max_latent_radius
@@ -326,6 +326,8 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, S
         settings["precision"] = smoother.precision
     if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
         settings["gamma_batch"] = smoother.options.gamma_batch
+    if unfolded_batchnorms(run.model.right):  # sampled with unfolded BatchNorm: recorded only then (files resume)
+        settings["bn_folded"] = False
     return run, smoother, settings
 
 

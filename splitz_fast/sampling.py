@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .folding import fold_batchnorm, folded_copy, unfolded_batchnorms
 from .kernels import select_backend
 from .kernels.noise_votes import (
     count_votes_triton,
@@ -194,21 +195,6 @@ class SamplingJob:
     counts: torch.Tensor
 
 
-def fold_batchnorm(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` (eval mode) with every BatchNorm that directly follows a convolution or linear layer
-    folded into it (``torch.fx``); the same real-valued function, one pass less. Modules that ``torch.fx`` cannot
-    trace are returned unfolded (still a copy)."""
-    module = copy.deepcopy(module).eval()
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
-        return module
-    from torch.fx.experimental.optimization import fuse
-
-    try:
-        return fuse(module)
-    except Exception:  # noqa: BLE001 — untraceable control flow: keep the unfolded copy
-        return module
-
-
 class SamplingEngine:
     """Votes of ``f_R`` over noisy copies of latents, for one input or a stream of them.
 
@@ -238,6 +224,8 @@ class SamplingEngine:
         self._probed: set[tuple[bool, bool]] = set()  # prepared copies whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
         self._count_lock = threading.Lock()
+        self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
+        self._warned_unfolded: set[tuple[str, ...]] = set()
 
     # ------------------------------------------------------------------ the prepared f_R
     def check_current(self) -> None:
@@ -246,7 +234,22 @@ class SamplingEngine:
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
             self._probed.clear()
+            self._unfolded = None
             self._snapshot = ModuleSnapshot(self.source)
+
+    @property
+    def unfolded_batchnorms(self) -> dict[str, str]:
+        """The BatchNorm layers of ``f_R`` that the prepared copy keeps unfolded (qualified name → why; see
+        :func:`~splitz_fast.folding.unfolded_batchnorms`), decided from the modules alone: empty when every BatchNorm
+        folds or ``f_R`` has none."""
+        if self._unfolded is None:
+            self._unfolded = unfolded_batchnorms(self.source)
+        return self._unfolded
+
+    @property
+    def batchnorm_folded(self) -> bool:
+        """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
+        return not self.unfolded_batchnorms
 
     def pools_in_noise(self, latent_shape: torch.Size) -> bool:
         """Whether ``f_R``'s leading 2x2 max pool is drawn by the noise kernel (:meth:`NoiseStream.noisy` with
@@ -269,13 +272,29 @@ class SamplingEngine:
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
-                prepared = _cheaper_chain(fold_batchnorm(source).to(self.device), channels_last)
+                folded, unfolded = folded_copy(source)
+                if not pooled:
+                    self._unfolded = unfolded
+                self._warn_unfolded(unfolded)
+                prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
                 if self.compile:
                     prepared = _CompiledOrEager(prepared)
             self._prepared[key] = prepared
         return self._prepared[key]
+
+    def _warn_unfolded(self, unfolded: dict[str, str]) -> None:
+        """Warn once per engine (and set of layers) that the prepared ``f_R`` keeps BatchNorm layers unfolded."""
+        if not unfolded or tuple(unfolded) in self._warned_unfolded:
+            return
+        self._warned_unfolded.add(tuple(unfolded))
+        shown = [f"{name or 'f_R'} ({why})" for name, why in unfolded.items()]
+        if len(shown) > 5:
+            shown = shown[:5] + [f"and {len(shown) - 5} more"]
+        warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
+                      f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
+                      "of the model as it is", stacklevel=4)
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -521,7 +540,7 @@ _CHAIN_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAv
                  nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)
 
 
-def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
+def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: torch.device) -> nn.Module:
     """The prepared copy of a plain layer chain, rearranged to cost less for the same function:
 
     * every ``ReLU`` directly followed by a ``MaxPool2d`` runs after it: ``maxpool(relu(x)) = relu(maxpool(x))``
@@ -529,14 +548,15 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
       -inf, which never wins a window holding a real value; NaN propagates through both), so ReLU touches 4x fewer
       values behind a 2x2 pool (LeNet at s = 0: the sampling engine 1.4x faster, the same votes);
     * the ReLUs run in place (one large allocation less per layer): in such a chain no ReLU input is used again;
-    * every plain 2x2 max pool of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise
-      maxima of strided views, bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through
-      both), without its index bookkeeping, and written channels_last where the chain runs channels_last (NCHW
-      where a Flatten follows, which then needs no copy). ATen's
-      CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at s = 0: oneDNN runs the first
-      convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs its slow NCHW loop and hands
-      the next convolution an NCHW activation (measured, one thread: the pool after LeNet's first convolution 105 →
-      8 us per sample in NCHW, 8.5 → 4.1 in channels_last).
+    * on the CPU only (``device``, where the copy runs: :func:`_pools_as_strided_maxima`), every plain 2x2 max pool
+      of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise maxima of strided views,
+      bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through both), without its index
+      bookkeeping, and written channels_last where the chain runs channels_last (NCHW where a Flatten follows, which
+      then needs no copy). ATen's CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at
+      s = 0: oneDNN runs the first convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs
+      its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
+      LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
+      stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time).
 
     Only for an ``nn.Sequential`` whose layers are all exactly of the types in :data:`_CHAIN_LAYERS` (subclasses may
     return aliases or compute something else); other modules are returned as they are."""
@@ -550,11 +570,18 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False) -> nn.Module:
         if isinstance(layer, nn.ReLU):
             layer.inplace = True
     for i, layer in enumerate(layers):
-        if _is_maxpool2(layer):
+        if _is_maxpool2(layer) and _pools_as_strided_maxima(device):
             # a pool that feeds a Flatten (through in-place ReLUs) writes NCHW: the Flatten is then a view, not a copy
             rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
             layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
     return nn.Sequential(*layers)
+
+
+def _pools_as_strided_maxima(device: torch.device) -> bool:
+    """Whether a prepared chain on ``device`` runs its plain 2x2 max pools as :class:`_MaxPool2x2`: on the CPU only,
+    where it was measured to win (:func:`_cheaper_chain`). On CUDA the pooling kernel stays: measured on an H100, the
+    two strided maxima (two ``aten::maximum`` kernels) cost 31 % of LeNet's GPU time."""
+    return torch.device(device).type == "cpu"
 
 
 class _MaxPool2x2(nn.Module):
@@ -671,4 +698,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm"]
+__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm",
+           "unfolded_batchnorms"]

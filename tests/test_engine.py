@@ -16,7 +16,10 @@ import torch.nn as nn
 import splitz_fast as sz
 from splitz_fast import LeftHalf, Smoother, SplitModel
 from splitz_fast.radius import BoundOptions, bisection_reference
-from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine, fold_batchnorm
+from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine, fold_batchnorm, unfolded_batchnorms
+
+
+CPU = torch.device("cpu")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -130,6 +133,190 @@ def test_prepared_f_r_folds_batchnorm_and_leaves_the_user_model_unchanged():
     assert fold_batchnorm(nn.Linear(3, 2)).weight is not None  # nothing to fold: still a working copy
 
 
+def _randomize_batchnorms(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Running statistics and affine parameters away from their initial values, so that a fold that drops or
+    misplaces a BatchNorm changes the function; γ < 1 keeps 54 residual blocks from blowing up."""
+    gen = _gen(seed)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                c = m.num_features
+                m.running_mean.copy_(torch.rand(c, generator=gen) - 0.5)
+                m.running_var.copy_(torch.rand(c, generator=gen) * 1.5 + 0.5)
+                m.weight.copy_(torch.rand(c, generator=gen) * 0.4 + 0.2)
+                m.bias.copy_((torch.rand(c, generator=gen) - 0.5) * 0.4)
+    return module.eval()
+
+
+def _batchnorms(module: nn.Module) -> int:
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+@pytest.mark.parametrize("name,shape,split", [("cifar_resnet110", (3, 32, 32), 0), ("cifar_resnet110", (3, 32, 32), 1),
+                                              ("imagenet_resnet50", (3, 64, 64), 0),
+                                              ("imagenet_resnet50", (3, 64, 64), 1)])
+def test_prepared_resnets_fold_every_batchnorm_at_both_splits(name, shape, split):
+    """The project's ResNets keep no BatchNorm in the prepared f_R, at split 0 too (there f_R is
+    Sequential(Standardize, network), which torch.fx cannot trace as a whole: the fold goes module by module),
+    residual blocks and downsample branches included; the prepared copy computes the eval model's function."""
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = sz.build_model(name, split_index=split)
+    right = _randomize_batchnorms(model.right)
+    assert _batchnorms(right) > 50
+    engine = SamplingEngine(right, model.num_classes, 0.25, CPU)
+    engine.check_current()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left unfolded: no warning
+        prepared = engine.classifier(channels_last=True)
+    assert _batchnorms(prepared) == 0 and engine.batchnorm_folded and engine.unfolded_batchnorms == {}
+    folded = fold_batchnorm(right)
+    assert _batchnorms(folded) == 0
+    with torch.no_grad():
+        latents = model.left(torch.rand(2, *shape, generator=_gen(1)))
+        want = right(latents)
+        for got in (folded(latents), prepared(latents.contiguous(memory_format=torch.channels_last))):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("split,pooled", [(0, False), (1, False), (1, True)])
+def test_lenet_is_prepared_on_the_cpu_as_before(split, pooled):
+    """LeNet has no BatchNorm: folding changes nothing, and on the CPU its prepared chain is the same as ever (2x2
+    pools as strided maxima, ReLUs after them and in place)."""
+    model = sz.build_model("lenet", split_index=split)
+    assert unfolded_batchnorms(model.right) == {}
+    folded = fold_batchnorm(model.right)
+    assert [type(m) for m in folded] == [type(m) for m in model.right] and folded is not model.right
+    engine = SamplingEngine(model.right, 10, 0.25, CPU)
+    engine.check_current()
+    prepared = engine.classifier(channels_last=True, pooled=pooled)
+    chain = ["Conv2d", "_MaxPool2x2", "ReLU", "Flatten", "Linear", "ReLU", "Linear"]
+    want = {0: ["Conv2d", "_MaxPool2x2", "ReLU"] + chain, 1: ["_MaxPool2x2"] + chain}[split][int(pooled):]
+    assert [type(m).__name__ for m in prepared] == want and engine.batchnorm_folded
+    assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
+    with torch.no_grad():
+        latents = model.left(torch.rand(3, 1, 28, 28, generator=_gen(2)))
+        torch.testing.assert_close(folded(latents), model.right(latents), rtol=0, atol=0)
+
+
+class _Untraceable(nn.Module):
+    """An f_R that torch.fx cannot trace (control flow on a tensor), with foldable pairs in its children: a
+    Sequential, a traced custom block (a convolution called twice, one call feeding a BatchNorm; a convolution whose
+    output is read twice), a Linear -> BatchNorm1d head; and a conv -> BatchNorm pair in its own forward."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+            self.shared, self.bn_shared = nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.bn(self.conv(x)) + self.conv(x)  # the second call reads the unfolded convolution
+            z = self.shared(y)
+            return torch.relu(self.bn_shared(z) + z)  # z is read twice: bn_shared cannot fold
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+        self.block = self.Block()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 5))
+
+    def forward(self, x):
+        if x.sum() > -1e9:  # a tensor in control flow: symbolic tracing fails
+            x = self.bn(self.conv(x))
+        return self.head(self.block(self.body(x)))
+
+
+def test_fold_batchnorm_where_fx_cannot_trace_and_warn_once_about_the_rest(recwarn):
+    torch.manual_seed(0)
+    right = _randomize_batchnorms(_Untraceable())
+    assert _batchnorms(right) == 6
+    unfolded = unfolded_batchnorms(right)
+    assert set(unfolded) == {"bn", "block.bn_shared", "body.3"}
+    assert "cannot trace" in unfolded["bn"] and "read elsewhere" in unfolded["block.bn_shared"]
+    assert "not directly after" in unfolded["body.3"]
+    folded = fold_batchnorm(right)
+    assert _batchnorms(folded) == 3
+    assert _batchnorms(right) == 6 and isinstance(right.body[1], nn.BatchNorm2d)  # the user's model is untouched
+    x = torch.randn(5, 3, 4, 4, generator=_gen(3))
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), right(x), rtol=1e-5, atol=1e-5)
+    engine = SamplingEngine(right, 5, 0.25, CPU)
+    engine.check_current()
+    assert not engine.batchnorm_folded and engine.unfolded_batchnorms == unfolded
+    for channels_last in (True, False, True):
+        prepared = engine.classifier(channels_last)
+        with torch.no_grad():
+            torch.testing.assert_close(prepared(x), right(x), rtol=1e-5, atol=1e-5)
+    messages = [str(w.message) for w in recwarn if "BatchNorm" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("f_R keeps 3 BatchNorm layers unfolded: ")
+    assert "block.bn_shared" in messages[0]
+
+
+def test_fold_batchnorm_never_traces_away_a_hook():
+    """A traced module would lose its forward hooks: a module with hooks in it is folded inside its children only."""
+    block = _randomize_batchnorms(_Untraceable.Block())
+    seen = []
+    block.shared.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert set(unfolded_batchnorms(block)) == {"bn", "bn_shared"} and "hooks" in unfolded_batchnorms(block)["bn"]
+    folded = fold_batchnorm(block)
+    x = torch.randn(2, 4, 4, 4, generator=_gen(5))
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), block(x))
+    assert len(seen) == 2  # the hook ran in the copy too
+
+
+def test_linear_batchnorm1d_folds_for_feature_vectors_only():
+    """Linear -> BatchNorm1d folds into one linear layer on [B, F] inputs; on [B, C, F] inputs BatchNorm1d
+    normalizes dim 1 (C), not the linear layer's outputs, and the folded copy still computes that."""
+    torch.manual_seed(0)
+    net = _randomize_batchnorms(nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)))
+    folded = fold_batchnorm(net)
+    assert _batchnorms(folded) == 0 and len(folded) == 1
+    with torch.no_grad():
+        for shape in ((7, 5), (7, 4, 5)):
+            x = torch.randn(*shape, generator=_gen(4))
+            torch.testing.assert_close(folded(x), net(x), rtol=1e-5, atol=1e-6)
+
+
+def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
+    """The 2x2 max pool runs as two strided maxima (_MaxPool2x2) on the CPU only; a copy prepared for CUDA keeps
+    nn.MaxPool2d (decided from the device; nothing is allocated on it here)."""
+    from splitz_fast import sampling
+
+    right = sz.build_model("lenet", split_index=0).right
+    cuda, cpu = torch.device("cuda"), CPU
+    assert sampling._pools_as_strided_maxima(cpu) and not sampling._pools_as_strided_maxima(cuda)
+    on_cpu = sampling._cheaper_chain(copy.deepcopy(right), True, device=cpu)
+    on_cuda = sampling._cheaper_chain(copy.deepcopy(right), True, device=cuda)
+    assert [type(m).__name__ for m in on_cpu][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "_MaxPool2x2", "ReLU"]
+    assert [type(m).__name__ for m in on_cuda][:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    # the engine passes its own device: with moves to the device stubbed out, a CUDA engine prepares MaxPool2d
+    monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
+    engine = SamplingEngine(right, 10, 0.25, cuda)
+    prepared = engine.classifier(channels_last=True)
+    assert sum(type(m) is nn.MaxPool2d for m in prepared) == 2
+    assert not any(isinstance(m, sampling._MaxPool2x2) for m in prepared)
+
+
+def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_path):
+    """`bn_folded: false` enters the settings only for an f_R that keeps a BatchNorm unfolded, so files of folded or
+    BatchNorm-free models keep their sidecars (and resume)."""
+    from types import SimpleNamespace
+
+    from splitz_fast import cli
+
+    small, pooling = _small_splitz()[0], _pooling_splitz()[0]
+    unfoldable = SplitModel(copy.deepcopy(small.left), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4),
+                                                                     nn.Flatten(), nn.Linear(64, 5)), 5)
+    args = cli.build_parser().parse_args(["certify", "mnist", "ckpt.pt", "0.5", str(tmp_path / "out.tsv")])
+    for model, recorded in ((small, None), (pooling, None), (unfoldable, False)):
+        monkeypatch.setattr(cli._DatasetRun, "open", classmethod(lambda cls, a, m=model: SimpleNamespace(model=m)))
+        settings = cli._smoother(args, selection=True)[2]
+        assert settings.get("bn_folded") is recorded
+
+
 def _pooling_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
     """LeNet's shape in miniature: f_R starts with MaxPool2d(2), so the engine draws the pooled noise in one pass."""
     torch.manual_seed(seed)
@@ -167,7 +354,7 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     right = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1),
                           nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), nn.Flatten(),
                           nn.Linear(54, 5))
-    prepared = sampling._cheaper_chain(copy.deepcopy(right))
+    prepared = sampling._cheaper_chain(copy.deepcopy(right), device=CPU)
     assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
     assert not any(m.inplace for m in right if isinstance(m, nn.ReLU))  # the user's chain is untouched
@@ -179,10 +366,11 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     model = SplitModel(LeftHalf([], [], input_shape=(1, 8, 8)), right, 5)
     xs = torch.rand(3, 1, 8, 8, generator=_gen(4))
     fast = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
-    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module, channels_last=False: module)
+    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module, channels_last=False, device=None: module)
     plain = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
     assert [(p.count_top, p.count_second) for p in fast] == [(p.count_top, p.count_second) for p in plain]
-    assert sampling._cheaper_chain(nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2)))[0].inplace is False
+    chain = nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2))
+    assert sampling._cheaper_chain(chain, device=CPU)[0].inplace is False
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -207,9 +395,10 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     from splitz_fast import sampling
 
     chain = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
-                                                  nn.MaxPool2d(2, ceil_mode=True)), channels_last)
+                                                  nn.MaxPool2d(2, ceil_mode=True)), channels_last, device=CPU)
     assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
-    flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True)
+    flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True,
+                                   device=CPU)
     assert flat[1].channels_last is False  # feeds a Flatten (through the ReLU): NCHW, so the Flatten is a view
     with torch.no_grad():
         y = flat[:3](torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last))
