@@ -57,8 +57,10 @@ def lenet_network(variant: str = "advertorch") -> nn.Sequential:
 
     * ``"advertorch"``: conv(1→32, 3, p1)-ReLU-maxpool2-conv(32→64, 3, p1)-ReLU-maxpool2-flatten-fc(3136→200)-ReLU-
       fc(200→10) (:func:`splitz_fast.zoo.lenet5`).
-    * ``"splitz"``: the SPLITZ authors' variant without the first max-pool, so both convolutions can go into
-      ``f_L``: conv(1→32, 3, p1)-ReLU-conv(32→64, 3, p1)-ReLU-maxpool2-flatten-fc(64·14·14→200)-ReLU-fc(200→10).
+    * ``"splitz"``: the advertorch LeNet without its first max-pool, so both convolutions can go into ``f_L`` (as
+      the SPLITZ paper splits after the first layer with no pool before it): conv(1→32, 3, p1)-ReLU-conv(32→64, 3,
+      p1)-ReLU-maxpool2-flatten-fc(64·14·14→200)-ReLU-fc(200→10). Not the SPLITZ authors' own network, whose
+      published code starts with a 5×5 convolution 1 → 20.
     """
     if variant == "advertorch":
         return lenet5()
@@ -325,8 +327,9 @@ def tabular_mlp(
     :class:`~splitz_fast.smoothing.MarginCertifier`). Input ``[B, in_features]``, output ``[B, num_classes]`` logits.
 
     Args:
-        mean, std: optional per-feature standardization ``(x − mean)/std`` (both ``[in_features]``, or both
-            ``None``); it belongs to ``f_L`` (to the front of ``f_R`` for ``split_index=0``).
+        mean: optional per-feature standardization ``(x − mean)/std``, ``[in_features]`` (give ``std`` too, or
+            neither); it belongs to ``f_L`` (to the front of ``f_R`` for ``split_index=0``).
+        std: the standardization's per-feature std, ``[in_features]``, all > 0.
     """
     hidden = tuple(hidden)
     _check_split_index(split_index, len(hidden) + 1, "mlp",

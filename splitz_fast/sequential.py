@@ -360,8 +360,11 @@ class SequentialCertifier:
         smoother: supplies the model, σ, the sampling engine, the bound options and the γ search.
         radii: the ε_j (raw input units, each finite and > 0), in any order. Empty: no early stop — the budget is
             spent and the γ search gives the largest radius within it.
-        first, growth, give_up, prior: the driver's look schedule, give-up level and confidence-sequence prior,
-            see :func:`certify_sequential` (``multiple`` is 1: the engine batches the draws of any look itself).
+        first: estimation draws before the first look (the look schedule of :func:`certify_sequential`;
+            ``multiple`` is 1: the engine batches the draws of any look itself).
+        growth: factor between consecutive looks (> 1).
+        give_up: the level below which a radius is declared unreachable and sampling for it stops.
+        prior: the confidence sequence's Beta prior ``(a, b)``.
     """
 
     def __init__(self, smoother: Smoother, radii: Sequence[float], *, first: int = 256, growth: float = 1.3,
