@@ -3,7 +3,6 @@ moved to the model's device as float32 (:class:`PreparedInput`, with the distanc
 the model's eval mode for the call, and the guard that the model is not edited while a lazy call runs."""
 from __future__ import annotations
 
-import contextlib
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -11,20 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_tensor
-from .modules import ModuleSnapshot, SplitModel
-
-
-@contextlib.contextmanager
-def evaluating(model: torch.nn.Module):
-    """Run ``model`` in eval mode (BatchNorm running statistics, no dropout) and restore its modes afterwards: votes
-    must be i.i.d. draws of one fixed base classifier, and certifying must not change the model."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
+from .modules import ModuleSnapshot, SplitModel, evaluating
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
