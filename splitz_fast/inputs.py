@@ -4,13 +4,16 @@ the model's eval mode for the call, and the guard that the model is not edited w
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ._checks import check_tensor
 from .modules import ModuleSnapshot, SplitModel, evaluating
+
+T = TypeVar("T")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -80,14 +83,44 @@ def resolve_seed(seed: int | None) -> int:
     return seed
 
 
-def seeds_for(seeds: Iterable[int | None] | None) -> Iterator[int | None]:
-    """One seed per input: ``None`` draws a fresh random seed for every input."""
+_NO_SEED = object()  # the end of a seeds iterable (None is a seed: draw a fresh one)
+
+
+def with_seeds(inputs: Iterable[T], seeds: Iterable[int | None] | None) -> Iterator[tuple[T, int | None]]:
+    """Each input paired with its seed: one seed per input, ``None`` draws a fresh random seed for every input.
+
+    Seeds and inputs must be as many: a mismatch is a ``ValueError``, never results silently dropped or seeds silently
+    ignored. It is raised here, before any work, when both have a length (a tensor, list or range); with a lazy
+    iterable as soon as it shows — an input without a seed before that input is computed, seeds left over when the
+    inputs end."""
     if seeds is None:
-        while True:
-            yield None
+        return ((x, None) for x in inputs)
     if isinstance(seeds, int):
         raise TypeError("seeds must be one seed per input (e.g. [base + i for i in indices]), not a single int")
-    yield from seeds
+    n_inputs = len(inputs) if isinstance(inputs, Sized) else None
+    n_seeds = len(seeds) if isinstance(seeds, Sized) else None
+    if n_inputs is not None and n_seeds is not None and n_inputs != n_seeds:
+        raise _seed_count_error(n_seeds, n_inputs)
+    return _paired(inputs, seeds, n_inputs, n_seeds)
+
+
+def _paired(inputs, seeds, n_inputs: int | None, n_seeds: int | None):
+    seed_iter = iter(seeds)
+    count = 0
+    for x in inputs:
+        seed = next(seed_iter, _NO_SEED)
+        if seed is _NO_SEED:
+            raise _seed_count_error(count, n_inputs if n_inputs is not None else f"at least {count + 1}")
+        count += 1
+        yield x, seed
+    if next(seed_iter, _NO_SEED) is not _NO_SEED:
+        raise _seed_count_error(n_seeds if n_seeds is not None else f"more than {count}", count)
+
+
+def _seed_count_error(seeds: int | str, inputs: int | str) -> ValueError:
+    seed_word = "seed" if seeds == 1 else "seeds"
+    input_word = "input" if inputs == 1 else "inputs"
+    return ValueError(f"seeds: {seeds} {seed_word} for {inputs} {input_word}; give one seed per input")
 
 
 def inputs_of(inputs: torch.Tensor | Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
@@ -96,4 +129,4 @@ def inputs_of(inputs: torch.Tensor | Iterable[torch.Tensor]) -> Iterable[torch.T
 
 
 __all__ = ["CallGuard", "PreparedInput", "evaluating", "inputs_of", "model_device", "prepare_input", "resolve_seed",
-           "rounding_distance", "seeds_for"]
+           "rounding_distance", "with_seeds"]

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .modules import ModuleSnapshot, SplitModel
 from .radius import BoundOptions, RadiusSearch, check_bound_options
-from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, about_given_input
 
 
@@ -87,8 +87,12 @@ class MarginCertifier:
 
     def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor],
                      seeds: Iterable[int | None] | None = None) -> Iterator[CertifyResult]:
-        """Certificates of every input, in order (one seed per input)."""
-        for x, seed in zip(inputs_of(inputs), seeds_for(seeds)):
+        """Certificates of every input, in order (one seed per input: as many seeds as inputs, else a
+        ``ValueError``)."""
+        return self._certify_stream(with_seeds(inputs_of(inputs), seeds))
+
+    def _certify_stream(self, seeded) -> Iterator[CertifyResult]:
+        for x, seed in seeded:
             yield self.certify(x, seed=seed)
 
     def _certify(self, x: torch.Tensor, seed: int) -> CertifyResult:

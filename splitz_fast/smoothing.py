@@ -22,7 +22,7 @@ import torch
 
 from ._checks import check_certify_counts, check_count, check_positive
 from .inputs import (CallGuard, PreparedInput, evaluating, inputs_of, model_device, prepare_input, resolve_seed,
-                     seeds_for)
+                     with_seeds)
 from .modules import SplitModel
 from .protocols import CertificationProtocol, get_protocol
 from .radius import BoundOptions, RadiusResult, RadiusSearch, check_bound_options
@@ -223,19 +223,20 @@ class Smoother:
         The engine keeps the device busy: one ``f_R`` batch carries samples of several inputs when one input cannot
         fill it, votes are counted per input on the device, and the host synchronises once per group of inputs. On
         CUDA the radius search of one group overlaps the sampling of the next (``overlap_bounds``).
-        ``seeds``: one per input (``None``: fresh random seeds).
+        ``seeds``: one per input (``None``: fresh random seeds); as many seeds as inputs, else a ``ValueError``
+        (:func:`~splitz_fast.inputs.with_seeds`).
         """
         check_certify_counts(n0, n, alpha, batch_size)
-        return self._certify_stream(inputs_of(inputs), n0, n, alpha, batch_size, seeds_for(seeds))
+        return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, n, alpha, batch_size)
 
-    def _certify_stream(self, inputs, n0, n, alpha, batch_size, seeds) -> Iterator[CertifyResult]:
+    def _certify_stream(self, seeded, n0, n, alpha, batch_size) -> Iterator[CertifyResult]:
         with evaluating(self.model):
             guard = CallGuard(self.model)
             engine = self.engine()
             overlap = self.device.type == "cuda" if self.overlap_bounds is None else self.overlap_bounds
             with ThreadPoolExecutor(max_workers=1) if overlap else contextlib.nullcontext() as pool:
                 finishing = None  # the previous window's radius searches, running on the worker
-                for window, batch, counts, seconds in self._windows(engine, guard, inputs, seeds, n0, n, batch_size):
+                for window, batch, counts, seconds in self._windows(engine, guard, seeded, n0, n, batch_size):
                     if pool is None:
                         yield from _checked(guard, self._finish(guard, window, counts, seconds, n, alpha))
                         continue
@@ -245,11 +246,11 @@ class Smoother:
                 if finishing is not None:
                     yield from _checked(guard, finishing.result())
 
-    def _windows(self, engine, guard: CallGuard, inputs, seeds, n0, n, batch_size):
+    def _windows(self, engine, guard: CallGuard, seeded, n0, n, batch_size):
         """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``."""
         window: list[_Pending] = []
         batch = None
-        for x, seed in zip(inputs, seeds):
+        for x, seed in seeded:
             x = prepare_input(self.model, x)
             stream = NoiseStream(resolve_seed(seed), self.device)
             guard.check()
@@ -330,13 +331,13 @@ class Smoother:
                      ) -> Iterator[PredictResult]:
         """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed)."""
         check_certify_counts(None, n, alpha, batch_size)
-        return self._predict_stream(inputs_of(inputs), n, alpha, batch_size, seeds_for(seeds))
+        return self._predict_stream(with_seeds(inputs_of(inputs), seeds), n, alpha, batch_size)
 
-    def _predict_stream(self, inputs, n, alpha, batch_size, seeds) -> Iterator[PredictResult]:
+    def _predict_stream(self, seeded, n, alpha, batch_size) -> Iterator[PredictResult]:
         with evaluating(self.model):
             guard = CallGuard(self.model)
             engine = self.engine()
-            for window, _, counts, seconds in self._windows(engine, guard, inputs, seeds, 0, n, batch_size):
+            for window, _, counts, seconds in self._windows(engine, guard, seeded, 0, n, batch_size):
                 for i, pending in enumerate(window):
                     yield _predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
 
