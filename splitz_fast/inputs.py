@@ -57,22 +57,34 @@ def rounding_distance(given: torch.Tensor, rounded: torch.Tensor) -> float:
 
 
 class CallGuard:
-    """The model one certify/predict call works on: the halves it started with and ``f_L``'s values.
+    """The model one certify/predict call works on: the halves it started with, and a snapshot of each.
 
     A call over many inputs is a lazy generator, and the caller's code runs between its results. If ``model.left`` or
-    ``model.right`` is replaced or ``f_L`` edited meanwhile, later latents, bounds and votes would come from different
-    networks; :meth:`check` stops the call with an error instead (a new call certifies the edited model)."""
+    ``model.right`` is replaced, or any tensor or layer of either is edited meanwhile (``.data`` writes and ``copy_``
+    under ``no_grad`` included), later latents, bounds and votes would come from different networks than the earlier
+    ones; :meth:`check`, called before every result and before sampling each input, stops the call with an error
+    instead (a new call certifies the edited model). A check costs host-side comparisons and one device comparison per
+    (device, element width) group of each half (:class:`~splitz_fast.modules.ModuleSnapshot`).
 
-    def __init__(self, model: SplitModel):
+    Args:
+        model: the model of the call.
+        right: a snapshot of ``model.right`` as it is now, to share instead of copying ``f_R`` a second time (the
+            sampling engine's, just verified by :meth:`~splitz_fast.sampling.SamplingEngine.check_current`).
+    """
+
+    def __init__(self, model: SplitModel, right: ModuleSnapshot | None = None):
         model.check_structure()
         self.model, self.left, self.right = model, model.left, model.right
-        self.snapshot = ModuleSnapshot(model.left)
+        self.left_snapshot = ModuleSnapshot(model.left)
+        self.right_snapshot = ModuleSnapshot(model.right) if right is None else right
 
     def check(self) -> None:
         model = self.model
-        if model.left is not self.left or model.right is not self.right or not self.snapshot.matches(model.left):
+        if model.left is not self.left or model.right is not self.right \
+                or not self.left_snapshot.matches(model.left) or not self.right_snapshot.matches(model.right):
             raise RuntimeError("the model was edited while a certify/predict call was running over its inputs "
-                               "(a half replaced or f_L changed); start a new call after editing the model")
+                               "(a half replaced, or a tensor or layer of f_L or f_R changed); start a new call after "
+                               "editing the model")
 
 
 def resolve_seed(seed: int | None) -> int:

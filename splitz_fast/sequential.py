@@ -46,7 +46,7 @@ from scipy.stats import norm
 from ._checks import check_certify_counts, check_count, check_positive, check_probability
 from .lipschitz import lipschitz_bound
 from .sampling import NoiseStream, SamplingJob
-from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
+from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
 
 
@@ -405,8 +405,7 @@ class SequentialCertifier:
 
     def _certify_stream(self, seeded, n0, budget, alpha, batch_size) -> Iterator[SequentialCertifyResult]:
         with evaluating(self.smoother.model):
-            guard = CallGuard(self.smoother.model)
-            engine = self.smoother.engine()
+            engine, guard = self.smoother.engine_and_guard()
             for x, seed in seeded:
                 guard.check()  # the caller's code ran since the previous result
                 prepared = prepare_input(self.smoother.model, x)

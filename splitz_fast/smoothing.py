@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -224,15 +225,24 @@ class Smoother:
         fill it, votes are counted per input on the device, and the host synchronises once per group of inputs. On
         CUDA the radius search of one group overlaps the sampling of the next (``overlap_bounds``).
         ``seeds``: one per input (``None``: fresh random seeds); as many seeds as inputs, else a ``ValueError``
-        (:func:`~splitz_fast.inputs.with_seeds`).
+        (:func:`~splitz_fast.inputs.with_seeds`). Editing the model while the results are being consumed stops the call
+        with a ``RuntimeError`` before the next result (start a new call to certify the edited model).
         """
         check_certify_counts(n0, n, alpha, batch_size)
         return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, n, alpha, batch_size)
 
+    def engine_and_guard(self) -> tuple[SamplingEngine, CallGuard]:
+        """The sampling engine for one certify/predict call (:meth:`engine`) and the guard that stops the call if the
+        model is edited while it runs (:class:`~splitz_fast.inputs.CallGuard`, sharing the snapshot of ``f_R`` that
+        the engine has just checked instead of copying ``f_R`` again). Lazy calls of other certifiers built on this
+        smoother (:class:`~splitz_fast.sequential.SequentialCertifier`) start with it too."""
+        self.model.check_structure()
+        engine = self.engine()
+        return engine, CallGuard(self.model, right=engine.snapshot)
+
     def _certify_stream(self, seeded, n0, n, alpha, batch_size) -> Iterator[CertifyResult]:
         with evaluating(self.model):
-            guard = CallGuard(self.model)
-            engine = self.engine()
+            engine, guard = self.engine_and_guard()
             overlap = self.device.type == "cuda" if self.overlap_bounds is None else self.overlap_bounds
             with ThreadPoolExecutor(max_workers=1) if overlap else contextlib.nullcontext() as pool:
                 finishing = None  # the previous window's radius searches, running on the worker
@@ -329,20 +339,23 @@ class Smoother:
     def predict_many(self, inputs: torch.Tensor | Iterable[torch.Tensor], n: int, alpha: float,
                      batch_size: int | None = None, seeds: Iterable[int | None] | None = None
                      ) -> Iterator[PredictResult]:
-        """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed)."""
+        """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed; an edit of
+        the model while the results are consumed stops the call before the next result)."""
         check_certify_counts(None, n, alpha, batch_size)
         return self._predict_stream(with_seeds(inputs_of(inputs), seeds), n, alpha, batch_size)
 
     def _predict_stream(self, seeded, n, alpha, batch_size) -> Iterator[PredictResult]:
         with evaluating(self.model):
-            guard = CallGuard(self.model)
-            engine = self.engine()
+            engine, guard = self.engine_and_guard()
             for window, _, counts, seconds in self._windows(engine, guard, seeded, 0, n, batch_size):
-                for i, pending in enumerate(window):
-                    yield _predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
+                yield from _checked(guard, (_predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
+                                            for i, pending in enumerate(window)))
 
 
-def _checked(guard: CallGuard, results: Iterable[CertifyResult]) -> Iterator[CertifyResult]:
+_Result = TypeVar("_Result")
+
+
+def _checked(guard: CallGuard, results: Iterable[_Result]) -> Iterator[_Result]:
     """``results`` one by one, each after checking that the caller has not edited the model since the previous one:
     results computed before an edit describe the model as it was sampled, not the edited one."""
     for result in results:
