@@ -77,7 +77,12 @@ class CertifyResult:
 @dataclass
 class PredictResult:
     """Outcome of PREDICT: ``prediction`` is ``ABSTAIN`` unless the top class wins the binomial test at level α.
-    ``seconds``: this input's share of the sampling time of the batches it was packed in."""
+    ``seconds``: this input's share of the sampling time of the batches it was packed in.
+
+    ``input_rounding``: an upper bound on ``‖x − x̃‖₂`` where ``x̃`` is the given input ``x`` rounded to float32 (the
+    dtype the model computes in); 0 for float32 and narrower inputs. PREDICT's answer is about ``x̃``, not ``x``; it
+    has no radius to reduce (CERTIFY reduces its radius by this distance, :func:`about_given_input`), so the distance
+    is reported here."""
 
     prediction: int
     count_top: int
@@ -85,6 +90,7 @@ class PredictResult:
     p_value: float
     seed: int
     seconds: float = field(default=0.0, compare=False)  # timing, not part of the outcome
+    input_rounding: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------- the result
@@ -348,7 +354,8 @@ class Smoother:
         with evaluating(self.model):
             engine, guard = self.engine_and_guard()
             for window, _, counts, seconds in self._windows(engine, guard, seeded, 0, n, batch_size):
-                yield from _checked(guard, (_predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
+                yield from _checked(guard, (_predict_result(counts[1, i], alpha, pending.stream.seed, seconds,
+                                                            pending.x.rounding)
                                             for i, pending in enumerate(window)))
 
 
@@ -363,13 +370,13 @@ def _checked(guard: CallGuard, results: Iterable[_Result]) -> Iterator[_Result]:
         yield result
 
 
-def _predict_result(counts: torch.Tensor, alpha: float, seed: int, seconds: float) -> PredictResult:
+def _predict_result(counts: torch.Tensor, alpha: float, seed: int, seconds: float, rounding: float) -> PredictResult:
     top = int(counts.argmax())  # ties go to the lowest class index
     ordered = counts.sort(descending=True).values
     n1 = int(ordered[0])
     n2 = int(ordered[1]) if counts.numel() > 1 else 0
     p_value = two_sided_binomial_pvalue(n1, n2)
-    return PredictResult(top if p_value <= alpha else ABSTAIN, n1, n2, p_value, seed, seconds)
+    return PredictResult(top if p_value <= alpha else ABSTAIN, n1, n2, p_value, seed, seconds, rounding)
 
 
 __all__ = ["ABSTAIN", "CertifyResult", "PredictResult", "Smoother", "PRECISIONS"]

@@ -558,3 +558,18 @@ def test_a_guard_check_costs_one_device_comparison_per_group(layers, monkeypatch
         tensor.data.copy_(was)
     guard.check()
 
+
+# ====================================================================== PREDICT on a float64 input
+def test_predict_reports_the_rounding_of_a_float64_input():
+    model = _image_model()
+    x64 = _x().double() + 1e-9  # not representable in float32
+    smoother = Smoother(model, SIGMA)
+    wide = smoother.predict(x64, n=100, alpha=0.01, seed=0)
+    rounded = smoother.predict(x64.float(), n=100, alpha=0.01, seed=0)
+    distance = float((x64 - x64.float().double()).norm())
+    assert rounded.input_rounding == 0.0
+    assert distance <= wide.input_rounding <= distance * (1 + 1e-9)
+    assert wide.input_rounding == smoother.certify(x64, **COUNTS, seed=0).input_rounding
+    assert dataclasses.replace(wide, input_rounding=0.0) == rounded  # the answer is x̃'s
+    many = list(smoother.predict_many([x64, x64.float()], n=100, alpha=0.01, seeds=[0, 0]))
+    assert [p.input_rounding for p in many] == [wide.input_rounding, 0.0]
