@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ._checks import check_certify_counts, check_count, check_positive, check_tensor
 from .modules import SplitModel
-from .inputs import evaluating, model_device, resolve_seed, seeds_for
+from .inputs import CallGuard, evaluating, model_device, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, Smoother
 
 ATTACKS = ("smooth-pgd", "smooth-fgsm", "pgd", "fgsm", "deepfool")
@@ -342,17 +342,29 @@ class Attacker:
 
         Input ``i`` with seed ``s``: PREDICT(``n``, ``alpha``) at ``x`` with seed ``s``, the attack's noise from
         ``s + ATTACK_SEED_OFFSET``, PREDICT at ``x_adv`` with ``s + ADV_PREDICT_SEED_OFFSET`` — a result depends only
-        on its input, label and seed (not on the grouping). ``keep_adversarial`` stores ``x_adv`` in the result."""
+        on its input, label and seed (not on the grouping). ``keep_adversarial`` stores ``x_adv`` in the result.
+        ``seeds``: one per pair (``None``: fresh random seeds), as many as the pairs, else a ``ValueError``. Editing the
+        model while the results are consumed stops the call with a ``RuntimeError`` before the next result."""
         check_certify_counts(None, n, alpha, batch_size)
-        seed_iter = seeds_for(seeds)
+        return self._attack_stream(with_seeds(pairs, seeds), n, alpha, batch_size, keep_adversarial)
+
+    def _attack_stream(self, seeded, n, alpha, batch_size, keep) -> Iterator[AttackResult]:
+        guard = CallGuard(self.model)
         group: list[tuple[torch.Tensor, int, int]] = []
-        for x, label in pairs:
-            group.append((x, int(label), resolve_seed(next(seed_iter))))
+        for (x, label), seed in seeded:
+            group.append((x, int(label), resolve_seed(seed)))
             if len(group) == self.group:
-                yield from self._attack_group(group, n, alpha, batch_size, keep_adversarial)
+                yield from self._checked_group(guard, group, n, alpha, batch_size, keep)
                 group = []
         if group:
-            yield from self._attack_group(group, n, alpha, batch_size, keep_adversarial)
+            yield from self._checked_group(guard, group, n, alpha, batch_size, keep)
+
+    def _checked_group(self, guard, group, n, alpha, batch_size, keep) -> Iterator[AttackResult]:
+        """One group's results, the model checked unedited before attacking it and before yielding each result."""
+        guard.check()
+        for result in self._attack_group(group, n, alpha, batch_size, keep):
+            guard.check()
+            yield result
 
     def _attack_group(self, group, n, alpha, batch_size, keep) -> list[AttackResult]:
         start = time.perf_counter()

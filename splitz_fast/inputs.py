@@ -3,28 +3,17 @@ moved to the model's device as float32 (:class:`PreparedInput`, with the distanc
 the model's eval mode for the call, and the guard that the model is not edited while a lazy call runs."""
 from __future__ import annotations
 
-import contextlib
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ._checks import check_tensor
-from .modules import ModuleSnapshot, SplitModel
+from .modules import ModuleSnapshot, SplitModel, evaluating
 
-
-@contextlib.contextmanager
-def evaluating(model: torch.nn.Module):
-    """Run ``model`` in eval mode (BatchNorm running statistics, no dropout) and restore its modes afterwards: votes
-    must be i.i.d. draws of one fixed base classifier, and certifying must not change the model."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
+T = TypeVar("T")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -68,22 +57,34 @@ def rounding_distance(given: torch.Tensor, rounded: torch.Tensor) -> float:
 
 
 class CallGuard:
-    """The model one certify/predict call works on: the halves it started with and ``f_L``'s values.
+    """The model one certify/predict call works on: the halves it started with, and a snapshot of each.
 
     A call over many inputs is a lazy generator, and the caller's code runs between its results. If ``model.left`` or
-    ``model.right`` is replaced or ``f_L`` edited meanwhile, later latents, bounds and votes would come from different
-    networks; :meth:`check` stops the call with an error instead (a new call certifies the edited model)."""
+    ``model.right`` is replaced, or any tensor or layer of either is edited meanwhile (``.data`` writes and ``copy_``
+    under ``no_grad`` included), later latents, bounds and votes would come from different networks than the earlier
+    ones; :meth:`check`, called before every result and before sampling each input, stops the call with an error
+    instead (a new call certifies the edited model). A check costs host-side comparisons and one device comparison per
+    (device, element width) group of each half (:class:`~splitz_fast.modules.ModuleSnapshot`).
 
-    def __init__(self, model: SplitModel):
+    Args:
+        model: the model of the call.
+        right: a snapshot of ``model.right`` as it is now, to share instead of copying ``f_R`` a second time (the
+            sampling engine's, just verified by :meth:`~splitz_fast.sampling.SamplingEngine.check_current`).
+    """
+
+    def __init__(self, model: SplitModel, right: ModuleSnapshot | None = None):
         model.check_structure()
         self.model, self.left, self.right = model, model.left, model.right
-        self.snapshot = ModuleSnapshot(model.left)
+        self.left_snapshot = ModuleSnapshot(model.left)
+        self.right_snapshot = ModuleSnapshot(model.right) if right is None else right
 
     def check(self) -> None:
         model = self.model
-        if model.left is not self.left or model.right is not self.right or not self.snapshot.matches(model.left):
+        if model.left is not self.left or model.right is not self.right \
+                or not self.left_snapshot.matches(model.left) or not self.right_snapshot.matches(model.right):
             raise RuntimeError("the model was edited while a certify/predict call was running over its inputs "
-                               "(a half replaced or f_L changed); start a new call after editing the model")
+                               "(a half replaced, or a tensor or layer of f_L or f_R changed); start a new call after "
+                               "editing the model")
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -94,14 +95,44 @@ def resolve_seed(seed: int | None) -> int:
     return seed
 
 
-def seeds_for(seeds: Iterable[int | None] | None) -> Iterator[int | None]:
-    """One seed per input: ``None`` draws a fresh random seed for every input."""
+_NO_SEED = object()  # the end of a seeds iterable (None is a seed: draw a fresh one)
+
+
+def with_seeds(inputs: Iterable[T], seeds: Iterable[int | None] | None) -> Iterator[tuple[T, int | None]]:
+    """Each input paired with its seed: one seed per input, ``None`` draws a fresh random seed for every input.
+
+    Seeds and inputs must be as many: a mismatch is a ``ValueError``, never results silently dropped or seeds silently
+    ignored. It is raised here, before any work, when both have a length (a tensor, list or range); with a lazy
+    iterable as soon as it shows — an input without a seed before that input is computed, seeds left over when the
+    inputs end."""
     if seeds is None:
-        while True:
-            yield None
+        return ((x, None) for x in inputs)
     if isinstance(seeds, int):
         raise TypeError("seeds must be one seed per input (e.g. [base + i for i in indices]), not a single int")
-    yield from seeds
+    n_inputs = len(inputs) if isinstance(inputs, Sized) else None
+    n_seeds = len(seeds) if isinstance(seeds, Sized) else None
+    if n_inputs is not None and n_seeds is not None and n_inputs != n_seeds:
+        raise _seed_count_error(n_seeds, n_inputs)
+    return _paired(inputs, seeds, n_inputs, n_seeds)
+
+
+def _paired(inputs, seeds, n_inputs: int | None, n_seeds: int | None):
+    seed_iter = iter(seeds)
+    count = 0
+    for x in inputs:
+        seed = next(seed_iter, _NO_SEED)
+        if seed is _NO_SEED:
+            raise _seed_count_error(count, n_inputs if n_inputs is not None else f"at least {count + 1}")
+        count += 1
+        yield x, seed
+    if next(seed_iter, _NO_SEED) is not _NO_SEED:
+        raise _seed_count_error(n_seeds if n_seeds is not None else f"more than {count}", count)
+
+
+def _seed_count_error(seeds: int | str, inputs: int | str) -> ValueError:
+    seed_word = "seed" if seeds == 1 else "seeds"
+    input_word = "input" if inputs == 1 else "inputs"
+    return ValueError(f"seeds: {seeds} {seed_word} for {inputs} {input_word}; give one seed per input")
 
 
 def inputs_of(inputs: torch.Tensor | Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
@@ -110,4 +141,4 @@ def inputs_of(inputs: torch.Tensor | Iterable[torch.Tensor]) -> Iterable[torch.T
 
 
 __all__ = ["CallGuard", "PreparedInput", "evaluating", "inputs_of", "model_device", "prepare_input", "resolve_seed",
-           "rounding_distance", "seeds_for"]
+           "rounding_distance", "with_seeds"]

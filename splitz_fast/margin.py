@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .modules import ModuleSnapshot, SplitModel
 from .radius import BoundOptions, RadiusSearch, check_bound_options
-from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, about_given_input
 
 
@@ -91,8 +91,16 @@ class MarginCertifier:
 
     def certify_many(self, inputs: torch.Tensor | Iterable[torch.Tensor],
                      seeds: Iterable[int | None] | None = None) -> Iterator[CertifyResult]:
-        """Certificates of every input, in order (one seed per input)."""
-        for x, seed in zip(inputs_of(inputs), seeds_for(seeds)):
+        """Certificates of every input, in order (one seed per input: as many seeds as inputs, else a
+        ``ValueError``). Editing the model while the results are consumed stops the call with a ``RuntimeError``
+        before the next result, as in :meth:`~splitz_fast.smoothing.Smoother.certify_many`."""
+        return self._certify_stream(with_seeds(inputs_of(inputs), seeds))
+
+    def _certify_stream(self, seeded) -> Iterator[CertifyResult]:
+        check_margin_model(self.model)
+        guard = CallGuard(self.model)
+        for x, seed in seeded:
+            guard.check()  # the caller's code ran since the previous result
             yield self.certify(x, seed=seed)
 
     def _certify(self, x: torch.Tensor, seed: int) -> CertifyResult:

@@ -230,12 +230,20 @@ class SamplingEngine:
     # ------------------------------------------------------------------ the prepared f_R
     def check_current(self) -> None:
         """Drop the prepared copies if the user's ``f_R`` changed since they were made (weights, buffers, layers).
-        Called once per certify/predict call, so a changed model is never sampled through a stale copy."""
+        Called once per certify/predict call, so a changed model is never sampled through a stale copy; during the
+        call, the call's guard (:class:`~splitz_fast.inputs.CallGuard`) holds :attr:`snapshot` and refuses edits."""
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
             self._probed.clear()
             self._unfolded = None
             self._snapshot = ModuleSnapshot(self.source)
+
+    @property
+    def snapshot(self) -> ModuleSnapshot:
+        """The snapshot of ``f_R`` that the prepared copies were made from, as of the last :meth:`check_current`."""
+        if self._snapshot is None:
+            raise RuntimeError("SamplingEngine.check_current() has not run yet")
+        return self._snapshot
 
     @property
     def unfolded_batchnorms(self) -> dict[str, str]:

@@ -47,7 +47,7 @@ from ._checks import check_certify_counts, check_count, check_positive, check_pr
 from .lipschitz import lipschitz_bound
 from .protocols import CertificationProtocol
 from .sampling import NoiseStream, SamplingJob
-from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, seeds_for
+from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
 
 
@@ -410,13 +410,12 @@ class SequentialCertifier:
         per input (``None``: fresh random seeds); results in order. Same call shape as ``Smoother.certify_many`` with
         ``n = budget``, so a :class:`~splitz_fast.runs.CertifyRun` takes this object in place of a Smoother."""
         check_certify_counts(n0, budget, alpha, batch_size, n_name="budget")
-        return self._certify_stream(inputs_of(inputs), n0, budget, alpha, batch_size, seeds_for(seeds))
+        return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, budget, alpha, batch_size)
 
-    def _certify_stream(self, inputs, n0, budget, alpha, batch_size, seeds) -> Iterator[SequentialCertifyResult]:
+    def _certify_stream(self, seeded, n0, budget, alpha, batch_size) -> Iterator[SequentialCertifyResult]:
         with evaluating(self.smoother.model):
-            guard = CallGuard(self.smoother.model)
-            engine = self.smoother.engine()
-            for x, seed in zip(inputs, seeds):
+            engine, guard = self.smoother.engine_and_guard()
+            for x, seed in seeded:
                 guard.check()  # the caller's code ran since the previous result
                 prepared = prepare_input(self.smoother.model, x)
                 result = self._certify_one(engine, prepared.x, n0, budget, alpha, batch_size, resolve_seed(seed))

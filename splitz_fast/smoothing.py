@@ -17,12 +17,13 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 
 from ._checks import check_certify_counts, check_count, check_positive
 from .inputs import (CallGuard, PreparedInput, evaluating, inputs_of, model_device, prepare_input, resolve_seed,
-                     seeds_for)
+                     with_seeds)
 from .modules import SplitModel
 from .protocols import CertificationProtocol, get_protocol, is_estimate_kind
 from .radius import BoundOptions, RadiusResult, RadiusSearch, check_bound_options
@@ -82,7 +83,12 @@ class CertifyResult:
 @dataclass
 class PredictResult:
     """Outcome of PREDICT: ``prediction`` is ``ABSTAIN`` unless the top class wins the binomial test at level α.
-    ``seconds``: this input's share of the sampling time of the batches it was packed in."""
+    ``seconds``: this input's share of the sampling time of the batches it was packed in.
+
+    ``input_rounding``: an upper bound on ``‖x − x̃‖₂`` where ``x̃`` is the given input ``x`` rounded to float32 (the
+    dtype the model computes in); 0 for float32 and narrower inputs. PREDICT's answer is about ``x̃``, not ``x``; it
+    has no radius to reduce (CERTIFY reduces its radius by this distance, :func:`about_given_input`), so the distance
+    is reported here."""
 
     prediction: int
     count_top: int
@@ -90,6 +96,7 @@ class PredictResult:
     p_value: float
     seed: int
     seconds: float = field(default=0.0, compare=False)  # timing, not part of the outcome
+    input_rounding: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------- the result
@@ -236,19 +243,29 @@ class Smoother:
         The engine keeps the device busy: one ``f_R`` batch carries samples of several inputs when one input cannot
         fill it, votes are counted per input on the device, and the host synchronises once per group of inputs. On
         CUDA the radius search of one group overlaps the sampling of the next (``overlap_bounds``).
-        ``seeds``: one per input (``None``: fresh random seeds).
+        ``seeds``: one per input (``None``: fresh random seeds); as many seeds as inputs, else a ``ValueError``
+        (:func:`~splitz_fast.inputs.with_seeds`). Editing the model while the results are being consumed stops the call
+        with a ``RuntimeError`` before the next result (start a new call to certify the edited model).
         """
         check_certify_counts(n0, n, alpha, batch_size)
-        return self._certify_stream(inputs_of(inputs), n0, n, alpha, batch_size, seeds_for(seeds))
+        return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, n, alpha, batch_size)
 
-    def _certify_stream(self, inputs, n0, n, alpha, batch_size, seeds) -> Iterator[CertifyResult]:
+    def engine_and_guard(self) -> tuple[SamplingEngine, CallGuard]:
+        """The sampling engine for one certify/predict call (:meth:`engine`) and the guard that stops the call if the
+        model is edited while it runs (:class:`~splitz_fast.inputs.CallGuard`, sharing the snapshot of ``f_R`` that
+        the engine has just checked instead of copying ``f_R`` again). Lazy calls of other certifiers built on this
+        smoother (:class:`~splitz_fast.sequential.SequentialCertifier`) start with it too."""
+        self.model.check_structure()
+        engine = self.engine()
+        return engine, CallGuard(self.model, right=engine.snapshot)
+
+    def _certify_stream(self, seeded, n0, n, alpha, batch_size) -> Iterator[CertifyResult]:
         with evaluating(self.model):
-            guard = CallGuard(self.model)
-            engine = self.engine()
+            engine, guard = self.engine_and_guard()
             overlap = self.device.type == "cuda" if self.overlap_bounds is None else self.overlap_bounds
             with ThreadPoolExecutor(max_workers=1) if overlap else contextlib.nullcontext() as pool:
                 finishing = None  # the previous window's radius searches, running on the worker
-                for window, batch, counts, seconds in self._windows(engine, guard, inputs, seeds, n0, n, batch_size):
+                for window, batch, counts, seconds in self._windows(engine, guard, seeded, n0, n, batch_size):
                     if pool is None:
                         yield from _checked(guard, self._finish(guard, window, counts, seconds, n, alpha))
                         continue
@@ -258,11 +275,11 @@ class Smoother:
                 if finishing is not None:
                     yield from _checked(guard, finishing.result())
 
-    def _windows(self, engine, guard: CallGuard, inputs, seeds, n0, n, batch_size):
+    def _windows(self, engine, guard: CallGuard, seeded, n0, n, batch_size):
         """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``."""
         window: list[_Pending] = []
         batch = None
-        for x, seed in zip(inputs, seeds):
+        for x, seed in seeded:
             x = prepare_input(self.model, x)
             stream = NoiseStream(resolve_seed(seed), self.device)
             guard.check()
@@ -341,20 +358,24 @@ class Smoother:
     def predict_many(self, inputs: torch.Tensor | Iterable[torch.Tensor], n: int, alpha: float,
                      batch_size: int | None = None, seeds: Iterable[int | None] | None = None
                      ) -> Iterator[PredictResult]:
-        """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed)."""
+        """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed; an edit of
+        the model while the results are consumed stops the call before the next result)."""
         check_certify_counts(None, n, alpha, batch_size)
-        return self._predict_stream(inputs_of(inputs), n, alpha, batch_size, seeds_for(seeds))
+        return self._predict_stream(with_seeds(inputs_of(inputs), seeds), n, alpha, batch_size)
 
-    def _predict_stream(self, inputs, n, alpha, batch_size, seeds) -> Iterator[PredictResult]:
+    def _predict_stream(self, seeded, n, alpha, batch_size) -> Iterator[PredictResult]:
         with evaluating(self.model):
-            guard = CallGuard(self.model)
-            engine = self.engine()
-            for window, _, counts, seconds in self._windows(engine, guard, inputs, seeds, 0, n, batch_size):
-                for i, pending in enumerate(window):
-                    yield _predict_result(counts[1, i], alpha, pending.stream.seed, seconds)
+            engine, guard = self.engine_and_guard()
+            for window, _, counts, seconds in self._windows(engine, guard, seeded, 0, n, batch_size):
+                yield from _checked(guard, (_predict_result(counts[1, i], alpha, pending.stream.seed, seconds,
+                                                            pending.x.rounding)
+                                            for i, pending in enumerate(window)))
 
 
-def _checked(guard: CallGuard, results: Iterable[CertifyResult]) -> Iterator[CertifyResult]:
+_Result = TypeVar("_Result")
+
+
+def _checked(guard: CallGuard, results: Iterable[_Result]) -> Iterator[_Result]:
     """``results`` one by one, each after checking that the caller has not edited the model since the previous one:
     results computed before an edit describe the model as it was sampled, not the edited one."""
     for result in results:
@@ -362,13 +383,13 @@ def _checked(guard: CallGuard, results: Iterable[CertifyResult]) -> Iterator[Cer
         yield result
 
 
-def _predict_result(counts: torch.Tensor, alpha: float, seed: int, seconds: float) -> PredictResult:
+def _predict_result(counts: torch.Tensor, alpha: float, seed: int, seconds: float, rounding: float) -> PredictResult:
     top = int(counts.argmax())  # ties go to the lowest class index
     ordered = counts.sort(descending=True).values
     n1 = int(ordered[0])
     n2 = int(ordered[1]) if counts.numel() > 1 else 0
     p_value = two_sided_binomial_pvalue(n1, n2)
-    return PredictResult(top if p_value <= alpha else ABSTAIN, n1, n2, p_value, seed, seconds)
+    return PredictResult(top if p_value <= alpha else ABSTAIN, n1, n2, p_value, seed, seconds, rounding)
 
 
 __all__ = ["ABSTAIN", "CertifyResult", "PredictResult", "Smoother", "PRECISIONS"]

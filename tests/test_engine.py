@@ -111,7 +111,74 @@ def test_certify_many_checks_arguments_before_sampling():
     with pytest.raises(ValueError, match="batch_size"):
         smoother.certify_many(xs, 10, 20, 0.01, batch_size=0)
     with pytest.raises(TypeError, match="one seed per input"):
-        list(smoother.certify_many(xs, 10, 20, 0.01, seeds=3))
+        smoother.certify_many(xs, 10, 20, 0.01, seeds=3)
+
+
+def _certifiers_of_many(model, xs):
+    """Every lazy call that takes one seed per input, as ``call(inputs, seeds)``."""
+    smoother = Smoother(model, 0.4)
+    margin_model = SplitModel(LeftHalf([nn.Linear(36, 5)], [None], input_shape=(1, 6, 6)), nn.Identity(), 5)
+    attacker = sz.Attacker(smoother, attack="smooth-fgsm", eps=0.1, samples=2)
+    sequential = sz.SequentialCertifier(smoother, radii=[0.05])
+    return {
+        "certify_many": lambda inputs, seeds: smoother.certify_many(inputs, 10, 20, 0.01, batch_size=64, seeds=seeds),
+        "predict_many": lambda inputs, seeds: smoother.predict_many(inputs, 20, 0.01, batch_size=64, seeds=seeds),
+        "sequential": lambda inputs, seeds: sequential.certify_many(inputs, 10, 40, 0.01, batch_size=64, seeds=seeds),
+        "margin": lambda inputs, seeds: sz.MarginCertifier(margin_model).certify_many(inputs, seeds=seeds),
+        "attack": lambda inputs, seeds: attacker.attack_many(_labelled(inputs), 20, 0.01, batch_size=64, seeds=seeds),
+    }
+
+
+def _labelled(inputs):
+    """``(x, 0)`` pairs: a list for a tensor or list of inputs, else as lazy as ``inputs``."""
+    if isinstance(inputs, (list, torch.Tensor)):
+        return [(x, 0) for x in inputs]
+    return ((x, 0) for x in inputs)
+
+
+CALLS = ["certify_many", "predict_many", "sequential", "margin", "attack"]
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("seeds,count", [([0], "1 seed for 3 inputs"), (range(10), "10 seeds for 3 inputs")],
+                         ids=["too-few", "too-many"])
+def test_as_many_seeds_as_inputs_or_an_error_before_any_work(call, seeds, count):
+    model, xs = _small_splitz()
+    calls = _certifiers_of_many(model, xs[:3])
+    with pytest.raises(ValueError, match=f"seeds: {count}; give one seed per input"):
+        calls[call](xs[:3], seeds)  # raised by the call itself, before its first result is asked for
+    with pytest.raises(ValueError, match=f"seeds: {count}"):
+        calls[call](list(xs[:3]), seeds)
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_a_lazy_input_stream_with_too_few_seeds_stops_before_the_unseeded_input(call):
+    model, xs = _small_splitz()
+    calls = _certifiers_of_many(model, xs)
+    fetched = []
+
+    def stream():
+        for i in range(3):
+            fetched.append(i)
+            yield xs[i]
+
+    got = []
+    with pytest.raises(ValueError, match="seeds: 1 seed for at least 2 inputs; give one seed per input"):
+        for result in calls[call](stream(), [0]):
+            got.append(result)
+    assert fetched == [0, 1]  # stopped at the input without a seed, the third never read
+    assert [r.seed for r in got] in ([], [0])  # certify_many samples inputs in groups: 0 is still in its group
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_seeds_left_over_at_the_end_of_a_lazy_input_stream_are_an_error(call):
+    model, xs = _small_splitz()
+    calls = _certifiers_of_many(model, xs)
+    with pytest.raises(ValueError, match="seeds: 3 seeds for 2 inputs"):
+        list(calls[call](iter(xs[:2]), [0, 1, 2]))
+    with pytest.raises(ValueError, match="seeds: more than 2 seeds for 2 inputs"):
+        list(calls[call](iter(xs[:2]), iter(range(5))))
+    assert len(list(calls[call](iter(xs[:2]), iter(range(2))))) == 2
 
 
 # ---------------------------------------------------------------------------------------------------- prepared f_R

@@ -436,3 +436,140 @@ def test_after_any_edits_every_certifier_gives_a_fresh_certifiers_result(seed):
         assert _outcome(got) == _outcome(fresh)
         _edit(model, rng)
         margin_model.left = _scaled_left(margin_model, rng.uniform(0.3, 4.0))
+
+
+# ====================================================================== edits during a lazy call, in either half
+def _edit_right_data(model):
+    model.right[-1].weight.data.add_(1.0)  # .data: no version-counter bump
+
+
+def _edit_right_no_grad(model):
+    with torch.no_grad():
+        model.right[-1].bias.copy_(torch.tensor([0.0, 6.0, 0.0]))
+
+
+def _edit_right_layer(model):
+    model.right[1] = nn.Linear(64, 3)  # a layer of f_R replaced: same repr and names, other values
+
+
+def _edit_left_data(model):
+    model.left.layers[1].weight.data.mul_(2.0)
+
+
+RIGHT_EDITS = {"data": _edit_right_data, "no-grad-copy": _edit_right_no_grad, "layer-replaced": _edit_right_layer}
+XS = torch.stack([_x(seed=s) for s in range(3)])
+
+
+def _edit_after_the_first_result(results, edit, model) -> None:
+    """The call ``results`` yields one result, ``edit(model)`` runs, and the next ``next`` raises."""
+    next(results)
+    edit(model)
+    with pytest.raises(RuntimeError, match="edited while a certify/predict call was running"):
+        next(results)
+
+
+@pytest.mark.parametrize("batch_size", [64, 2048], ids=["window-per-input", "one-window"])
+@pytest.mark.parametrize("edit", RIGHT_EDITS.values(), ids=RIGHT_EDITS.keys())
+def test_editing_f_r_during_certify_many_stops_it(edit, batch_size):
+    model = _image_model()
+    results = Smoother(model, SIGMA).certify_many(XS, **COUNTS, batch_size=batch_size, seeds=[0, 1, 2])
+    _edit_after_the_first_result(results, edit, model)
+
+
+@pytest.mark.parametrize("edit", [_edit_left_data, _edit_right_data], ids=["f_L", "f_R"])
+def test_editing_the_model_during_predict_many_yields_no_stale_prediction(edit):
+    model = _image_model()
+    results = Smoother(model, SIGMA).predict_many(XS, n=100, alpha=0.01, batch_size=2048, seeds=[0, 1, 2])
+    _edit_after_the_first_result(results, edit, model)
+
+
+@pytest.mark.parametrize("edit", [_edit_left_data, *RIGHT_EDITS.values()], ids=["f_L", *RIGHT_EDITS.keys()])
+def test_editing_the_model_during_a_sequential_certify_many_stops_it(edit):
+    model = _image_model()
+    sequential = SequentialCertifier(Smoother(model, SIGMA), radii=[0.05])
+    results = sequential.certify_many(XS, n0=20, budget=200, alpha=0.01, seeds=[0, 1, 2])
+    _edit_after_the_first_result(results, edit, model)
+
+
+def test_editing_the_model_during_margin_certify_many_stops_it():
+    model = _margin_model()
+    results = MarginCertifier(model, bound_options=EXACT).certify_many(torch.stack([_x((4,), s) for s in range(3)]),
+                                                                       seeds=[0, 1, 2])
+    _edit_after_the_first_result(results, lambda m: m.left.layers[0].weight.data.mul_(2.0), model)
+
+
+def test_editing_f_r_during_attack_many_yields_no_stale_result():
+    model = _image_model()
+    attacker = sz.Attacker(Smoother(model, SIGMA), attack="smooth-fgsm", eps=0.1, samples=4, group=3)
+    results = attacker.attack_many([(x, 0) for x in XS], n=100, alpha=0.01, seeds=[0, 1, 2])
+    _edit_after_the_first_result(results, _edit_right_data, model)
+
+
+def test_an_unedited_model_runs_a_lazy_call_to_the_end():
+    model = _image_model()
+    smoother = Smoother(model, SIGMA)
+    assert len(list(smoother.certify_many(XS, **COUNTS, batch_size=64, seeds=[0, 1, 2]))) == 3
+    assert len(list(smoother.predict_many(XS, n=100, alpha=0.01, seeds=[0, 1, 2]))) == 3
+
+
+# ====================================================================== ModuleSnapshot: by bits, one sync per group
+def test_snapshot_compares_bits_and_every_buffer():
+    module = nn.Linear(3, 2)
+    module.register_buffer("scale", torch.ones(2), persistent=False)  # not in the state dict
+    with torch.no_grad():
+        module.weight[0, 0] = float("nan")
+    snapshot = sz.ModuleSnapshot(module)
+    assert snapshot.matches(module)  # a NaN is the same bits as itself
+    module.scale.data.fill_(2.0)
+    assert not snapshot.matches(module)
+    module.scale.data.fill_(1.0)
+    assert snapshot.matches(module)
+    module.bias.data[0] = 0.0
+    snapshot = sz.ModuleSnapshot(module)
+    module.bias.data[0] = -0.0  # equal as floats, another bit pattern (and another result of 1/x)
+    assert not snapshot.matches(module)
+    module.bias.data[0] = 0.0
+    assert snapshot.matches(module)
+    module.scale = module.scale.double()
+    assert not snapshot.matches(module)
+
+
+def _deep_right(layers: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), *[nn.Linear(64, 64) for _ in range(layers)], nn.BatchNorm1d(64),
+                         nn.Linear(64, 3))
+
+
+@pytest.mark.parametrize("layers", [1, 30])
+def test_a_guard_check_costs_one_device_comparison_per_group(layers, monkeypatch):
+    """However many tensors the model has: f_L is float32 (one group); f_R float32 and BatchNorm's int64 counter."""
+    model = _image_model()
+    model.right = _deep_right(layers)
+    guard = sz.inputs.CallGuard(model)
+    calls = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(a.dtype) or equal(a, b))
+    guard.check()
+    assert sorted(map(str, calls)) == ["torch.int32", "torch.int32", "torch.int64"]
+    for k, tensor in [*model.left.named_parameters(), *model.right.named_buffers(), *model.right.named_parameters()]:
+        was = tensor.data.clone()
+        tensor.data.view(-1)[-1] += 1
+        with pytest.raises(RuntimeError, match="edited while"):
+            guard.check()
+        tensor.data.copy_(was)
+    guard.check()
+
+
+# ====================================================================== PREDICT on a float64 input
+def test_predict_reports_the_rounding_of_a_float64_input():
+    model = _image_model()
+    x64 = _x().double() + 1e-9  # not representable in float32
+    smoother = Smoother(model, SIGMA)
+    wide = smoother.predict(x64, n=100, alpha=0.01, seed=0)
+    rounded = smoother.predict(x64.float(), n=100, alpha=0.01, seed=0)
+    distance = float((x64 - x64.float().double()).norm())
+    assert rounded.input_rounding == 0.0
+    assert distance <= wide.input_rounding <= distance * (1 + 1e-9)
+    assert wide.input_rounding == smoother.certify(x64, **COUNTS, seed=0).input_rounding
+    assert dataclasses.replace(wide, input_rounding=0.0) == rounded  # the answer is x̃'s
+    many = list(smoother.predict_many([x64, x64.float()], n=100, alpha=0.01, seeds=[0, 0]))
+    assert [p.input_rounding for p in many] == [wide.input_rounding, 0.0]

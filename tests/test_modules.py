@@ -100,6 +100,28 @@ def test_split_sequential_uses_clipped_relu_threshold_and_rejects_other_modules_
         sz.split_sequential(net, 3, num_classes=2, input_shape=(1, 10, 10))
 
 
+@pytest.mark.parametrize("split_index", [0, 1])
+def test_split_sequential_refuses_an_input_shape_the_network_cannot_take(split_index):
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 32 * 32, 3))
+    with pytest.raises(ValueError, match=r"input_shape=\(3, 32, 32\) does not fit the network \(its first layer, "
+                                         r"Conv2d\(1, 4, .*\), takes 1-channel images"):
+        sz.split_sequential(net, split_index, num_classes=3, input_shape=(3, 32, 32))
+    with pytest.raises(ValueError, match=r"input_shape=\(1, 28, 28\) does not fit"):  # f_R's Linear: another size
+        sz.split_sequential(net, split_index, num_classes=3, input_shape=(1, 28, 28))
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    with pytest.raises(ValueError, match=r"input_shape=\(5,\) .* takes 4 features"):
+        sz.split_sequential(mlp, split_index, num_classes=2, input_shape=(5,))
+
+
+def test_split_sequential_checks_the_input_shape_without_changing_the_network():
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.BatchNorm1d(4 * 8 * 8),
+                        nn.Dropout(0.5), nn.Linear(4 * 8 * 8, 3))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    model = sz.split_sequential(net, 1, num_classes=3, input_shape=(1, 8, 8))
+    assert net.training and model.training  # modes restored
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())  # BatchNorm statistics untouched
+
+
 def test_split_model_never_adds_noise():
     torch.manual_seed(0)
     model = sz.split_sequential(_net(), 1, num_classes=3, input_shape=(1, 8, 8)).eval()
