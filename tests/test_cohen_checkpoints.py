@@ -10,12 +10,14 @@ ResNet-50 inside ``DataParallel`` for ``resnet50``. The networks below reproduce
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
 import torch.nn as nn
 
 import splitz_fast as sz
+from splitz_fast import cli
 from splitz_fast.checkpoints import checkpoint_digest, load_checkpoint_file
 
 # The normalisation constants of Cohen et al.'s datasets.py.
@@ -247,3 +249,62 @@ def test_formats_do_not_mix(tmp_path):
         sz.load_checkpoint(path)
     with pytest.raises(ValueError, match="unknown checkpoint format 'smoothing'; valid formats: splitz, cohen"):
         sz.load_checkpoint(path, format="smoothing")
+
+
+@pytest.fixture
+def fake_cifar10(monkeypatch):
+    """Four random CIFAR-shaped images under any dataset name (this process only)."""
+    from torch.utils.data import TensorDataset
+
+    import splitz_fast.datasets as datasets
+    from splitz_fast.datasets import DatasetInfo
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+    info = DatasetInfo(data, (3, 32, 32), 10, None, None, "fake CIFAR-10")
+    monkeypatch.setattr(datasets, "get_dataset", lambda name, split, root=None, **options: info)
+    return info
+
+
+def test_cli_certifies_a_cohen_checkpoint_and_resumes(tmp_path, capsys, fake_cifar10):
+    path = tmp_path / "checkpoint.pth.tar"
+    save_cohen(cohen_model("cifar_resnet20"), "cifar_resnet20", path)
+    out = tmp_path / "out.tsv"
+    argv = ["certify", "cifar10", str(path), "0.25", str(out), "--checkpoint-format", "cohen", "--skip", "2",
+            "--N0", "4", "--N", "16", "--alpha", "0.001", "--batch", "16"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    header, *rows = out.read_text().splitlines()
+    assert header.split("\t")[:6] == ["idx", "label", "predict", "radius", "correct", "time"]
+    assert [row.split("\t")[0] for row in rows] == ["0", "2"]
+    sidecar = json.loads(out.with_name("out.tsv.json").read_text())
+    assert sidecar["checkpoint_format"] == "cohen" and sidecar["model_spec"]["format"] == "cohen"
+    assert sidecar["model_spec"]["arch"] == "cifar_resnet20" and sidecar["sigma"] == 0.25
+    assert sidecar["checkpoint_digest"] == sz.load_checkpoint(path, format="cohen").digest
+
+    # A torn run resumes to the same rows; the same file read as another format is refused.
+    out.write_text("\n".join([header, rows[0]]) + "\n")
+    assert cli.main(argv + ["--resume"]) == 0, capsys.readouterr().err
+    assert out.read_text().splitlines()[2].split("\t")[:5] == rows[1].split("\t")[:5]
+    capsys.readouterr()
+    assert cli.main([a for a in argv if a not in ("--checkpoint-format", "cohen")] + ["--resume"]) == 2
+    assert "is not a splitz_fast checkpoint" in capsys.readouterr().err
+
+
+def test_cli_refuses_another_dataset_or_the_held_out_split(tmp_path, capsys, fake_cifar10):
+    path = tmp_path / "checkpoint.pth.tar"
+    save_cohen(cohen_model("cifar_resnet20"), "cifar_resnet20", path)
+    base = [str(path), "0.25", str(tmp_path / "out.tsv"), "--checkpoint-format", "cohen", "--N", "16"]
+    assert cli.main(["predict", "imagenet", *base]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "Cohen et al.'s cifar_resnet20 is a cifar10 model" in err and "not one for 'imagenet'" in err
+    assert cli.main(["certify", "cifar10", *base, "--N0", "4", "--split", "heldout"]) == 2
+    assert "Cohen et al.'s checkpoints do not record theirs" in capsys.readouterr().err
+    assert not (tmp_path / "out.tsv").exists()
+
+
+def test_help_names_the_option():
+    for command in ("certify", "predict", "attack"):
+        parser = cli.build_parser()
+        text = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        assert "--checkpoint-format {splitz,cohen}" in text.format_help()
