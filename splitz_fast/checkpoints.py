@@ -11,6 +11,9 @@ For users, :func:`load_checkpoint` is the one call::
 
     ckpt = sz.load_checkpoint("runs/mnist-splitz/best.pt")       # device="cpu" by default
     smoother = sz.Smoother(ckpt.model, ckpt.sigma)                # the σ it was trained at
+
+``format="cohen"`` reads the randomized-smoothing checkpoints of Cohen et al.'s code (and SmoothAdv, MACER, ... built
+on it) instead: :mod:`splitz_fast.cohen`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,16 @@ from .models import build_model
 from .modules import SplitModel
 
 CHECKPOINT_FORMAT = 1
+
+#: What ``format=`` of :func:`load_checkpoint` (and ``splitz certify --checkpoint-format``) accepts: ``"splitz"``,
+#: written by ``splitz train``; ``"cohen"``, Cohen et al.'s randomized-smoothing checkpoints (:mod:`splitz_fast.cohen`).
+CHECKPOINT_FORMATS = ("splitz", "cohen")
+
+
+def _check_format(format: str) -> str:
+    if format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"unknown checkpoint format {format!r}; valid formats: {', '.join(CHECKPOINT_FORMATS)}")
+    return format
 
 
 def save_checkpoint(obj: dict, path: str | os.PathLike) -> None:
@@ -53,8 +66,15 @@ def _unreadable_reason(path: Path) -> str:
     return "the archive is damaged, or holds Python objects other than tensors and plain values"
 
 
-def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else."""
+def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                         format: str = "splitz") -> dict:
+    """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else.
+    ``format="cohen"``: a Cohen et al. checkpoint in this layout (:func:`~splitz_fast.cohen.read_cohen_checkpoint`),
+    so :func:`checkpoint_digest` of it identifies either kind."""
+    if _check_format(format) == "cohen":
+        from .cohen import read_cohen_checkpoint
+
+        return read_cohen_checkpoint(path, device)
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"checkpoint {path} is a folder; give a checkpoint file ({path / 'best.pt'} or "
@@ -108,10 +128,19 @@ def load_state_into(model: nn.Module, checkpoint: dict) -> nn.Module:
     return model
 
 
-def load_model(checkpoint: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[SplitModel, dict]:
-    """``(model, checkpoint dict)``: the model of a checkpoint written by ``splitz train``, rebuilt from its
-    ``model_spec``, on ``device`` and in eval mode (loaded with ``weights_only=True``)."""
-    ckpt = load_checkpoint_file(checkpoint, device)
+def load_model(checkpoint: str | os.PathLike, device: str | torch.device = "cpu", *,
+               format: str = "splitz") -> tuple[SplitModel, dict]:
+    """``(model, checkpoint dict)``: the model of a checkpoint written by ``splitz train`` (or, ``format="cohen"``,
+    by Cohen et al.'s code), rebuilt from its ``model_spec``, on ``device`` and in eval mode (loaded with
+    ``weights_only=True``)."""
+    ckpt = load_checkpoint_file(checkpoint, device, format=format)
+    if format == "cohen":
+        from .cohen import build_cohen_model
+
+        try:
+            return build_cohen_model(ckpt).to(device).eval(), ckpt
+        except ValueError as err:
+            raise ValueError(f"{checkpoint}: {err}") from None
     spec = ckpt.get("model_spec") or {}
     if "name" not in spec:
         raise ValueError(f"{checkpoint} does not record its model; it was not written by `splitz train`")
@@ -129,6 +158,8 @@ class LoadedCheckpoint:
     Attributes:
         model: the :class:`~splitz_fast.modules.SplitModel`, weights loaded, on the requested device, in eval mode.
         sigma: the training noise σ (``config["sigma"]``): certify at this σ (the paper trains at the test σ).
+            ``None`` for Cohen et al.'s checkpoints, which do not record σ: give the Smoother the σ it was trained
+            at yourself.
         dataset: the dataset name it was trained on (``model_spec["dataset"]``; ``None`` if not recorded).
         epoch: the 0-based epoch after which it was saved (``best.pt``: the best validation epoch so far).
         digest: :func:`checkpoint_digest` (what certification sidecars record as ``checkpoint_digest``).
@@ -156,23 +187,36 @@ class LoadedCheckpoint:
                 f"digest={self.digest[:12]}…)")
 
 
-def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                    format: str = "splitz") -> LoadedCheckpoint:
     """Load a ``splitz train`` checkpoint (``best.pt`` / ``last.pt``) ready to certify: the model on ``device`` in
     eval mode, with its σ and training settings (:class:`LoadedCheckpoint`). Loaded with
     ``torch.load(..., weights_only=True)``; a missing, damaged or foreign file is a one-line ``ValueError`` /
     ``FileNotFoundError``.
 
+    ``format="cohen"`` loads a randomized-smoothing checkpoint of Cohen et al.'s code (``checkpoint.pth.tar`` of
+    locuslab/smoothing's train.py and of SmoothAdv, MACER, ... built on it; ``arch`` ``cifar_resnet20``,
+    ``cifar_resnet110`` or ``resnet50``) into ``cifar_resnet20`` / ``cifar_resnet110`` / ``imagenet_resnet50`` at
+    split 0, with the normalisation of that code as the model's ``Standardize`` (:mod:`splitz_fast.cohen`).
+    ``model_spec`` is ``{"name", "format": "cohen", "arch", "dataset", "kwargs"}``, ``config`` is empty, ``epoch``
+    0-based (the file stores epoch + 1), ``data`` the file's dict with its ``state_dict`` under this library's names
+    as ``model``, and ``sigma`` is ``None``: these files do not record σ, so give it to the Smoother.
+
     Example::
 
         ckpt = sz.load_checkpoint("runs/mnist-splitz/best.pt")
         r = sz.Smoother(ckpt.model, ckpt.sigma).certify(x, n0=100, n=100_000, alpha=0.001, seed=0)
+
+        rs = sz.load_checkpoint("models/cifar10/resnet110/noise_0.25/checkpoint.pth.tar", format="cohen")
+        r = sz.Smoother(rs.model, 0.25).certify(x, n0=100, n=100_000, alpha=0.001, seed=0)
     """
-    model, ckpt = load_model(path, device)
+    model, ckpt = load_model(path, device, format=format)
     spec, config = dict(ckpt.get("model_spec") or {}), dict(ckpt.get("config") or {})
     return LoadedCheckpoint(model=model, sigma=config.get("sigma"), dataset=spec.get("dataset"),
                             epoch=ckpt.get("epoch"), digest=checkpoint_digest(ckpt), model_spec=spec, config=config,
                             data=ckpt)
 
 
-__all__ = ["CHECKPOINT_DIGEST_COVERS", "CHECKPOINT_FORMAT", "LoadedCheckpoint", "checkpoint_digest", "load_checkpoint",
-           "load_checkpoint_file", "load_model", "load_state_into", "save_checkpoint"]
+__all__ = ["CHECKPOINT_DIGEST_COVERS", "CHECKPOINT_FORMAT", "CHECKPOINT_FORMATS", "LoadedCheckpoint",
+           "checkpoint_digest", "load_checkpoint", "load_checkpoint_file", "load_model", "load_state_into",
+           "save_checkpoint"]

@@ -2,7 +2,8 @@
 (``splitz CMD --help``).
 
 ``certify``/``predict`` take Cohen et al.'s positional arguments ``DATASET CHECKPOINT SIGMA OUTFILE`` and options
-(``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over. They (and ``certify-margin``)
+(``--batch --skip --max --split --N0 --N --alpha``), so existing scripts carry over; with ``--checkpoint-format cohen``
+they read Cohen et al.'s own checkpoints too. They (and ``certify-margin``)
 run sharded with ``--shard K/N`` (then ``splitz merge OUTFILE``) or under ``torchrun -m splitz_fast`` (rank 0 merges;
 :mod:`splitz_fast.distributed`). ``train`` under ``torchrun -m splitz_fast`` trains data-parallel over the ranks
 (:class:`~splitz_fast.distributed.DataParallelGroup`).
@@ -224,7 +225,15 @@ def _model_and_dataset(args: argparse.Namespace):
     """The checkpoint's model and the dataset split, refused with a clear message when they do not fit together."""
     from .datasets import get_dataset
 
-    model, ckpt = load_model(args.checkpoint, args.device)
+    checkpoint_format = getattr(args, "checkpoint_format", "splitz")
+    model, ckpt = load_model(args.checkpoint, args.device, format=checkpoint_format)
+    if checkpoint_format == "cohen":
+        from .cohen import check_cohen_dataset
+
+        check_cohen_dataset(ckpt, args.dataset)
+        if args.split == HELD_OUT_SPLIT:
+            raise ValueError(f"--split {HELD_OUT_SPLIT} reads the images a `splitz train` run held out; Cohen et al.'s "
+                             "checkpoints do not record theirs: choose a split of the dataset")
     if args.split == HELD_OUT_SPLIT:
         info = _held_out_dataset(args, ckpt)
     else:
@@ -281,7 +290,8 @@ class _DatasetRun:
         def run(shard_spec, progress):
             return run_over_dataset(task, self.info.dataset, args.outfile, settings=settings, indices=indices,
                                     seed=args.seed, resume=args.resume, checkpoint=args.checkpoint, shard=shard_spec,
-                                    progress=progress)
+                                    progress=progress,
+                                    checkpoint_format=getattr(args, "checkpoint_format", "splitz"))
 
         what = "inputs" if task.kind == "certify-margin" else "images"
         if self.env is not None:
@@ -469,6 +479,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.certification}: its sidecar records no {', '.join(missing)}; diagnose reads a "
                          "`splitz certify` run")
     args.dataset, args.split = sidecar["dataset"], sidecar["split"]
+    args.checkpoint_format = sidecar.get("checkpoint_format", "splitz")
     model, ckpt, info = _model_and_dataset(args)
     if checkpoint_digest(ckpt) != sidecar.get("checkpoint_digest"):
         raise ValueError(f"{args.certification} was certified with another model than {args.checkpoint} "
@@ -517,6 +528,19 @@ def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--max", "--max-inputs", dest="max", type=int, default=-1, metavar="MAX",
                         help=f"at most MAX {what}, -1 = all (under torchrun write --max-inputs: torchrun takes --max "
                              "for its --max-restarts)")
+
+
+def _add_checkpoint_format_option(parser: argparse.ArgumentParser) -> None:
+    """``--checkpoint-format`` of the commands that certify or attack a smoothed classifier."""
+    from .checkpoints import CHECKPOINT_FORMATS
+    from .cohen import COHEN_ARCHS
+
+    archs = ", ".join(f"{name} ({arch.dataset})" for name, arch in COHEN_ARCHS.items())
+    parser.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default="splitz",
+                        help="splitz: CHECKPOINT was written by `splitz train`. cohen: a checkpoint.pth.tar of "
+                             "Cohen et al.'s randomized smoothing code (locuslab/smoothing; SmoothAdv, MACER, ... "
+                             f"built on it), arch {archs}, certified at split 0 behind that code's normalisation; it "
+                             "does not record σ, so SIGMA must be the σ it was trained at, and DATASET its dataset")
 
 
 def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
@@ -649,7 +673,8 @@ def _add_certify_predict_parser(sub) -> None:
                                  ("predict", predict_command, "Cohen's PREDICT")):
         c = sub.add_parser(name, help=helptext, formatter_class=_HelpFormatter)
         c.add_argument("dataset", help=dataset_help)
-        c.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train`")
+        c.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train`, or with --checkpoint-format "
+                                          "cohen a checkpoint of Cohen et al.'s code")
         c.add_argument("sigma", type=float, help="noise level σ")
         c.add_argument("outfile", help="TSV output (a sidecar OUTFILE.json records the settings)")
         c.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
@@ -697,6 +722,7 @@ def _add_certify_predict_parser(sub) -> None:
                        help="sample through torch.compile(f_R) with static batch shapes (eager if compiling fails)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+        _add_checkpoint_format_option(c)
         _add_sharding_options(c)
         _add_threads_option(c)
         c.set_defaults(func=func)
@@ -748,7 +774,8 @@ def _add_attack_parser(sub) -> None:
                                       "classifier (pgd, fgsm, deepfool); PREDICT decides clean and attacked points",
                        formatter_class=_HelpFormatter)
     k.add_argument("dataset", help=dataset_help)
-    k.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train`")
+    k.add_argument("checkpoint", help="best.pt or last.pt written by `splitz train`, or with --checkpoint-format "
+                                      "cohen a checkpoint of Cohen et al.'s code")
     k.add_argument("sigma", type=float, help="noise level σ of the smoothed classifier")
     k.add_argument("outfile", help="TSV: idx label clean_predict adv_predict eps delta_norm success time (a sidecar "
                                    "OUTFILE.json records the settings)")
@@ -773,6 +800,7 @@ def _add_attack_parser(sub) -> None:
     k.add_argument("--alpha", type=float, default=0.001, help="PREDICT's significance level")
     k.add_argument("--seed", type=int, default=0, help="base seed; input i uses SEED+i (attack and PREDICT offsets)")
     k.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+    _add_checkpoint_format_option(k)
     _add_sharding_options(k)
     _add_threads_option(k)
     k.set_defaults(func=attack_command)

@@ -252,16 +252,21 @@ def cifar_resnet(
     threshold: float = 1.0,
     learnable_threshold: bool = False,
     num_classes: int = 10,
+    mean: Sequence[float] = CIFAR10_MEAN,
+    std: Sequence[float] = CIFAR10_STD,
 ) -> SplitModel:
     """CIFAR ResNet-``depth`` (:class:`CifarResNet`) split at ``split_index`` ∈ {0, 1} (:func:`split_resnet`), with
     CIFAR-10 standardization. Input ``[B, 3, 32, 32]`` in [0, 1], output ``[B, num_classes]`` logits.
 
     Split 1: ``f_L`` = standardize → conv1 (3→16, 3×3, pad 1, BatchNorm removed) → clipped ReLU, output
     ``[B, 16, 32, 32]``; ``f_R`` = ``layer1..3`` → avgpool → flatten → fc.
+
+    ``mean``/``std``: the standardization (default CIFAR-10's per-pixel statistics; Cohen et al.'s checkpoints were
+    trained behind other ones, see :mod:`splitz_fast.cohen`).
     """
     _check_split_index(split_index, 1, f"cifar_resnet{depth}", "residual blocks cannot sit in f_L")
     return split_resnet(
-        CifarResNet(depth, num_classes), split_index, mean=CIFAR10_MEAN, std=CIFAR10_STD,
+        CifarResNet(depth, num_classes), split_index, mean=mean, std=std,
         input_shape=CIFAR_INPUT_SHAPE, num_classes=num_classes,
         threshold=threshold, learnable_threshold=learnable_threshold,
     )
@@ -272,10 +277,12 @@ def imagenet_resnet50(
     threshold: float = 1.0,
     learnable_threshold: bool = False,
     num_classes: int = 1000,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
 ) -> SplitModel:
     """torchvision ``resnet50(weights=None)`` (randomly initialized; weights are never downloaded) split at
-    ``split_index`` ∈ {0, 1} (:func:`split_resnet`), with ImageNet standardization. Input ``[B, 3, 224, 224]`` in
-    [0, 1], output ``[B, num_classes]`` logits. Needs ``torchvision``.
+    ``split_index`` ∈ {0, 1} (:func:`split_resnet`), with ImageNet standardization (``mean``/``std``). Input
+    ``[B, 3, 224, 224]`` in [0, 1], output ``[B, num_classes]`` logits. Needs ``torchvision``.
 
     Split 1 (the paper's ImageNet model): ``f_L`` = standardize → conv1 (3→64, 7×7, stride 2, pad 3, BatchNorm
     removed) → clipped ReLU, output ``[B, 64, 112, 112]``; ``f_R`` = maxpool → ``layer1..4`` → avgpool → flatten → fc.
@@ -286,7 +293,7 @@ def imagenet_resnet50(
     except ImportError as err:  # torchvision is not a hard dependency of splitz_fast
         raise ImportError("imagenet_resnet50 needs torchvision: pip install torchvision") from err
     return split_resnet(
-        resnet50(weights=None, num_classes=num_classes), split_index, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+        resnet50(weights=None, num_classes=num_classes), split_index, mean=mean, std=std,
         input_shape=IMAGENET_INPUT_SHAPE, num_classes=num_classes,
         threshold=threshold, learnable_threshold=learnable_threshold,
     )

@@ -444,6 +444,7 @@ def run_over_dataset(
     seed: int,
     resume: bool = False,
     checkpoint: str | os.PathLike | None = None,
+    checkpoint_format: str = "splitz",
     progress: bool = True,
     stop_after: int | None = None,
     on_row: Callable[[int, Any], None] | None = None,
@@ -454,10 +455,12 @@ def run_over_dataset(
 
     ``settings`` (what else determines the rows: dataset, split, model, bound options…) is stored in the sidecar
     together with the task's own settings, the seed, the indices and the checkpoint's digest (``checkpoint_digest``,
-    described by ``checkpoint_digest_covers``); ``stop_after`` stops after that many new rows (as an interruption
-    would). The inputs stream through the task (shared ``f_R`` batches, one host sync per group of inputs); each row
-    is written as soon as its input is done. The ``f_R`` batch size does not change the rows — the noise of an input
-    depends only on its seed — so it is not part of the settings a resume must match.
+    described by ``checkpoint_digest_covers``; ``checkpoint_format`` says how ``checkpoint`` is read, see
+    :func:`~splitz_fast.checkpoints.load_checkpoint`, recorded unless ``"splitz"``); ``stop_after`` stops after that
+    many new rows (as an interruption would). The inputs stream through the task (shared ``f_R`` batches, one host
+    sync per group of inputs); each row is written as soon as its input is done. The ``f_R`` batch size does not
+    change the rows — the noise of an input depends only on its seed — so it is not part of the settings a resume
+    must match.
 
     ``shard`` (a :class:`ShardSpec`) runs only that shard of ``indices`` into ``shard.path(out_path)`` (returned),
     whose sidecar holds these settings plus the ``shard`` record; :func:`merge_shards` makes ``out_path`` from them.
@@ -473,8 +476,10 @@ def run_over_dataset(
     settings = dict(settings, **task.settings(), seed=seed,
                     indices=[indices[0], indices[-1], len(indices)] if indices else [])
     if checkpoint is not None:
-        settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint))
+        settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
+        if checkpoint_format != "splitz":  # recorded only when set, so files written before the option still resume
+            settings["checkpoint_format"] = checkpoint_format
     if shard is not None:
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
