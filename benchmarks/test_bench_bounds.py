@@ -73,9 +73,9 @@ def test_certificate_bound_time(benchmark, record_env, name, method):
 
 
 def test_radius_search_trained_lenet_real_mnist(benchmark, record_env, monkeypatch):
-    """The SPLITZ radius search per certified input (issue #23 item 2) on a trained model and real inputs: advertorch's
-    clean-trained LeNet-5 split after conv1, the first MNIST test digits, latent radius R = 0.5·Φ⁻¹(0.99).
-    Baseline, same process: the search as it was before the seventh session — every bisection point bounded on its
+    """The SPLITZ radius search per certified input on a trained model and real inputs: advertorch's clean-trained
+    LeNet-5 split after conv1, the first MNIST test digits, latent radius R = 0.5·Φ⁻¹(0.99).
+    Baseline, same process: the reference bisection search — every bisection point bounded on its
     own (``radius.bisection_reference``) with the ARPACK estimate at tol 0. Ours: ``RadiusSearch.search`` per input
     (covered γ's skipped, ARPACK tol ``ARPACK_TOL``) and ``search_many`` over all inputs (lockstep rounds). Radii must
     agree (the skip never changes a radius; the shift estimate only moves the bound by ~1e-10 relative)."""

@@ -173,10 +173,10 @@ def _trained_lenet(split_index: int) -> tuple[sz.SplitModel, str]:
 
 @pytest.mark.parametrize("split_index", [0, 1])
 def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, split_index):
-    """Issue #23 item 5's workload: trained LeNets, real MNIST test digits (most of them certified, so the radius
-    search runs, unlike on random inputs), n = SPLITZ_BENCH_SAMPLES, ``certify_many`` at its measured batch against
-    the Cohen-style loop at batch 100, 250 and 1000 (its best taken), interleaved over SPLITZ_BENCH_REPEATS repeats
-    (medians), fp32 ``f_R``, the same process. Quick mode: split 0 only, the loop at batch 100 only."""
+    """Trained LeNets, real MNIST test digits (most of them certified, so the radius search runs, unlike on random
+    inputs), n = SPLITZ_BENCH_SAMPLES, ``certify_many`` at its measured batch against the Cohen-style loop at batch
+    100, 250 and 1000 (its best taken), interleaved over SPLITZ_BENCH_REPEATS repeats (medians), fp32 ``f_R``, the
+    same process. Quick mode: split 0 only, the loop at batch 100 only."""
     if QUICK and split_index:
         pytest.skip("quick mode: split 0 only (test_certify_dataset_vs_cohen_loop keeps an s = 1 smoke row)")
     model, source = _trained_lenet(split_index)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CIFAR-10, ResNet-110, split after layer 1: SPLITZ vs randomized smoothing trained the same way (same model, epochs,
-# batch, optimizer, schedule, seed), certified on the same test images (issue #12, item 4). Needs the user's CIFAR-10:
+# batch, optimizer, schedule, seed), certified on the same test images. Needs the user's CIFAR-10:
 # ROOT=<folder holding cifar-10-batches-py/>; nothing is downloaded. Results under docs/results/cifar10/.
 # Recipe (paper Sec. 4 "Dataset Configuration", Appendix "Additional Experimental Details"; ../shared/SPEC.md §1, §3):
 # ResNet-110, split s = 1 (one conv + clipped ReLU at threshold 1 in f_L), Adam, lr 1e-3 constant for the first half

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MNIST, σ = 0.75 ablations of SPLITZ on a reduced budget, one small table each (issue #5, item 2):
+# MNIST, σ = 0.75 ablations of SPLITZ on a reduced budget, one small table each:
 #   bash scripts/mnist_ablations.sh bound    local vs global bound       (the 15-epoch split-1 model of mnist_splitz_vs_rs.sh)
 #   bash scripts/mnist_ablations.sh search   bisection vs one-step γ     (same model; radius gained, time spent)
 #   bash scripts/mnist_ablations.sh theta    θ_lip ∈ {0.3, 0.5, 0.7}     (retrained, EPOCHS_ABL epochs each)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MNIST empirical robust accuracy (issue 15, item 2): l2 FGSM and PGD on the smoothed classifier (SmoothAdv-style,
+# MNIST empirical robust accuracy: l2 FGSM and PGD on the smoothed classifier (SmoothAdv-style,
 # `splitz attack --attack smooth-fgsm|smooth-pgd`) of an RS and a SPLITZ checkpoint, on the same test images as their
 # certified tables, at ε ∈ EPS; then a table of empirical robust accuracy (PREDICT at the attacked point equals the
 # label; abstentions count as wrong) next to certified accuracy at each ε.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MNIST: the best-σ envelope of SPLITZ against that of randomized smoothing (issue #12, item 3).
+# MNIST: the best-σ envelope of SPLITZ against that of randomized smoothing.
 # RS (split 0) at σ ∈ RS_SIGMAS and SPLITZ (split 1, recipe $RECIPE) at σ ∈ SPLITZ_SIGMAS, all trained with the same
 # budget (EPOCHS, batch 256, constant lr, same seed), certified on the same test images (every SKIP-th), n0 = 100,
 # n = N, α = 0.001, sound certificates only. Results (TSVs, train logs, envelope table and plot, diagnostics of each

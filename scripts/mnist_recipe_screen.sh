@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MNIST: which SPLITZ training recipe the envelope comparison uses (issue #12), chosen on held-out data only.
+# MNIST: which SPLITZ training recipe the envelope comparison uses, chosen on held-out data only.
 # Each candidate recipe trains split 1 at σ = SIGMA with the comparison's own budget and command
 # (scripts/mnist_envelope.sh, stage splitz-train, so the winner's run is reused there) and is certified on validation
 # images its run held out (`--split heldout`, every HELD_SKIP-th: 100 of 6,000 by default), n0 = 100, n = N,

@@ -4,7 +4,7 @@
 # Budget knobs (environment): EPOCHS (default 15), SKIP (every SKIP-th test image, default 50), N (default 10000),
 # DEVICE (default cpu), BATCH (noise samples per pass, default 100: fastest on a CPU; 10000 on a GPU), RESULTS (default
 # docs/results/mnist). Re-running resumes: finished training epochs and certified rows are not redone.
-# The issue's GPU budget (docs/results/mnist-n1e5/): SKIP=20 N=100000 DEVICE=cuda BATCH=10000 RESULTS=docs/results/mnist-n1e5
+# The full GPU budget (500 test images, n = 10⁵; docs/results/mnist-n1e5/): SKIP=20 N=100000 DEVICE=cuda BATCH=10000 RESULTS=docs/results/mnist-n1e5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPLITZ=${SPLITZ:-.venv/bin/splitz}

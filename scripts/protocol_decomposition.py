@@ -1,4 +1,4 @@
-"""Issue #22 item 1: where the SPLITZ paper's MNIST numbers come from — the same checkpoints and images certified
+"""Where the SPLITZ paper's MNIST numbers come from — the same checkpoints and images certified
 under the sound certificate and the two estimate protocols (``splitz certify --protocol``), each estimate's claimed
 radii attacked with smoothed PGD, and the paper's printed and revised figures beside them.
 

@@ -1,4 +1,4 @@
-"""Issue #22 item 4: a constructed, honest example where sound SPLITZ certifies larger radii than randomized smoothing
+"""A constructed, honest example where sound SPLITZ certifies larger radii than randomized smoothing
 of the *same* network at its best σ — the mechanism (neurons constant on the ball make L(x, γ) = 0) end to end.
 
 The task: inputs in R^d; class 0 is the box ``|x_i| ≤ 1.5`` for every i (the points are drawn near its center),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MNIST, issue #22 item 2: the `stable` recipe against the paper's, on held-out images only (a small CPU screen).
+# MNIST: the `stable` recipe against the paper's, on held-out images only (a small CPU screen).
 # Both train the LeNet at split 1, σ = SIGMA, with one budget (EPOCHS epochs, batch 256, Adam lr 1e-3 constant, seed 0,
 # one thread each, the two trainings side by side), are certified on HELD_MAX of the 6,000 validation images their
 # runs held out (`--split heldout`, every HELD_SKIP-th), n0 = 100, n = N, α = 0.001, sound local bound, and diagnosed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Adult and Law School: SPLITZ (split after hidden layer 1, and after both hidden layers) vs randomized smoothing
 # (split 0) and the Lipschitz-only model (the whole MLP in f_L, margin certificate), the same MLP (64-64 hidden,
-# clipped ReLU θ = 1 in f_L), epochs, batch, noise samples and seed; certified on the same test rows. Results under docs/results/tabular/<dataset>/ (issue #5, item 3).
+# clipped ReLU θ = 1 in f_L), epochs, batch, noise samples and seed; certified on the same test rows. Results under docs/results/tabular/<dataset>/.
 #   bash scripts/tabular_splitz_vs_rs.sh [adult|law_school|all]
 # Budget knobs (environment): EPOCHS (default 30), SKIP (every SKIP-th test row, default 20), N (default 100000),
 # SIGMA (default 0.5), DEVICE (default cpu). Radii are in standardized feature units (see docs/results/README.md).

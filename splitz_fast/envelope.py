@@ -34,7 +34,8 @@ class Reference:
     accuracy: Mapping[float, float]
 
 
-#: MNIST lines quoted in issue #12 (LeNet, n = 10⁵, α = 0.001, the full MNIST test set).
+#: Published MNIST certified-accuracy lines from the randomized-smoothing literature (LeNet, n = 10⁵, α = 0.001, the
+#: full MNIST test set); each ``source`` says where its numbers come from.
 MNIST_REFERENCES = (
     Reference("literature: RS envelope (Cohen-style Gaussian augmentation)",
               "public certification logs of Cohen et al.-style training, σ = 0.5 at ε = 1.5 and σ = 1.0 beyond",

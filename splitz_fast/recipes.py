@@ -75,7 +75,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     ),
     Recipe(
         "stable",
-        "this library's recipe for f_L flat where it is certified (issue #22): the paper's loss with the Lipschitz "
+        "this library's recipe for f_L flat where it is certified: the paper's loss with the Lipschitz "
         "term's ball ramped per step from 0 to γ_train = 1.5 over the first half of training (Huang et al., NeurIPS "
         "2021: train on a ball at the radius to certify), a stability term (weight 0.5) that rewards f_L's neurons "
         "constant on that ball, inactive or saturated, from the certificate's interval bounds (Xiao et al., ICLR 2019, "
