@@ -1,6 +1,7 @@
 """The first stages of scripts/gpu_checks.sh on the CPU: ``python -m benchmarks.targets`` (SPEC §5's target table
 against the naive loop) in its quick mode, end to end, and its outputs' structure — so that the GPU session's
-first minutes cannot be lost to a broken script."""
+first minutes cannot be lost to a broken script; and the pieces for its floor and timed-region columns
+(benchmarks/floor.py's counts and floors, benchmarks/compile_watch.py's timed-region checks)."""
 from __future__ import annotations
 
 import csv
@@ -12,10 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 WORKLOADS = ("mnist-lenet", "cifar10-resnet110", "imagenet-resnet50")
+if str(ROOT / "benchmarks") not in sys.path:  # the benchmark modules import each other by bare name
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compile_watch  # noqa: E402
+import floor  # noqa: E402
 
 
 def run_targets(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -93,3 +100,102 @@ def test_gpu_checks_runs_the_target_table_first():
     for promise in ("1. SPEC §5's target table", "2. native CUDA vs Triton", "n0 = 100, α = 0.001", "warm-up",
                     "random weights and synthetic", "targets.json", "targets.md", "CHECKS=0"):
         assert promise in header, promise
+
+
+# ------------------------------------------------------------------------------------------------ the pieces
+def test_floors_reproduce_spec_figures_on_an_h100():
+    """SPEC §5's per-image floors on one H100 (bf16, ≈ 990 TFLOP/s and ≈ 3 TB/s) from its per-sample counts: compute
+    0.9 ms / 51 ms / 83 ms and memory (bf16, written and read once) ≈ 12 ms / 0.49 s / 0.43 s."""
+    card = floor.card_for("NVIDIA H100 80GB HBM3")
+    assert card is floor.H100_SXM and card.bandwidth == 3.0e12
+    for flops, elements, samples, compute, memory in ((8.9e6, 88e3, 100_100, 0.9e-3, 12e-3),
+                                                      (0.51e9, 3.7e6, 100_100, 51e-3, 0.49),
+                                                      (8.2e9, 32e6, 10_100, 83e-3, 0.43)):
+        cost = floor.Cost(flops, flops, 0.0, int(elements), int(elements / 3), 0, {})
+        row = floor.floors(cost, "bfloat16", samples, card)
+        assert row["compute_floor_s"] == pytest.approx(compute, rel=0.03)
+        assert row["memory_floor_s"] == pytest.approx(memory, rel=0.03)
+        assert row["floor_s"] == max(row["compute_floor_s"], row["memory_floor_s"])
+        assert row["fused_memory_floor_s"] == pytest.approx(row["memory_floor_s"] / 3, rel=1e-3)
+        assert row["fused_floor_s"] == max(row["compute_floor_s"], row["fused_memory_floor_s"])
+    # fp32: convolutions at TF32 (cuDNN's switch, on by default), matrix products at fp32 unless TF32 is allowed
+    cost = floor.Cost(3e9, 2e9, 1e9, 10, 5, 0, {})
+    row = floor.floors(cost, "float32", 1, card, bandwidth=2.5e12, tf32_conv=True, tf32_matmul=False)
+    assert row["compute_floor_s"] == pytest.approx(2e9 / 495e12 + 1e9 / 67e12)
+    assert row["memory_floor_s"] == pytest.approx(2 * 10 * 4 / 2.5e12) and row["bandwidth_source"].startswith("meas")
+    row = floor.floors(cost, "float32", 1, card, tf32_conv=True, tf32_matmul=True)
+    assert row["compute_floor_s"] == pytest.approx(3e9 / 495e12) and row["peak"] == "TF32 495 TFLOP/s"
+    # H200: the H100's compute, 4.8 TB/s; a CPU or a card without figures: bytes only, no floor
+    assert floor.card_for("NVIDIA H200").bandwidth == 4.8e12 and floor.card_for("NVIDIA H200").bf16_flops == 989e12
+    for name in ("CPU (x86_64)", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 NVL", None):
+        assert floor.card_for(name) is None
+    row = floor.floors(cost, "bfloat16", 7, None)
+    assert row["activation_bytes_per_sample"] == 20 and row["floor_s"] is None and row["compute_floor_s"] is None
+
+
+def test_count_cost_counts_flops_and_activation_writes_of_each_op():
+    """Hand-counted: conv(1→2, 3×3, pad 1) on 4×4 → BN → ReLU → 2×2 max pool → flatten (a view) → linear(8→3); and a
+    residual block (conv-BN-ReLU-conv-BN, + identity, ReLU) whose fused chains write two of its seven tensors."""
+    from splitz_fast.models import BasicBlock
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.BatchNorm2d(2), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    cost = floor.count_cost(net, torch.rand(1, 4, 4))
+    assert (cost.conv_flops, cost.matmul_flops, cost.flops) == (2 * 2 * 16 * 9, 2 * 8 * 3, 2 * 2 * 16 * 9 + 2 * 8 * 3)
+    assert cost.activation_elements == 32 + 32 + 32 + 8 + 3  # conv, BN, ReLU, pool, linear; the flatten view: 0
+    assert cost.fused_activation_elements == 8 + 3  # conv+BN+ReLU+pool writes the pooled tensor; the linear its own
+    assert cost.input_elements == 16
+    block = floor.count_cost(BasicBlock(2, 2), torch.rand(2, 4, 4))
+    assert block.flops == 2 * (2 * 2 * 16 * 2 * 9)
+    assert block.activation_elements == 7 * 32 and block.fused_activation_elements == 2 * 32
+
+
+def test_compile_counter_sees_dynamo_compiles_and_triton_compiles_only_inside_its_region(tmp_path, monkeypatch):
+    compiled = torch.compile(lambda x: (x * 2).relu(), backend="eager", dynamic=False)
+    with compile_watch.CompileCounter() as region:
+        compiled(torch.ones(3))
+    assert region.compiled and region.counts["dynamo_frames"] == 1 and region.counts["dynamo_graphs"] == 1
+    with compile_watch.CompileCounter() as region:  # warm: a cache hit
+        compiled(torch.ones(3))
+    assert not region.compiled and region.counts["dynamo_frames"] == 0
+    with compile_watch.CompileCounter() as region:  # a new shape: dynamo recompiles
+        compiled(torch.ones(4))
+    assert region.compiled and compile_watch.timed_region_record(region)["compiled_in_timed_region"] is True
+    # Triton: a call of JITFunction._do_compile (what a @triton.jit kernel calls on a cache miss) inside the region
+    jit = pytest.importorskip("triton.runtime.jit")
+    with compile_watch.CompileCounter() as region:
+        with pytest.raises(Exception):
+            jit.JITFunction._do_compile(None, None, None, None, None, None, None, False)
+    assert region.counts["triton_compiles"] == 1 and region.compiled
+    # new entries of Triton's cache directory: a compilation on CUDA, ignored on a CPU
+    monkeypatch.setattr(compile_watch, "triton_cache_dir", lambda: tmp_path)
+    for device, expected in (("cpu", False), ("cuda", True)):
+        with compile_watch.CompileCounter(device) as region:
+            (tmp_path / device).mkdir()
+        assert region.counts["triton_cache_files"] == 1 and region.compiled is expected
+
+
+def test_batch_shapes_flags_an_f_r_batch_first_seen_after_the_warm_up():
+
+    class Engine:
+        def _scores(self, net, batch):
+            return batch.sum()
+
+    engine = Engine()
+    with compile_watch.BatchShapes(engine) as shapes:
+        engine._scores(None, torch.zeros(8, 3))
+        engine._scores(None, torch.zeros(2, 3))
+        shapes.freeze()
+        engine._scores(None, torch.zeros(8, 3))  # seen in the warm-up
+        assert shapes.new == []
+        engine._scores(None, torch.zeros(8, 3, dtype=torch.bfloat16))  # a new dtype: cuDNN would autotune again
+        engine._scores(None, torch.zeros(5, 3))
+        engine._scores(None, torch.zeros(5, 3))
+    assert "_scores" not in engine.__dict__  # the engine's own method again
+    assert [s[:2] for s in shapes.new] == [((8, 3), "bfloat16"), ((5, 3), "float32")]
+    with compile_watch.CompileCounter() as region:
+        pass
+    record = compile_watch.timed_region_record(region, shapes)
+    assert record["compiled_in_timed_region"] is True and record["timed_region_compiles"]["warmup_batch_shapes"] == 2
+    assert record["timed_region_compiles"]["new_batch_shapes"][1] == {"shape": [5, 3], "dtype": "float32",
+                                                                      "stride": [3, 1]}
