@@ -1,7 +1,7 @@
 """The first stages of scripts/gpu_checks.sh on the CPU: ``python -m benchmarks.targets`` (SPEC §5's target table
-against the naive loop) in its quick mode, end to end, and its outputs' structure — so that the GPU session's
-first minutes cannot be lost to a broken script; and the pieces for its floor and timed-region columns
-(benchmarks/floor.py's counts and floors, benchmarks/compile_watch.py's timed-region checks)."""
+against Cohen et al.'s algorithm as a naive loop and against the card's floor) in its quick mode, end to end, and its
+outputs' structure — so that the GPU session's first minutes cannot be lost to a broken script; and the pieces behind
+the new columns (benchmarks/floor.py's counts and floors, benchmarks/compile_watch.py's timed-region checks)."""
 from __future__ import annotations
 
 import csv
@@ -23,6 +23,11 @@ if str(ROOT / "benchmarks") not in sys.path:  # the benchmark modules import eac
 
 import compile_watch  # noqa: E402
 import floor  # noqa: E402
+
+# SPEC §5: LeNet's forward, FLOPs and activation elements per sample; conv1 of LeNet (1→32, 3×3 at 28×28), which f_L
+# holds at s = 1: 2 × 32 × 28 × 28 × 9 FLOPs.
+LENET_FLOPS, LENET_ELEMENTS, LENET_CONV1_FLOPS = 8.9e6, 88e3, 2 * 32 * 28 * 28 * 9
+FLOOR_COLUMNS = slice(9, 13)  # compute floor, memory floors, ours ÷ floor, ours ÷ fused floor
 
 
 def run_targets(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -50,19 +55,59 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
     # 3 workloads × s = 0, 1 × fp32, bf16, in the order the header of gpu_checks.sh states
     assert [(r["workload"], r["split"], r["precision"]) for r in rows] == [
         (w, s, p) for w in WORKLOADS for s in (0, 1) for p in ("float32", "bfloat16")]
+    by_key = {(r["workload"], r["split"], r["precision"]): r for r in rows}
     for r in rows:
         assert r["status"] == "ok", r
         for key in ("ours_s_per_image", "naive_s_per_image", "ratio_vs_naive"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert r["ratio_vs_naive"] == pytest.approx(r["naive_s_per_image"] / r["ours_s_per_image"])
         assert r["images"] == 1 and r["warmup_images"] == 1 and r["naive_precision"] == "float32"
+        assert r["baseline"].startswith("Cohen et al. algorithm (naive loop)")
         assert 0 <= r["certified"] <= r["images"] and r["target_s"] > 0
+        # targets: s = 0 SPEC's figure; s = 1 1.2× the same model's s = 0 time at the same precision; ≥ 5× the loop
+        if r["split"] == 0:
+            assert r["target_s"] == {"float32": {"mnist-lenet": 0.015}.get(r["workload"], 0.45),
+                                     "bfloat16": {"mnist-lenet": 0.008}.get(r["workload"], 0.25)}[r["precision"]]
+        else:
+            rs = by_key[(r["workload"], 0, r["precision"])]["ours_s_per_image"]
+            assert r["target_s"] == pytest.approx(1.2 * rs)
+        assert r["target_met"] == (r["ours_s_per_image"] <= r["target_s"])
+        assert r["vs_loop_met"] == (r["ratio_vs_naive"] >= 5)
+        # the counted cost of f_R per sample; no floor on a CPU (no card figures)
+        assert 0 < r["fused_activation_elements_per_sample"] < r["activation_elements_per_sample"]
+        assert r["activation_bytes_per_sample"] == r["activation_elements_per_sample"] * {
+            "float32": 4, "bfloat16": 2}[r["precision"]]
+        assert r["samples_per_image"] == r["n0"] + r["n"]
+        for key in ("card", "peak", "compute_floor_s", "memory_floor_s", "fused_memory_floor_s", "floor_s",
+                    "fused_floor_s", "ours_over_floor", "ours_over_fused_floor", "fused_floor_met"):
+            assert r.get(key) is None, (key, r)
+        # nothing compiled while timed (ours, and the loop's timed region), and the warm-up's f_R batches were seen
+        assert r["compiled_in_timed_region"] is False and r["naive_compiled_in_timed_region"] is False, r
+        compiles = r["timed_region_compiles"]
+        assert compiles["dynamo_frames"] == 0 and compiles["new_batch_shapes"] == []
+        assert compiles["warmup_batch_shapes"] >= 1
+    lenet = [r for r in rows if r["workload"] == "mnist-lenet"]
+    for r in lenet:  # the quick LeNet has the full 28×28 input: SPEC §5's counts, within ±20 %
+        whole = by_key[("mnist-lenet", 0, r["precision"])]
+        assert whole["flops_per_sample"] == pytest.approx(LENET_FLOPS, rel=0.2)
+        assert whole["activation_elements_per_sample"] == pytest.approx(LENET_ELEMENTS, rel=0.2)
+        if r["split"] == 1:  # f_R without conv1, which f_L holds
+            assert r["flops_per_sample"] == whole["flops_per_sample"] - LENET_CONV1_FLOPS
+    for r in rows:
+        if r["workload"] != "mnist-lenet":  # the ResNets: the fused chains write about a third
+            assert 0.2 < r["fused_activation_elements_per_sample"] / r["activation_elements_per_sample"] < 0.4
     native = data["parts"]["native"]["rows"]
     assert native == [{"what": "native CUDA vs Triton", "status": "skipped", "error": "needs CUDA"}]
     assert len(csv_rows) == len(rows) + len(native)
-    assert all(float(r["ratio_vs_naive"]) > 0 for r in csv_rows if r["part"] == "targets")
+    assert all(float(r["ratio_vs_naive"]) > 0 and float(r["flops_per_sample"]) > 0 and r["floor_s"] == ""
+               for r in csv_rows if r["part"] == "targets")
     assert f"Card: **{env['device']}**" in md and "Quick mode: smoke-test numbers" in md
     assert md.count("| s = ") == len(rows) and "SPLITZ / RS" in md and "Native CUDA kernels" in md
+    assert "| Cohen et al. algorithm (naive loop), s/image (batch) |" in md and "no card figures" in md
+    table = [line.split(" | ") for line in md.splitlines() if "| s = " in line]
+    for cells, r in zip(table, rows):
+        assert cells[FLOOR_COLUMNS] == ["—", "— / —", "—", "—"], cells
+        assert cells[-1] == "no |" and cells[7] == f"{r['flops_per_sample'] / 1e9:.3g}", cells
 
 
 @pytest.mark.slow
@@ -199,3 +244,50 @@ def test_batch_shapes_flags_an_f_r_batch_first_seen_after_the_warm_up():
     assert record["compiled_in_timed_region"] is True and record["timed_region_compiles"]["warmup_batch_shapes"] == 2
     assert record["timed_region_compiles"]["new_batch_shapes"][1] == {"shape": [5, 3], "dtype": "float32",
                                                                       "stride": [3, 1]}
+
+
+RENDER_GPU_ROW = r'''
+import json, sys
+sys.path.insert(0, "benchmarks")
+import floor, targets
+
+cost = floor.Cost(8.9e6, 7.6e6, 1.3e6, 88_000, 9_600, 784, {})
+row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, precision="bfloat16", n0=100,
+           n=100_000, images=3, weights="random", inputs="synthetic", status="ok", gamma_search="bisection",
+           bound_method="auto", ours_s_per_image=0.0030, naive_s_per_image=0.10, naive_batch=10_000, certified=3,
+           naive_certified=3, gamma_evaluations_mean=0.0, **targets.targets_for(targets.FULL[0], 0, "bfloat16", None),
+           **cost.record(), **floor.floors(cost, "bfloat16", 100_100, floor.card_for("NVIDIA H100 80GB HBM3"), 3.1e12),
+           compiled_in_timed_region=True, naive_compiled_in_timed_region=False,
+           timed_region_compiles=dict(dynamo_frames=0, dynamo_graphs=0, triton_compiles=2, triton_cache_files=0,
+                                      warmup_batch_shapes=3, new_batch_shapes=[]))
+row.update(targets.assess(row))
+settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
+                copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
+data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row])))
+print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
+'''
+
+
+def test_a_gpu_row_with_floors_renders_with_its_verdicts():
+    """What the CPU run cannot show: a row on a card with figures — its floors, multiples, the three verdicts and a
+    timed region that compiled — through ``assess``, ``markdown`` and ``summary`` as the GPU run calls them."""
+    done = subprocess.run([sys.executable, "-c", RENDER_GPU_ROW], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    row, md = out["row"], out["md"]
+    assert row["compute_floor_s"] == pytest.approx(100_100 * (7.6e6 + 1.3e6) / 989e12)
+    assert row["memory_floor_s"] == pytest.approx(100_100 * 2 * 88_000 * 2 / 3.1e12)
+    assert row["floor_s"] == row["memory_floor_s"] and row["fused_floor_s"] == row["fused_memory_floor_s"]
+    assert row["ours_over_floor"] == pytest.approx(0.0030 / row["floor_s"])
+    assert row["target_met"] is True and row["vs_loop_met"] is True  # 3 ms ≤ 8 ms; 33× the loop
+    assert row["fused_floor_met"] is False and row["all_targets_met"] is False  # 2.4× the fused floor (1.24 ms)
+    (cells,) = [line.split(" | ") for line in md.splitlines() if "| s = " in line]
+    assert cells[7] == "0.0089" and cells[8] == "0.176 / 0.0192"
+    assert cells[FLOOR_COLUMNS] == [f"{row['compute_floor_s']:.3g}",
+                                    f"{row['memory_floor_s']:.3g} / {row['fused_memory_floor_s']:.3g}",
+                                    f"{row['ours_over_floor']:.1f}×", f"{row['ours_over_fused_floor']:.1f}×"]
+    assert cells[13] == "≤ 0.0080 (SPEC §5, one H100)" and cells[14] == "yes / yes / **no**"
+    assert cells[15] == "**yes** (triton compiles 2) |"
+    assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
+    assert "COMPILED IN THE TIMED REGION" in out["summary"]
