@@ -1,13 +1,19 @@
-"""SPEC §5's target table end to end, each row against a faithful naive Cohen-style loop in the same process.
+"""SPEC §5's target table end to end, each row against Cohen et al.'s certification algorithm run as a naive loop in
+the same process, and against the floor the card allows.
 
 ``python -m benchmarks.targets --out DIR`` (from the repository root) measures, in this order:
 
-``--part targets`` (stage 1 of scripts/gpu_checks.sh): for each workload, split s = 0 (RS) then s = 1 (SPLITZ),
+``--part targets`` (stage 1 of scripts/gpu_checks.sh): on CUDA first the card's copy bandwidth (a 1 GiB ``copy_``,
+benchmarks/floor.py), then for each workload, split s = 0 (RS) then s = 1 (SPLITZ),
 
-1. the naive loop (benchmarks/test_bench_certify.py: ``cohen_style_certify``: per input ``x.repeat(b)`` → the whole
-   fp32 eager model → ``.cpu()`` → Python vote counting, n0 selection then n estimation draws, Clopper–Pearson, and
-   the same sound radius search as ours for every certified input), at each of the workload's batch sizes, its
-   fastest batch kept as the baseline;
+0. the cost of one sample through the model's ``f_R``, counted once (not timed; benchmarks/floor.py: FLOPs with
+   ``torch.utils.flop_counter.FlopCounterMode``, activation elements written by every aten op of the forward, unfused
+   and as a conv + BN + ReLU (+ pool) / + residual-add fusion would write them);
+1. **Cohen et al.'s algorithm (naive loop)**: ``Smooth.certify`` of Cohen et al. 2019 (locuslab/smoothing, core.py) as
+   written — per input ``x.repeat(b)`` → the whole fp32 eager model → predictions copied to the host and counted in
+   Python, n0 selection draws then n estimation draws, Clopper–Pearson — plus the same sound radius search as ours for
+   every certified input (benchmarks/test_bench_certify.py: ``cohen_style_certify``), at each of the workload's batch
+   sizes, its fastest batch kept as the baseline;
 2. ours, ``Smoother(model, σ, precision=p).certify_many(images, n0, n, α)`` (the engine path, sound bound and γ
    search included, batch measured by the engine) for p = float32 then bfloat16 (bf16 ``f_R`` is a different base
    classifier, labelled; its baseline is the same fp32 loop);
@@ -18,7 +24,18 @@
    a pass does not depend on the weights; whether an input is certified, and so runs the radius search, does: each
    row records how many were certified). n0 = 100, α = 0.001, σ = 0.25, ``--images`` inputs per row (default 3),
    each timing after one warm-up (a separate input, excluded: compilation, autotuning, the engine's batch
-   measurement), seconds per image = wall time of the whole set / images, CUDA synchronized around each timing.
+   measurement, the radius search's kernels), seconds per image = wall time of the whole set / images, CUDA
+   synchronized around each timing.
+
+Per row, besides the times: the counted FLOPs and activation bytes per sample (elements × the row's element size);
+on a card of benchmarks/floor.py's table the compute floor, the memory floor (unfused and fused) and our time as a
+multiple of max(compute floor, memory floor) and of the fused floor (max(compute floor, fused memory floor)); "—" on
+a CPU or an unknown card. The targets, one H100 (SPEC §5): s = 0 LeNet n = 10⁵ ≤ 8 ms bf16 / ≤ 15 ms fp32 (TF32),
+ResNet-110 n = 10⁵ ≤ 0.25 s bf16 / ≤ 0.45 s fp32, ResNet-50 n = 10⁴ ≤ 0.25 s bf16 / ≤ 0.45 s fp32; s = 1 ≤ 1.2× the
+same model's s = 0 time at the same precision; every row ≥ 5× the naive loop of the same run and ≤ 2× its fused
+floor — each met or not in the table. And whether the timed run compiled anything (benchmarks/compile_watch.py:
+dynamo compiles, Triton JIT compiles, new Triton cache files, ``f_R`` batch shapes not seen in the warm-up, which
+would let cuDNN's benchmark mode autotune): ``compiled_in_timed_region``, marked in the table.
 
 ``--part native`` (stage 2): the CUDA kernels of csrc/noise_votes_cuda.cu against the Triton kernels (and eager
 PyTorch): the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet latents fp32/bf16,
@@ -28,8 +45,9 @@ channels_last/contiguous; vote counts), then LeNet s = 1 CERTIFY end to end with
 Every part merges its rows into DIR/targets.json (environment: device name, torch, triton, CUDA, TF32 settings) and
 rewrites DIR/targets.csv and DIR/targets.md (tables ready to paste into benchmarks/RESULTS.md, the card named) after
 every row, so a part stopped by its time limit keeps the rows it finished. A row that fails records its error and the
-next row runs. ``--quick``: tiny sizes (LeNet n = 200, ResNet-20 for ResNet-110, ResNet-50 at 3×32×32, one image, the cheap bound) so
-the whole path runs on a CPU in a test (tests/test_gpu_checks.py); its timings are smoke-test numbers, never results.
+next row runs. ``--quick``: tiny sizes (LeNet n = 200 at its full 28×28 input, ResNet-20 for ResNet-110, ResNet-50 at
+3×32×32, one image, the cheap bound) so the whole path runs on a CPU in a test (tests/test_gpu_checks.py); its
+timings are smoke-test numbers, never results.
 """
 from __future__ import annotations
 
@@ -40,7 +58,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,12 +68,22 @@ if str(HERE) not in sys.path:  # the benchmark modules import each other by bare
     sys.path.insert(0, str(HERE))
 
 import splitz_fast as sz  # noqa: E402
-from splitz_fast.smoothing import DEFAULT_MAX_BATCH  # noqa: E402
+from splitz_fast.smoothing import DEFAULT_MAX_BATCH, WINDOW_BATCHES  # noqa: E402
+from compile_watch import BatchShapes, CompileCounter, timed_region_record  # noqa: E402
 from conftest import environment  # noqa: E402
+from floor import card_for, count_cost, floors, measure_copy_bandwidth  # noqa: E402
 from test_bench_certify import cohen_style_certify  # noqa: E402  (the faithful naive loop, shared)
 
 N0, ALPHA, SIGMA = 100, 0.001, 0.25
 PRECISIONS = ("float32", "bfloat16")
+BASELINE = ("Cohen et al. algorithm (naive loop): Smooth.certify as written — x.repeat → the whole fp32 eager model → "
+            "counts on the host → Clopper–Pearson (+ the same sound radius search)")
+# Targets every row must meet besides its time (SPEC §5, one H100): at least this many times faster than the naive
+# loop of the same run; at most this multiple of the fused floor (benchmarks/floor.py); and s = 1 at most this
+# multiple of the same model's s = 0 time at the same precision.
+VS_LOOP_TARGET = 5.0
+FUSED_FLOOR_TARGET = 2.0
+SPLITZ_OVER_RS_TARGET = 1.2
 
 
 @dataclass(frozen=True)
@@ -66,32 +94,33 @@ class Workload:
     shape: tuple[int, ...]
     n: int
     naive_batches: tuple[int, ...]  # the loop's batch sizes; its fastest is the baseline
-    targets: dict = field(default_factory=dict)  # precision → SPEC §5 target, seconds per image
+    targets: dict = field(default_factory=dict)  # precision → SPEC §5 target at s = 0, seconds per image
     n0: int = N0
     mnist: bool = False  # trained LeNet and real MNIST digits where available
     options: dict = field(default_factory=dict)  # BoundOptions fields besides the defaults (quick mode only)
 
 
-# SPEC §5 (one H100/H200): LeNet ≤ 20 ms (n = 10⁵, sound bound included); ResNet-110 n = 10⁵ ≤ 0.5 s fp32 / 0.3 s
-# bf16; ResNet-50 n = 10⁴ ≤ 0.8 s fp32 / 0.4 s bf16. Batch 1000 is Cohen's certify.py default, 400 his ImageNet runs'.
+# SPEC §5, one H100, s = 0 (s = 1: SPLITZ_OVER_RS_TARGET × the s = 0 time): LeNet n = 10⁵ ≤ 8 ms bf16, ≤ 15 ms fp32
+# (TF32); ResNet-110 n = 10⁵ ≤ 0.25 s bf16, ≤ 0.45 s fp32; ResNet-50 n = 10⁴ ≤ 0.25 s bf16, ≤ 0.45 s fp32. Batch 1000 is
+# Cohen's certify.py default, 400 his ImageNet runs'.
 FULL = (
     Workload("mnist-lenet", "MNIST LeNet", "lenet", (1, 28, 28), 100_000, (1000, 10_000),
-             {"float32": 0.020, "bfloat16": 0.020}, mnist=True),
+             {"float32": 0.015, "bfloat16": 0.008}, mnist=True),
     Workload("cifar10-resnet110", "CIFAR-10 ResNet-110", "cifar_resnet110", (3, 32, 32), 100_000, (1000,),
-             {"float32": 0.5, "bfloat16": 0.3}),
+             {"float32": 0.45, "bfloat16": 0.25}),
     Workload("imagenet-resnet50", "ImageNet ResNet-50 (3×224×224)", "imagenet_resnet50", (3, 224, 224), 10_000,
-             (400,), {"float32": 0.8, "bfloat16": 0.4}),
+             (400,), {"float32": 0.45, "bfloat16": 0.25}),
 )
 # Quick mode (a CPU smoke test of the whole path): tiny n, small inputs, and the one-step γ search over the
 # probabilistic bound (ten exact bounds take seconds on 2 shared CPU cores).
 CHEAP_BOUND = {"gamma_search": "one-step", "bound_method": "probabilistic"}
 QUICK = (
     Workload("mnist-lenet", "MNIST LeNet (quick)", "lenet", (1, 28, 28), 200, (100,),
-             {"float32": 0.020, "bfloat16": 0.020}, mnist=True, options=CHEAP_BOUND),
+             FULL[0].targets, mnist=True, options=CHEAP_BOUND),
     Workload("cifar10-resnet110", "CIFAR-10 ResNet-20 (quick stand-in for ResNet-110)", "cifar_resnet20",
-             (3, 32, 32), 20, (10,), {"float32": 0.5, "bfloat16": 0.3}, n0=10, options=CHEAP_BOUND),
+             (3, 32, 32), 20, (10,), FULL[1].targets, n0=10, options=CHEAP_BOUND),
     Workload("imagenet-resnet50", "ResNet-50 at 3×32×32 (quick)", "imagenet_resnet50", (3, 32, 32), 10, (10,),
-             {"float32": 0.8, "bfloat16": 0.4}, n0=5, options=CHEAP_BOUND),
+             FULL[2].targets, n0=5, options=CHEAP_BOUND),
 )
 
 
@@ -174,8 +203,12 @@ def environment_record() -> dict:
 
 
 def measure_group(workload: Workload, split: int, images: int, device: torch.device, quick: bool,
-                  precisions=PRECISIONS, naive: bool = True):
-    """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first)."""
+                  precisions=PRECISIONS, naive: bool = True, bandwidth: float | None = None,
+                  rs_times: dict | None = None):
+    """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first), with
+    ``f_R``'s counted cost per sample and the card's floors. ``bandwidth``: the copy bandwidth measured in this run
+    (bytes/s; the card table's figure otherwise). ``rs_times``: precision → this model's s = 0 time, for the s = 1
+    target."""
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
@@ -186,12 +219,24 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     def radius(x, p_lower):  # the same sound radius search as ours, for every input the loop certifies
         reference.radius_search.search(x, sz.latent_radius(SIGMA, p_lower), None)
 
-    naive_by_batch, naive_predictions, naive_errors = {}, [], {}
+    # f_R's cost per sample: counted once for the group, before anything is timed (benchmarks/floor.py)
+    cost, cost_error = None, None
+    try:
+        cost = count_cost(model.right, reference.latent(warm[0]))
+    except Exception as exc:  # a failed count is recorded; the timings still run
+        traceback.print_exc()
+        cost_error = error_text(exc)
+    card = card_for(device_name(device)) if device.type == "cuda" else None
+
+    naive_by_batch, naive_predictions, naive_errors, naive_regions = {}, [], {}, {}
     for b in workload.naive_batches if naive else ():
         try:  # a batch the loop cannot run (memory) is recorded; its other batches and ours still run
             cohen_style_certify(model, warm, n0, min(n, 2 * b), ALPHA, b, radius, sigma=SIGMA)  # warm-up
-            naive_by_batch[b] = timed(lambda b=b: naive_predictions.append(cohen_style_certify(
-                model, data, n0, n, ALPHA, b, radius, sigma=SIGMA)), device) / images
+            radius(warm[0], 0.99)  # the radius search's kernels, also where the warm-up input abstained
+            with CompileCounter(device) as region:
+                naive_by_batch[b] = timed(lambda b=b: naive_predictions.append(cohen_style_certify(
+                    model, data, n0, n, ALPHA, b, radius, sigma=SIGMA)), device) / images
+            naive_regions[b] = region
         except Exception as exc:
             traceback.print_exc()
             naive_errors[str(b)] = error_text(exc)
@@ -204,34 +249,50 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                    precision=precision, gamma_search=bound_options.gamma_search,
                    bound_method=bound_options.bound_method, n0=n0, n=n, alpha=ALPHA, sigma=SIGMA,
                    images=images, warmup_images=1, weights=weights, inputs=inputs, device=device_name(device),
-                   backend=os.environ.get("SPLITZ_BACKEND", "auto"), naive_precision="float32",
+                   backend=os.environ.get("SPLITZ_BACKEND", "auto"), baseline=BASELINE, naive_precision="float32",
                    naive_s_per_image=naive_s, naive_batch=naive_batch,
                    naive_certified=(sum(p != sz.ABSTAIN for p in naive_predictions[-1]) if naive_predictions
                                     else None),
                    naive_s_per_image_by_batch={str(b): s for b, s in naive_by_batch.items()},
-                   naive_errors=naive_errors,
-                   target_s=workload.targets.get(precision))
+                   naive_errors=naive_errors)
+        row.update(targets_for(workload, split, precision, rs_times))
+        if naive_batch is not None:
+            row.update(timed_region_record(naive_regions[naive_batch], prefix="naive_"))
+        if cost is not None:
+            row.update(cost.record())
+            row.update(floors(cost, precision, n0 + n, card, bandwidth))
+        else:
+            row["cost_error"] = cost_error
         smoother = None
         try:
             smoother = sz.Smoother(model, SIGMA, bound_options=bound_options, precision=precision,
                                    max_batch_size=max_batch)
-            start = time.perf_counter()
-            list(smoother.certify_many(warm, n0, n, ALPHA, seeds=[10_000]))  # warm-up, batch measurement
-            row["setup_s"] = time.perf_counter() - start
-            results = []
-            seconds = timed(lambda: results.extend(smoother.certify_many(data, n0, n, ALPHA,
-                                                                         seeds=range(images))), device)
+            with BatchShapes(smoother.engine()) as shapes:  # every f_R batch from the batch measurement on
+                start = time.perf_counter()
+                (warmed,) = smoother.certify_many(warm, n0, n, ALPHA, seeds=[10_000])  # warm-up, batch measurement
+                if warmed.prediction == sz.ABSTAIN and split > 0:  # compile the radius search's kernels all the same
+                    smoother.protocol.radii(smoother.radius_search, [warm[0]], [sz.latent_radius(SIGMA, 0.99)],
+                                            [torch.Generator(device=device).manual_seed(0)])
+                batch = smoother.engine().batch_size(smoother.latent(warm[0]).shape, max_batch)
+                if images > 1 and n0 + n < WINDOW_BATCHES * batch:
+                    # a sampling window holds several inputs: the timed set's windows (and so the tail batches) differ
+                    # from one input's, so warm up on the timed set itself (other seeds) to see its batch shapes
+                    list(smoother.certify_many(data, n0, n, ALPHA, seeds=range(20_000, 20_000 + images)))
+                synchronize(device)
+                row["setup_s"] = time.perf_counter() - start
+                shapes.freeze()
+                results = []
+                with CompileCounter(device) as region:
+                    seconds = timed(lambda: results.extend(smoother.certify_many(data, n0, n, ALPHA,
+                                                                                 seeds=range(images))), device)
             certified = [r for r in results if r.prediction != sz.ABSTAIN]
-            row.update(status="ok", ours_s_per_image=seconds / images,
-                       engine_batch=smoother.engine().batch_size(smoother.latent(data[0]).shape, max_batch),
-                       certified=len(certified),
+            row.update(status="ok", ours_s_per_image=seconds / images, engine_batch=batch,
+                       certified=len(certified), warmup_certified=int(warmed.prediction != sz.ABSTAIN),
                        gamma_evaluations_mean=(sum(r.gamma_evaluations for r in certified) / len(certified)
                                                if certified else 0.0),
                        bound_kind=certified[0].bound_kind if certified else "none")
-            if naive_s:
-                row["ratio_vs_naive"] = naive_s / row["ours_s_per_image"]
-            if row["target_s"] is not None:
-                row["target_met"] = row["ours_s_per_image"] <= row["target_s"]
+            row.update(timed_region_record(region, shapes))
+            row.update(assess(row))
         except Exception as exc:  # a failed row is recorded; the next one runs
             traceback.print_exc()
             row.update(status="error", error=error_text(exc))
@@ -239,6 +300,36 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
         del smoother
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def targets_for(workload: Workload, split: int, precision: str, rs_times: dict | None) -> dict:
+    """The row's time target: SPEC §5's at s = 0; at s = 1, SPLITZ_OVER_RS_TARGET × the s = 0 time of the same model
+    and precision in this run (``None`` where that row did not run)."""
+    if split == 0:
+        return dict(target_s=workload.targets.get(precision), target_rule="SPEC §5, one H100")
+    rs = (rs_times or {}).get(precision)
+    return dict(target_s=SPLITZ_OVER_RS_TARGET * rs if rs else None,
+                target_rule=f"{SPLITZ_OVER_RS_TARGET}× s = 0" + (f" ({rs:.4f} s)" if rs else " (not measured)"))
+
+
+def assess(row: dict) -> dict:
+    """Ratios and met/not met of an ``ok`` row: its time target, ≥ VS_LOOP_TARGET× the naive loop, ≤
+    FUSED_FLOOR_TARGET× the fused floor (``None``: not assessable here — no target, no loop, no floor)."""
+    ours = row["ours_s_per_image"]
+    out = {}
+    if row.get("naive_s_per_image"):
+        out["ratio_vs_naive"] = row["naive_s_per_image"] / ours
+    if row.get("floor_s"):
+        out["ours_over_floor"] = ours / row["floor_s"]
+    if row.get("fused_floor_s"):
+        out["ours_over_fused_floor"] = ours / row["fused_floor_s"]
+    out["target_met"] = ours <= row["target_s"] if row.get("target_s") is not None else None
+    out["vs_loop_met"] = out["ratio_vs_naive"] >= VS_LOOP_TARGET if "ratio_vs_naive" in out else None
+    out["fused_floor_met"] = (out["ours_over_fused_floor"] <= FUSED_FLOOR_TARGET if "ours_over_fused_floor" in out
+                              else None)
+    verdicts = [out["target_met"], out["vs_loop_met"], out["fused_floor_met"]]
+    out["all_targets_met"] = False if False in verdicts else (True if all(v is True for v in verdicts) else None)
+    return out
 
 
 def error_text(exc: BaseException) -> str:
@@ -250,8 +341,10 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else environment()["device"]
 
 
-def run_targets(recorder: Recorder, workloads, images: int, device: torch.device, quick: bool, deadline: float):
+def run_targets(recorder: Recorder, workloads, images: int, device: torch.device, quick: bool, deadline: float,
+                bandwidth: float | None = None):
     for workload in workloads:
+        rs_times: dict[str, float] = {}  # precision → this model's s = 0 time (the s = 1 rows' target)
         for split in (0, 1):
             if time.monotonic() > deadline:
                 recorder.add(dict(workload=workload.key, label=workload.label, n=workload.n, split=split,
@@ -259,9 +352,12 @@ def run_targets(recorder: Recorder, workloads, images: int, device: torch.device
                 continue
             print(f"[{now()}] {workload.label}, s = {split}, n = {workload.n:,}", flush=True)
             try:
-                for row in measure_group(workload, split, images, device, quick):
+                for row in measure_group(workload, split, images, device, quick, bandwidth=bandwidth,
+                                         rs_times=rs_times if split else None):
                     print("  " + summary(row), flush=True)
                     recorder.add(row)
+                    if split == 0 and row.get("status") == "ok":
+                        rs_times[row["precision"]] = row["ours_s_per_image"]
             except Exception as exc:  # e.g. the naive loop itself failed: record it, go on
                 traceback.print_exc()
                 recorder.add(dict(workload=workload.key, label=workload.label, n=workload.n, split=split,
@@ -275,10 +371,22 @@ def summary(row: dict) -> str:
         return f"{row.get('label')} s={row.get('split')} {row.get('precision', '')}: {row.get('status')} " \
                f"{row.get('error', '')}"
     ratio = row.get("ratio_vs_naive")
-    return (f"{row['label']} s={row['split']} {row['precision']}: ours {row['ours_s_per_image']:.4f} s/image, naive "
-            f"{row['naive_s_per_image'] or float('nan'):.4f} s/image (batch {row['naive_batch']}), "
-            f"{ratio or float('nan'):.2f}x, certified {row['certified']}/{row['images']}, target "
-            f"{row['target_s']} s: {'met' if row.get('target_met') else 'NOT met'}")
+    floor = row.get("ours_over_floor")
+    return (f"{row['label']} s={row['split']} {row['precision']}: ours {row['ours_s_per_image']:.4f} s/image, "
+            f"Cohen et al. algorithm (naive loop) {row['naive_s_per_image'] or float('nan'):.4f} s/image (batch "
+            f"{row['naive_batch']}), {ratio or float('nan'):.2f}x, certified {row['certified']}/{row['images']}; "
+            f"{row.get('flops_per_sample', float('nan')) / 1e9:.4g} GFLOP and "
+            f"{row.get('activation_bytes_per_sample', float('nan')) / 1e6:.3g} MB of activations per sample; "
+            + (f"{floor:.1f}x the floor, {row['ours_over_fused_floor']:.1f}x the fused floor; " if floor else
+               "no floor (no card figures); ")
+            + f"target {_fmt(row['target_s'], 4)} s: {_met(row.get('target_met'))}, >= {VS_LOOP_TARGET:g}x loop: "
+            f"{_met(row.get('vs_loop_met'))}, <= {FUSED_FLOOR_TARGET:g}x fused floor: "
+            f"{_met(row.get('fused_floor_met'))}"
+            + ("; COMPILED IN THE TIMED REGION" if row.get("compiled_in_timed_region") else ""))
+
+
+def _met(value) -> str:
+    return "—" if value is None else ("met" if value else "NOT met")
 
 
 # ----------------------------------------------------------------------------------------------- native vs Triton
@@ -332,10 +440,16 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
 
 # ----------------------------------------------------------------------------------------------------- outputs
 CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", "n", "images", "weights", "inputs",
-              "device", "backend", "status", "ours_s_per_image", "naive_s_per_image", "naive_batch",
-              "ratio_vs_naive", "target_s", "target_met", "engine_batch", "setup_s", "certified", "naive_certified",
-              "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms", "reference_ms", "cuda_vs_triton",
-              "auto_s_per_image", "native_s_per_image", "native_speedup", "error")
+              "device", "backend", "status", "ours_s_per_image", "baseline", "naive_s_per_image", "naive_batch",
+              "ratio_vs_naive", "target_s", "target_rule", "target_met", "vs_loop_met", "fused_floor_met",
+              "all_targets_met", "flops_per_sample", "conv_flops_per_sample", "matmul_flops_per_sample",
+              "activation_elements_per_sample", "fused_activation_elements_per_sample", "input_elements_per_sample",
+              "element_size", "activation_bytes_per_sample", "fused_activation_bytes_per_sample", "samples_per_image",
+              "card", "peak", "bandwidth_Bps", "bandwidth_source", "compute_floor_s", "memory_floor_s",
+              "fused_memory_floor_s", "floor_s", "fused_floor_s", "ours_over_floor", "ours_over_fused_floor",
+              "compiled_in_timed_region", "naive_compiled_in_timed_region", "engine_batch", "setup_s", "certified",
+              "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
+              "reference_ms", "cuda_vs_triton", "auto_s_per_image", "native_s_per_image", "native_speedup", "error")
 
 
 def write_csv(data: dict, path: Path) -> None:
@@ -366,27 +480,41 @@ def markdown(data: dict) -> str:
                   f"CERTIFY with n0 = {'per row (quick)' if s.get('quick') else s['n0']}, α = {s['alpha']}, σ = {s['sigma']}, "
                   f"sound bound and γ search included ({'; '.join(searches)}); {s['images']} image(s) per row after one warm-up image (excluded), seconds "
                   "per image = wall time of the set / images. Ours: `Smoother.certify_many` (engine batch measured; "
-                  "bf16 rows run a bf16 `f_R`, a different base classifier). Naive: the fp32 eager Cohen-style loop "
-                  "(`x.repeat` → whole model → `.cpu()` → Python counting, the same radius search), its fastest "
-                  "batch, timed in the same process." + (" **Quick mode: smoke-test numbers, not results.**"
-                                                          if s.get("quick") else ""), "",
-                  "| workload, n | split | f_R | ours (s/image) | naive loop (batch) | ratio | certified (γ evals; loop's) | target | met |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "bf16 rows run a bf16 `f_R`, a different base classifier). **Cohen et al. algorithm (naive loop)**: "
+                  "their `Smooth.certify` as written (`x.repeat` → the whole fp32 eager model → counts on the host "
+                  "→ Clopper–Pearson) plus the same sound radius search, its fastest batch, timed in the same process."
+                  + (" **Quick mode: smoke-test numbers, not results.**" if s.get("quick") else ""), "",
+                  floor_note(s), "",
+                  "| workload, n | split | f_R | ours (s/image) | Cohen et al. algorithm (naive loop), s/image (batch) "
+                  f"| vs loop (≥ {VS_LOOP_TARGET:g}×) | certified (γ evals; loop's) | GFLOP / sample "
+                  "| activation MB / sample (unfused / fused) | compute floor (s/image) "
+                  "| memory floor (s/image; unfused / fused) | ours ÷ floor "
+                  f"| ours ÷ fused floor (≤ {FUSED_FLOOR_TARGET:g}×) | time target (s/image) "
+                  f"| met: time / ≥ {VS_LOOP_TARGET:g}× loop / ≤ {FUSED_FLOOR_TARGET:g}× fused floor "
+                  "| compiled in timed region |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in targets["rows"]:
             name = f"{r.get('label')}, {r.get('n', 0):,}"
             if r.get("status") != "ok":
                 lines.append(f"| {name} | s = {r.get('split')} | {r.get('precision', '—')} | {r.get('status')}: "
-                             f"{r.get('error', '')} | | | | | |")
+                             f"{r.get('error', '')} |" + " |" * 12)
                 continue
             lines.append(
                 f"| {name} ({r['weights']} weights, {r['inputs']}) | s = {r['split']} | {r['precision']} | "
                 f"{_fmt(r['ours_s_per_image'], 4)} | {_fmt(r['naive_s_per_image'], 4)} ({r['naive_batch']}) | "
                 f"{_fmt(r.get('ratio_vs_naive'), 2, '×')} | {r['certified']}/{r['images']} "
-                f"({r['gamma_evaluations_mean']:.1f}; {r.get('naive_certified')}) | ≤ {r['target_s']} s | "
-                f"{'yes' if r.get('target_met') else '**no**'} |")
+                f"({r['gamma_evaluations_mean']:.1f}; {r.get('naive_certified')}) | "
+                f"{_sig(r.get('flops_per_sample'), 1e9)} | {_sig(r.get('activation_bytes_per_sample'), 1e6)} / "
+                f"{_sig(r.get('fused_activation_bytes_per_sample'), 1e6)} | {_sig(r.get('compute_floor_s'))} | "
+                f"{_sig(r.get('memory_floor_s'))} / {_sig(r.get('fused_memory_floor_s'))} | "
+                f"{_fmt(r.get('ours_over_floor'), 1, '×')} | {_fmt(r.get('ours_over_fused_floor'), 1, '×')} | "
+                f"≤ {_fmt(r.get('target_s'), 4)} ({r.get('target_rule', '—')}) | "
+                f"{_verdict(r.get('target_met'))} / {_verdict(r.get('vs_loop_met'))} / "
+                f"{_verdict(r.get('fused_floor_met'))} | {compiled_cell(r)} |")
         rs_vs_splitz = splitz_over_rs(targets["rows"])
         if rs_vs_splitz:
-            lines += ["", "SPLITZ (s = 1) vs RS (s = 0) certification time, same model and device (target ≤ 1.2×):",
+            lines += ["", f"SPLITZ (s = 1) vs RS (s = 0) certification time, same model and device (target ≤ "
+                      f"{SPLITZ_OVER_RS_TARGET}×):",
                       "", "| workload | f_R | RS s/image | SPLITZ s/image | SPLITZ / RS |", "|---|---|---|---|---|"]
             lines += [f"| {label} | {precision} | {rs:.4f} | {splitz:.4f} | {splitz / rs:.2f}× |"
                       for label, precision, rs, splitz in rs_vs_splitz]
@@ -409,6 +537,48 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {r['what']} | {r['status']} in {r.get('seconds', 0):.1f} s | | | |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _sig(value, scale: float = 1.0) -> str:
+    return "—" if value is None else f"{value / scale:.3g}"
+
+
+def _verdict(value) -> str:
+    return "—" if value is None else ("yes" if value else "**no**")
+
+
+def compiled_cell(row: dict) -> str:
+    """``no``, or what the timed region compiled (ours; the loop's too if its timed region compiled)."""
+    parts = []
+    for prefix, who in (("", ""), ("naive_", "loop: ")):
+        if row.get(f"{prefix}compiled_in_timed_region"):
+            c = row.get(f"{prefix}timed_region_compiles", {})
+            what = [f"{k.replace('_', ' ')} {v if not isinstance(v, list) else len(v)}" for k, v in c.items()
+                    if v and k != "warmup_batch_shapes"]
+            parts.append(f"**{who}yes** ({', '.join(what)})")
+    return "; ".join(parts) or "no"
+
+
+def floor_note(settings: dict) -> str:
+    """What the cost and floor columns are (benchmarks/floor.py) and which card figures this run used."""
+    card = settings.get("card")
+    bandwidth = settings.get("copy_bandwidth_Bps")
+    where = ("no card figures for this device: floors —" if not card else
+             f"card figures: {card['name']} ({card['source']}): {card['bf16_flops'] / 1e12:.0f} TFLOP/s bf16, "
+             f"{card['tf32_flops'] / 1e12:.0f} TF32, {card['fp32_flops'] / 1e12:.0f} fp32; memory "
+             + (f"{bandwidth / 1e12:.2f} TB/s measured (1 GiB `copy_`, read + write) in this run" if bandwidth else
+                f"{card['bandwidth'] / 1e12:.2f} TB/s, {card['bandwidth_source']}"))
+    return ("Cost and floors (benchmarks/floor.py), per sample of `f_R` (the whole model at s = 0): FLOPs counted by "
+            "`torch.utils.flop_counter.FlopCounterMode`; activation bytes = elements written by every aten op of "
+            "the forward (views excluded, in-place ops included; f_R's input excluded) × the row's element size; "
+            "fused = only the last output of each conv/linear + BN + pointwise (ReLU, bias, residual add) + pool "
+            "chain. Per image of n0 + n samples: compute floor = FLOPs at the card's dense peak for the row's "
+            f"arithmetic (bf16; fp32 rows at TF32 where PyTorch's TF32 switch is on: convolutions "
+            f"{settings.get('tf32_conv')}, matmuls {settings.get('tf32_matmul')}); memory floor = activations "
+            "written once and read once at the card's bandwidth; floor = max(compute, memory), fused floor = "
+            f"max(compute, fused memory). {where}. Compiled in timed region: dynamo compiles, Triton JIT compiles or "
+            "new Triton cache files during the timed run, or f_R batch shapes it saw that the warm-up did not (cuDNN "
+            "benchmark mode would autotune them; benchmarks/compile_watch.py).")
 
 
 def splitz_over_rs(rows) -> list[tuple[str, str, float, float]]:
@@ -434,10 +604,19 @@ def main(argv=None) -> int:
         start = time.monotonic()
         settings = dict(n0=N0, alpha=ALPHA, sigma=SIGMA, images=images, warmup_images=1, quick=args.quick,
                         budget_s=args.budget)
-        recorder = Recorder(out, part, settings)
-        print(f"[{now()}] part {part} on {device_name(device)}, torch {torch.__version__}", flush=True)
+        bandwidth = None
         if part == "targets":
-            run_targets(recorder, QUICK if args.quick else FULL, images, device, args.quick, start + args.budget)
+            card = card_for(device_name(device)) if device.type == "cuda" else None
+            bandwidth = measure_copy_bandwidth(device)  # None off CUDA
+            settings.update(card=asdict(card) if card else None, copy_bandwidth_Bps=bandwidth,
+                            tf32_conv=torch.backends.cudnn.allow_tf32,
+                            tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+        recorder = Recorder(out, part, settings)
+        print(f"[{now()}] part {part} on {device_name(device)}, torch {torch.__version__}"
+              + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)
+        if part == "targets":
+            run_targets(recorder, QUICK if args.quick else FULL, images, device, args.quick, start + args.budget,
+                        bandwidth)
         else:
             run_native(recorder, images, device, args.quick, start + args.budget)
         recorder.finish(time.monotonic() - start)

@@ -1,6 +1,7 @@
 """The first stages of scripts/gpu_checks.sh on the CPU: ``python -m benchmarks.targets`` (SPEC §5's target table
-against the naive loop) in its quick mode, end to end, and its outputs' structure — so that the GPU session's
-first minutes cannot be lost to a broken script."""
+against Cohen et al.'s algorithm as a naive loop and against the card's floor) in its quick mode, end to end, and its
+outputs' structure — so that the GPU session's first minutes cannot be lost to a broken script; and the pieces behind
+the new columns (benchmarks/floor.py's counts and floors, benchmarks/compile_watch.py's timed-region checks)."""
 from __future__ import annotations
 
 import csv
@@ -12,10 +13,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 WORKLOADS = ("mnist-lenet", "cifar10-resnet110", "imagenet-resnet50")
+if str(ROOT / "benchmarks") not in sys.path:  # the benchmark modules import each other by bare name
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compile_watch  # noqa: E402
+import floor  # noqa: E402
+
+# SPEC §5: LeNet's forward, FLOPs and activation elements per sample; conv1 of LeNet (1→32, 3×3 at 28×28), which f_L
+# holds at s = 1: 2 × 32 × 28 × 28 × 9 FLOPs.
+LENET_FLOPS, LENET_ELEMENTS, LENET_CONV1_FLOPS = 8.9e6, 88e3, 2 * 32 * 28 * 28 * 9
+FLOOR_COLUMNS = slice(9, 13)  # compute floor, memory floors, ours ÷ floor, ours ÷ fused floor
 
 
 def run_targets(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -43,19 +55,59 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
     # 3 workloads × s = 0, 1 × fp32, bf16, in the order the header of gpu_checks.sh states
     assert [(r["workload"], r["split"], r["precision"]) for r in rows] == [
         (w, s, p) for w in WORKLOADS for s in (0, 1) for p in ("float32", "bfloat16")]
+    by_key = {(r["workload"], r["split"], r["precision"]): r for r in rows}
     for r in rows:
         assert r["status"] == "ok", r
         for key in ("ours_s_per_image", "naive_s_per_image", "ratio_vs_naive"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert r["ratio_vs_naive"] == pytest.approx(r["naive_s_per_image"] / r["ours_s_per_image"])
         assert r["images"] == 1 and r["warmup_images"] == 1 and r["naive_precision"] == "float32"
+        assert r["baseline"].startswith("Cohen et al. algorithm (naive loop)")
         assert 0 <= r["certified"] <= r["images"] and r["target_s"] > 0
+        # targets: s = 0 SPEC's figure; s = 1 1.2× the same model's s = 0 time at the same precision; ≥ 5× the loop
+        if r["split"] == 0:
+            assert r["target_s"] == {"float32": {"mnist-lenet": 0.015}.get(r["workload"], 0.45),
+                                     "bfloat16": {"mnist-lenet": 0.008}.get(r["workload"], 0.25)}[r["precision"]]
+        else:
+            rs = by_key[(r["workload"], 0, r["precision"])]["ours_s_per_image"]
+            assert r["target_s"] == pytest.approx(1.2 * rs)
+        assert r["target_met"] == (r["ours_s_per_image"] <= r["target_s"])
+        assert r["vs_loop_met"] == (r["ratio_vs_naive"] >= 5)
+        # the counted cost of f_R per sample; no floor on a CPU (no card figures)
+        assert 0 < r["fused_activation_elements_per_sample"] < r["activation_elements_per_sample"]
+        assert r["activation_bytes_per_sample"] == r["activation_elements_per_sample"] * {
+            "float32": 4, "bfloat16": 2}[r["precision"]]
+        assert r["samples_per_image"] == r["n0"] + r["n"]
+        for key in ("card", "peak", "compute_floor_s", "memory_floor_s", "fused_memory_floor_s", "floor_s",
+                    "fused_floor_s", "ours_over_floor", "ours_over_fused_floor", "fused_floor_met"):
+            assert r.get(key) is None, (key, r)
+        # nothing compiled while timed (ours, and the loop's timed region), and the warm-up's f_R batches were seen
+        assert r["compiled_in_timed_region"] is False and r["naive_compiled_in_timed_region"] is False, r
+        compiles = r["timed_region_compiles"]
+        assert compiles["dynamo_frames"] == 0 and compiles["new_batch_shapes"] == []
+        assert compiles["warmup_batch_shapes"] >= 1
+    lenet = [r for r in rows if r["workload"] == "mnist-lenet"]
+    for r in lenet:  # the quick LeNet has the full 28×28 input: SPEC §5's counts, within ±20 %
+        whole = by_key[("mnist-lenet", 0, r["precision"])]
+        assert whole["flops_per_sample"] == pytest.approx(LENET_FLOPS, rel=0.2)
+        assert whole["activation_elements_per_sample"] == pytest.approx(LENET_ELEMENTS, rel=0.2)
+        if r["split"] == 1:  # f_R without conv1, which f_L holds
+            assert r["flops_per_sample"] == whole["flops_per_sample"] - LENET_CONV1_FLOPS
+    for r in rows:
+        if r["workload"] != "mnist-lenet":  # the ResNets: the fused chains write about a third
+            assert 0.2 < r["fused_activation_elements_per_sample"] / r["activation_elements_per_sample"] < 0.4
     native = data["parts"]["native"]["rows"]
     assert native == [{"what": "native CUDA vs Triton", "status": "skipped", "error": "needs CUDA"}]
     assert len(csv_rows) == len(rows) + len(native)
-    assert all(float(r["ratio_vs_naive"]) > 0 for r in csv_rows if r["part"] == "targets")
+    assert all(float(r["ratio_vs_naive"]) > 0 and float(r["flops_per_sample"]) > 0 and r["floor_s"] == ""
+               for r in csv_rows if r["part"] == "targets")
     assert f"Card: **{env['device']}**" in md and "Quick mode: smoke-test numbers" in md
     assert md.count("| s = ") == len(rows) and "SPLITZ / RS" in md and "Native CUDA kernels" in md
+    assert "| Cohen et al. algorithm (naive loop), s/image (batch) |" in md and "no card figures" in md
+    table = [line.split(" | ") for line in md.splitlines() if "| s = " in line]
+    for cells, r in zip(table, rows):
+        assert cells[FLOOR_COLUMNS] == ["—", "— / —", "—", "—"], cells
+        assert cells[-1] == "no |" and cells[7] == f"{r['flops_per_sample'] / 1e9:.3g}", cells
 
 
 @pytest.mark.slow
@@ -93,3 +145,149 @@ def test_gpu_checks_runs_the_target_table_first():
     for promise in ("1. SPEC §5's target table", "2. native CUDA vs Triton", "n0 = 100, α = 0.001", "warm-up",
                     "random weights and synthetic", "targets.json", "targets.md", "CHECKS=0"):
         assert promise in header, promise
+
+
+# ------------------------------------------------------------------------------------------------ the pieces
+def test_floors_reproduce_spec_figures_on_an_h100():
+    """SPEC §5's per-image floors on one H100 (bf16, ≈ 990 TFLOP/s and ≈ 3 TB/s) from its per-sample counts: compute
+    0.9 ms / 51 ms / 83 ms and memory (bf16, written and read once) ≈ 12 ms / 0.49 s / 0.43 s."""
+    card = floor.card_for("NVIDIA H100 80GB HBM3")
+    assert card is floor.H100_SXM and card.bandwidth == 3.0e12
+    for flops, elements, samples, compute, memory in ((8.9e6, 88e3, 100_100, 0.9e-3, 12e-3),
+                                                      (0.51e9, 3.7e6, 100_100, 51e-3, 0.49),
+                                                      (8.2e9, 32e6, 10_100, 83e-3, 0.43)):
+        cost = floor.Cost(flops, flops, 0.0, int(elements), int(elements / 3), 0, {})
+        row = floor.floors(cost, "bfloat16", samples, card)
+        assert row["compute_floor_s"] == pytest.approx(compute, rel=0.03)
+        assert row["memory_floor_s"] == pytest.approx(memory, rel=0.03)
+        assert row["floor_s"] == max(row["compute_floor_s"], row["memory_floor_s"])
+        assert row["fused_memory_floor_s"] == pytest.approx(row["memory_floor_s"] / 3, rel=1e-3)
+        assert row["fused_floor_s"] == max(row["compute_floor_s"], row["fused_memory_floor_s"])
+    # fp32: convolutions at TF32 (cuDNN's switch, on by default), matrix products at fp32 unless TF32 is allowed
+    cost = floor.Cost(3e9, 2e9, 1e9, 10, 5, 0, {})
+    row = floor.floors(cost, "float32", 1, card, bandwidth=2.5e12, tf32_conv=True, tf32_matmul=False)
+    assert row["compute_floor_s"] == pytest.approx(2e9 / 495e12 + 1e9 / 67e12)
+    assert row["memory_floor_s"] == pytest.approx(2 * 10 * 4 / 2.5e12) and row["bandwidth_source"].startswith("meas")
+    row = floor.floors(cost, "float32", 1, card, tf32_conv=True, tf32_matmul=True)
+    assert row["compute_floor_s"] == pytest.approx(3e9 / 495e12) and row["peak"] == "TF32 495 TFLOP/s"
+    # H200: the H100's compute, 4.8 TB/s; a CPU or a card without figures: bytes only, no floor
+    assert floor.card_for("NVIDIA H200").bandwidth == 4.8e12 and floor.card_for("NVIDIA H200").bf16_flops == 989e12
+    for name in ("CPU (x86_64)", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 NVL", None):
+        assert floor.card_for(name) is None
+    row = floor.floors(cost, "bfloat16", 7, None)
+    assert row["activation_bytes_per_sample"] == 20 and row["floor_s"] is None and row["compute_floor_s"] is None
+
+
+def test_count_cost_counts_flops_and_activation_writes_of_each_op():
+    """Hand-counted: conv(1→2, 3×3, pad 1) on 4×4 → BN → ReLU → 2×2 max pool → flatten (a view) → linear(8→3); and a
+    residual block (conv-BN-ReLU-conv-BN, + identity, ReLU) whose fused chains write two of its seven tensors."""
+    from splitz_fast.models import BasicBlock
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.BatchNorm2d(2), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    cost = floor.count_cost(net, torch.rand(1, 4, 4))
+    assert (cost.conv_flops, cost.matmul_flops, cost.flops) == (2 * 2 * 16 * 9, 2 * 8 * 3, 2 * 2 * 16 * 9 + 2 * 8 * 3)
+    assert cost.activation_elements == 32 + 32 + 32 + 8 + 3  # conv, BN, ReLU, pool, linear; the flatten view: 0
+    assert cost.fused_activation_elements == 8 + 3  # conv+BN+ReLU+pool writes the pooled tensor; the linear its own
+    assert cost.input_elements == 16
+    block = floor.count_cost(BasicBlock(2, 2), torch.rand(2, 4, 4))
+    assert block.flops == 2 * (2 * 2 * 16 * 2 * 9)
+    assert block.activation_elements == 7 * 32 and block.fused_activation_elements == 2 * 32
+
+
+def test_compile_counter_sees_dynamo_compiles_and_triton_compiles_only_inside_its_region(tmp_path, monkeypatch):
+    compiled = torch.compile(lambda x: (x * 2).relu(), backend="eager", dynamic=False)
+    with compile_watch.CompileCounter() as region:
+        compiled(torch.ones(3))
+    assert region.compiled and region.counts["dynamo_frames"] == 1 and region.counts["dynamo_graphs"] == 1
+    with compile_watch.CompileCounter() as region:  # warm: a cache hit
+        compiled(torch.ones(3))
+    assert not region.compiled and region.counts["dynamo_frames"] == 0
+    with compile_watch.CompileCounter() as region:  # a new shape: dynamo recompiles
+        compiled(torch.ones(4))
+    assert region.compiled and compile_watch.timed_region_record(region)["compiled_in_timed_region"] is True
+    # Triton: a call of JITFunction._do_compile (what a @triton.jit kernel calls on a cache miss) inside the region
+    jit = pytest.importorskip("triton.runtime.jit")
+    with compile_watch.CompileCounter() as region:
+        with pytest.raises(Exception):
+            jit.JITFunction._do_compile(None, None, None, None, None, None, None, False)
+    assert region.counts["triton_compiles"] == 1 and region.compiled
+    # new entries of Triton's cache directory: a compilation on CUDA, ignored on a CPU
+    monkeypatch.setattr(compile_watch, "triton_cache_dir", lambda: tmp_path)
+    for device, expected in (("cpu", False), ("cuda", True)):
+        with compile_watch.CompileCounter(device) as region:
+            (tmp_path / device).mkdir()
+        assert region.counts["triton_cache_files"] == 1 and region.compiled is expected
+
+
+def test_batch_shapes_flags_an_f_r_batch_first_seen_after_the_warm_up():
+
+    class Engine:
+        def _scores(self, net, batch):
+            return batch.sum()
+
+    engine = Engine()
+    with compile_watch.BatchShapes(engine) as shapes:
+        engine._scores(None, torch.zeros(8, 3))
+        engine._scores(None, torch.zeros(2, 3))
+        shapes.freeze()
+        engine._scores(None, torch.zeros(8, 3))  # seen in the warm-up
+        assert shapes.new == []
+        engine._scores(None, torch.zeros(8, 3, dtype=torch.bfloat16))  # a new dtype: cuDNN would autotune again
+        engine._scores(None, torch.zeros(5, 3))
+        engine._scores(None, torch.zeros(5, 3))
+    assert "_scores" not in engine.__dict__  # the engine's own method again
+    assert [s[:2] for s in shapes.new] == [((8, 3), "bfloat16"), ((5, 3), "float32")]
+    with compile_watch.CompileCounter() as region:
+        pass
+    record = compile_watch.timed_region_record(region, shapes)
+    assert record["compiled_in_timed_region"] is True and record["timed_region_compiles"]["warmup_batch_shapes"] == 2
+    assert record["timed_region_compiles"]["new_batch_shapes"][1] == {"shape": [5, 3], "dtype": "float32",
+                                                                      "stride": [3, 1]}
+
+
+RENDER_GPU_ROW = r'''
+import json, sys
+sys.path.insert(0, "benchmarks")
+import floor, targets
+
+cost = floor.Cost(8.9e6, 7.6e6, 1.3e6, 88_000, 9_600, 784, {})
+row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, precision="bfloat16", n0=100,
+           n=100_000, images=3, weights="random", inputs="synthetic", status="ok", gamma_search="bisection",
+           bound_method="auto", ours_s_per_image=0.0030, naive_s_per_image=0.10, naive_batch=10_000, certified=3,
+           naive_certified=3, gamma_evaluations_mean=0.0, **targets.targets_for(targets.FULL[0], 0, "bfloat16", None),
+           **cost.record(), **floor.floors(cost, "bfloat16", 100_100, floor.card_for("NVIDIA H100 80GB HBM3"), 3.1e12),
+           compiled_in_timed_region=True, naive_compiled_in_timed_region=False,
+           timed_region_compiles=dict(dynamo_frames=0, dynamo_graphs=0, triton_compiles=2, triton_cache_files=0,
+                                      warmup_batch_shapes=3, new_batch_shapes=[]))
+row.update(targets.assess(row))
+settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
+                copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
+data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row])))
+print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
+'''
+
+
+def test_a_gpu_row_with_floors_renders_with_its_verdicts():
+    """What the CPU run cannot show: a row on a card with figures — its floors, multiples, the three verdicts and a
+    timed region that compiled — through ``assess``, ``markdown`` and ``summary`` as the GPU run calls them."""
+    done = subprocess.run([sys.executable, "-c", RENDER_GPU_ROW], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    row, md = out["row"], out["md"]
+    assert row["compute_floor_s"] == pytest.approx(100_100 * (7.6e6 + 1.3e6) / 989e12)
+    assert row["memory_floor_s"] == pytest.approx(100_100 * 2 * 88_000 * 2 / 3.1e12)
+    assert row["floor_s"] == row["memory_floor_s"] and row["fused_floor_s"] == row["fused_memory_floor_s"]
+    assert row["ours_over_floor"] == pytest.approx(0.0030 / row["floor_s"])
+    assert row["target_met"] is True and row["vs_loop_met"] is True  # 3 ms ≤ 8 ms; 33× the loop
+    assert row["fused_floor_met"] is False and row["all_targets_met"] is False  # 2.4× the fused floor (1.24 ms)
+    (cells,) = [line.split(" | ") for line in md.splitlines() if "| s = " in line]
+    assert cells[7] == "0.0089" and cells[8] == "0.176 / 0.0192"
+    assert cells[FLOOR_COLUMNS] == [f"{row['compute_floor_s']:.3g}",
+                                    f"{row['memory_floor_s']:.3g} / {row['fused_memory_floor_s']:.3g}",
+                                    f"{row['ours_over_floor']:.1f}×", f"{row['ours_over_fused_floor']:.1f}×"]
+    assert cells[13] == "≤ 0.0080 (SPEC §5, one H100)" and cells[14] == "yes / yes / **no**"
+    assert cells[15] == "**yes** (triton compiles 2) |"
+    assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
+    assert "COMPILED IN THE TIMED REGION" in out["summary"]
