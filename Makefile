@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test test-slow bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,17 @@ test: install
 test-slow: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m slow tests
 
+# The documentation site into site/ (MkDocs, strict: a broken link or docstring reference fails the build).
+$(VENV)/.docs-installed: $(VENV)/.installed requirements/docs.txt
+	$(BIN)/pip install -q -r requirements/docs.txt
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # The real benchmark run (numbers for benchmarks/RESULTS.md).
 bench: install
 	$(BIN)/python -m pytest benchmarks --benchmark-only -s
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
