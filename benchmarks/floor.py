@@ -36,10 +36,10 @@ shortcut, 12,288).
 
 **Floors per image** (:func:`floors`) with ``S = n0 + n`` samples per image on a card of :data:`CARDS`:
 
-* compute floor = S × Σ (FLOPs of a kind / the card's peak for that kind and precision): bf16 rows at the dense bf16
-  tensor-core peak; fp32 rows at the TF32 peak where PyTorch's TF32 switch for that kind is on (convolutions:
-  ``torch.backends.cudnn.allow_tf32``, on by default; matrix products: ``torch.backends.cuda.matmul.allow_tf32``, off by
-  default), else at the fp32 (non-tensor-core) peak;
+* compute floor = S × FLOPs / the card's dense peak for the row's precision, which is how the engine runs ``f_R``
+  (``Smoother(precision=...)``): bf16/fp16 rows at the bf16 tensor-core peak, ``tf32`` rows at the TF32 tensor-core
+  peak, ``float32`` rows at the fp32 (non-tensor-core) peak — the engine samples float32 as IEEE float32, with cuDNN's
+  TF32 switched off;
 * memory floor = S × 2 × activation elements × element size (4 B fp32, 2 B bf16: each activation written once and read
   once) / copy bandwidth, unfused and fused; the bandwidth is measured at run time on CUDA
   (:func:`measure_copy_bandwidth`), else the card table's figure;
@@ -208,30 +208,22 @@ def count_cost(right: nn.Module, sample: torch.Tensor) -> Cost:
 
 
 # ------------------------------------------------------------------------------------------------------ floors
-ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ELEMENT_SIZE = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2}
 
 
-def peaks_for(card: Card, precision: str, tf32_conv: bool, tf32_matmul: bool) -> tuple[float, float, str]:
-    """``(conv FLOP/s, matmul FLOP/s, label)`` of ``card`` for an ``f_R`` in ``precision`` (module docstring)."""
+def peak_for(card: Card, precision: str) -> tuple[float, str]:
+    """``(FLOP/s, label)``: the dense peak of ``card`` for an ``f_R`` run in ``precision`` (module docstring)."""
     if precision in ("bfloat16", "float16"):
-        return card.bf16_flops, card.bf16_flops, f"{precision} {card.bf16_flops / 1e12:.0f} TFLOP/s"
-    conv = card.tf32_flops if tf32_conv else card.fp32_flops
-    matmul = card.tf32_flops if tf32_matmul else card.fp32_flops
-
-    def name(tf32: bool) -> str:
-        return "TF32" if tf32 else "FP32"
-
-    if tf32_conv == tf32_matmul:
-        return conv, matmul, f"{name(tf32_conv)} {conv / 1e12:.0f} TFLOP/s"
-    return conv, matmul, (f"conv {name(tf32_conv)} {conv / 1e12:.0f}, matmul {name(tf32_matmul)} "
-                          f"{matmul / 1e12:.0f} TFLOP/s")
+        return card.bf16_flops, f"{precision} {card.bf16_flops / 1e12:.0f} TFLOP/s"
+    if precision == "tf32":
+        return card.tf32_flops, f"TF32 {card.tf32_flops / 1e12:.0f} TFLOP/s"
+    return card.fp32_flops, f"FP32 {card.fp32_flops / 1e12:.0f} TFLOP/s"
 
 
-def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidth: float | None = None,
-           tf32_conv: bool | None = None, tf32_matmul: bool | None = None) -> dict:
+def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidth: float | None = None) -> dict:
     """The floor fields of a row: bytes per sample always; with a known ``card``, the compute floor, the memory floors
     (unfused, fused), the floor and the fused floor in seconds per image of ``samples`` samples. ``bandwidth``: a
-    measured copy bandwidth (bytes/s), else the card's figure; TF32 switches: PyTorch's current ones by default."""
+    measured copy bandwidth (bytes/s), else the card's figure."""
     size = ELEMENT_SIZE[precision]
     row = dict(samples_per_image=samples, element_size=size,
                activation_bytes_per_sample=cost.activation_elements * size,
@@ -240,11 +232,8 @@ def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidt
                memory_floor_s=None, fused_memory_floor_s=None, floor_s=None, fused_floor_s=None)
     if card is None:
         return row
-    tf32_conv = torch.backends.cudnn.allow_tf32 if tf32_conv is None else tf32_conv
-    tf32_matmul = torch.backends.cuda.matmul.allow_tf32 if tf32_matmul is None else tf32_matmul
-    conv_peak, matmul_peak, label = peaks_for(card, precision, tf32_conv, tf32_matmul)
-    other = cost.flops - cost.conv_flops - cost.matmul_flops  # 0 with the flop counter's registry of today
-    compute = samples * (cost.conv_flops / conv_peak + (cost.matmul_flops + other) / matmul_peak)
+    peak, label = peak_for(card, precision)
+    compute = samples * cost.flops / peak
     measured = bandwidth is not None
     bandwidth = bandwidth if measured else card.bandwidth
     memory = samples * 2 * cost.activation_elements * size / bandwidth
@@ -257,4 +246,4 @@ def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidt
 
 
 __all__ = ["CARDS", "Card", "Cost", "ELEMENT_SIZE", "card_for", "count_cost", "floors", "measure_copy_bandwidth",
-           "peaks_for"]
+           "peak_for"]

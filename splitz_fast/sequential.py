@@ -427,7 +427,7 @@ class SequentialCertifier:
         stream = NoiseStream(seed, smoother.device)
         latent = smoother.latent(x)
         batch = batch_size if batch_size is not None else engine.batch_size(latent.shape, smoother.max_batch_size)
-        bounds = self._radius_bounds(x, seed)
+        bounds = _radius_bounds(self.smoother, self.radii, x, seed)
         thresholds = latent_thresholds(np.asarray(self.radii) * bounds.values, smoother.sigma)
         thresholds = np.maximum(np.minimum(1.0, thresholds + 4 * np.spacing(thresholds)), np.nextafter(0.5, 1.0))
 
@@ -461,25 +461,26 @@ class SequentialCertifier:
             lipschitz=lipschitz, gamma=gamma, bound_kind=kind, failure_prob=spent + best.failure,
             gamma_evaluations=bounds.evaluations + best.evaluations, seconds=time.perf_counter() - start, **common)
 
-    def _radius_bounds(self, x: torch.Tensor, seed: int) -> _RadiusBounds:
-        """``L(x, ε_j)`` for every requested ε, in one batched bound call (module docstring of
-        :mod:`splitz_fast.radius` for the kinds). Probabilistic bounds draw their random starts from a generator
-        of their own, derived from the input's seed, so the noise stream is the same whatever the bound method."""
-        left, opts, k = self.smoother.model.left, self.smoother.options, len(self.radii)
-        if k == 0:
-            return _RadiusBounds(np.zeros(0), [], 0.0, 0)
-        if opts.bound == "global" and left.depth > 0:
-            g = self.smoother.radius_search.global_bound()
-            return _RadiusBounds(np.full(k, float(g.value[0])), [f"global-{g.kind[0]}"] * k, g.failure_prob[0], 0)
-        generator = torch.Generator(device=x.device)
-        generator.manual_seed(int(np.random.SeedSequence([seed, 1]).generate_state(1, np.uint64)[0]))
-        bound = lipschitz_bound(
-            left, x.unsqueeze(0).expand(k, *x.shape).contiguous(), torch.tensor(self.radii, dtype=torch.float64),
-            method=opts.bound_method, delta=opts.bound_delta / (k * max(1, left.depth)),
-            power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=generator,
-        )
-        kinds = ["identity" if kind == "identity" else f"local-{kind}" for kind in bound.kind]
-        return _RadiusBounds(bound.value.numpy(), kinds, float(sum(bound.failure_prob)), k if left.depth else 0)
+
+def _radius_bounds(smoother: Smoother, radii: tuple[float, ...], x: torch.Tensor, seed: int) -> _RadiusBounds:
+    """``L(x, ε_j)`` for every requested ε (``radii``), in one batched bound call (module docstring of
+    :mod:`splitz_fast.radius` for the kinds). Probabilistic bounds draw their random starts from a generator
+    of their own, derived from the input's seed, so the noise stream is the same whatever the bound method."""
+    left, opts, k = smoother.model.left, smoother.options, len(radii)
+    if k == 0:
+        return _RadiusBounds(np.zeros(0), [], 0.0, 0)
+    if opts.bound == "global" and left.depth > 0:
+        g = smoother.radius_search.global_bound()
+        return _RadiusBounds(np.full(k, float(g.value[0])), [f"global-{g.kind[0]}"] * k, g.failure_prob[0], 0)
+    generator = torch.Generator(device=x.device)
+    generator.manual_seed(int(np.random.SeedSequence([seed, 1]).generate_state(1, np.uint64)[0]))
+    bound = lipschitz_bound(
+        left, x.unsqueeze(0).expand(k, *x.shape).contiguous(), torch.tensor(radii, dtype=torch.float64),
+        method=opts.bound_method, delta=opts.bound_delta / (k * max(1, left.depth)),
+        power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=generator,
+    )
+    kinds = ["identity" if kind == "identity" else f"local-{kind}" for kind in bound.kind]
+    return _RadiusBounds(bound.value.numpy(), kinds, float(sum(bound.failure_prob)), k if left.depth else 0)
 
 
 __all__ = [

@@ -54,7 +54,7 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
     assert data["parts"]["targets"]["settings"]["quick"] is True
     # 3 workloads × s = 0, 1 × fp32, bf16, in the order the header of gpu_checks.sh states
     assert [(r["workload"], r["split"], r["precision"]) for r in rows] == [
-        (w, s, p) for w in WORKLOADS for s in (0, 1) for p in ("float32", "bfloat16")]
+        (w, s, p) for w in WORKLOADS for s in (0, 1) for p in ("float32", "tf32", "bfloat16")]
     by_key = {(r["workload"], r["split"], r["precision"]): r for r in rows}
     for r in rows:
         assert r["status"] == "ok", r
@@ -66,7 +66,8 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
         assert 0 <= r["certified"] <= r["images"] and r["target_s"] > 0
         # targets: s = 0 SPEC's figure; s = 1 1.2× the same model's s = 0 time at the same precision; ≥ 5× the loop
         if r["split"] == 0:
-            assert r["target_s"] == {"float32": {"mnist-lenet": 0.015}.get(r["workload"], 0.45),
+            fp32 = {"mnist-lenet": 0.015}.get(r["workload"], 0.45)  # the fp32 / TF32 target
+            assert r["target_s"] == {"float32": fp32, "tf32": fp32,
                                      "bfloat16": {"mnist-lenet": 0.008}.get(r["workload"], 0.25)}[r["precision"]]
         else:
             rs = by_key[(r["workload"], 0, r["precision"])]["ours_s_per_image"]
@@ -76,7 +77,7 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
         # the counted cost of f_R per sample; no floor on a CPU (no card figures)
         assert 0 < r["fused_activation_elements_per_sample"] < r["activation_elements_per_sample"]
         assert r["activation_bytes_per_sample"] == r["activation_elements_per_sample"] * {
-            "float32": 4, "bfloat16": 2}[r["precision"]]
+            "float32": 4, "tf32": 4, "bfloat16": 2}[r["precision"]]
         assert r["samples_per_image"] == r["n0"] + r["n"]
         for key in ("card", "peak", "compute_floor_s", "memory_floor_s", "fused_memory_floor_s", "floor_s",
                     "fused_floor_s", "ours_over_floor", "ours_over_fused_floor", "fused_floor_met"):
@@ -123,7 +124,7 @@ def test_every_failed_row_is_recorded_and_the_next_one_runs(tmp_path: Path):
     assert sorted(set(groups), key=groups.index) == [(w, s) for w in WORKLOADS for s in (0, 1)]
     assert all(r["status"] == "error" and r["error"] for r in rows)
     per_precision = [r for r in rows if "precision" in r]  # s = 0: the loop failed, ours was still tried
-    assert [r["precision"] for r in per_precision] == ["float32", "bfloat16"] * 3
+    assert [r["precision"] for r in per_precision] == ["float32", "tf32", "bfloat16"] * 3
     assert all(r["naive_errors"] and r["naive_s_per_image"] is None for r in per_precision)
     assert md.count("| error: ") == len(rows) and len(csv_rows) == len(rows) + 1
     done = run_targets(tmp_path, "--part", "targets", "--budget", "0")  # budget spent: every group skipped
@@ -163,12 +164,12 @@ def test_floors_reproduce_spec_figures_on_an_h100():
         assert row["floor_s"] == max(row["compute_floor_s"], row["memory_floor_s"])
         assert row["fused_memory_floor_s"] == pytest.approx(row["memory_floor_s"] / 3, rel=1e-3)
         assert row["fused_floor_s"] == max(row["compute_floor_s"], row["fused_memory_floor_s"])
-    # fp32: convolutions at TF32 (cuDNN's switch, on by default), matrix products at fp32 unless TF32 is allowed
+    # the row's precision is how the engine runs f_R: float32 as IEEE fp32 (cuDNN's TF32 off), tf32 on tensor cores
     cost = floor.Cost(3e9, 2e9, 1e9, 10, 5, 0, {})
-    row = floor.floors(cost, "float32", 1, card, bandwidth=2.5e12, tf32_conv=True, tf32_matmul=False)
-    assert row["compute_floor_s"] == pytest.approx(2e9 / 495e12 + 1e9 / 67e12)
+    row = floor.floors(cost, "float32", 1, card, bandwidth=2.5e12)
+    assert row["compute_floor_s"] == pytest.approx(3e9 / 67e12) and row["peak"] == "FP32 67 TFLOP/s"
     assert row["memory_floor_s"] == pytest.approx(2 * 10 * 4 / 2.5e12) and row["bandwidth_source"].startswith("meas")
-    row = floor.floors(cost, "float32", 1, card, tf32_conv=True, tf32_matmul=True)
+    row = floor.floors(cost, "tf32", 1, card)
     assert row["compute_floor_s"] == pytest.approx(3e9 / 495e12) and row["peak"] == "TF32 495 TFLOP/s"
     # H200: the H100's compute, 4.8 TB/s; a CPU or a card without figures: bytes only, no floor
     assert floor.card_for("NVIDIA H200").bandwidth == 4.8e12 and floor.card_for("NVIDIA H200").bf16_flops == 989e12

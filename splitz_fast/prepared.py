@@ -1,0 +1,310 @@
+"""``f_R`` as the sampling engine runs it, and the checks that its votes are i.i.d. draws of one base classifier.
+
+:class:`PreparedClassifier` keeps, per ``(channels_last, pooled)`` layout, a prepared copy of the user's ``f_R`` — eval
+mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged to
+cost less where that was measured (:func:`_cheaper_chain`), compiled if asked — or ``f_R`` itself where preparing
+changes nothing; the user's modules are never modified. The copies are rebuilt whenever the user's ``f_R`` changes
+(:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is refused:
+from its modules (:func:`check_batch_independent`) and by a probe at the first batch
+(:func:`probe_batch_independence`).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .folding import folded_copy, unfolded_batchnorms
+from .modules import ModuleSnapshot
+
+# The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
+# between batchings, relative to the largest score (+1). The allowance covers kernels that round differently at
+# another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by a sizeable
+# fraction of their range.
+PROBE_ROWS = 8
+PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+
+
+class PreparedClassifier:
+    """The user's ``f_R`` (``source``, never modified) as sampled on ``device``, one prepared module per layout.
+
+    Args:
+        right: ``f_R``.
+        device: where sampling runs.
+        compile: run the prepared copy through ``torch.compile`` with static shapes (eager, with a warning, where
+            compiling fails).
+    """
+
+    def __init__(self, right: nn.Module, device: torch.device, compile: bool = False):
+        self.source = right
+        self.device = torch.device(device)
+        self.compile = compile
+        self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
+        self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
+        self._snapshot: ModuleSnapshot | None = None
+        self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
+        self._warned_unfolded: set[tuple[str, ...]] = set()
+
+    def check_current(self) -> None:
+        """Drop the prepared copies if the user's ``f_R`` changed since they were made (weights, buffers, layers).
+        Called once per certify/predict call, so a changed model is never sampled through a stale copy; during the
+        call, the call's guard (:class:`~splitz_fast.inputs.CallGuard`) holds :attr:`snapshot` and refuses edits."""
+        if self._snapshot is None or not self._snapshot.matches(self.source):
+            self._prepared.clear()
+            self._probed.clear()
+            self._unfolded = None
+            self._snapshot = ModuleSnapshot(self.source)
+
+    @property
+    def snapshot(self) -> ModuleSnapshot:
+        """The snapshot of ``f_R`` that the prepared copies were made from, as of the last :meth:`check_current`."""
+        if self._snapshot is None:
+            raise RuntimeError("PreparedClassifier.check_current() has not run yet")
+        return self._snapshot
+
+    @property
+    def unfolded_batchnorms(self) -> dict[str, str]:
+        """The BatchNorm layers of ``f_R`` that the prepared copy keeps unfolded (qualified name → why; see
+        :func:`~splitz_fast.folding.unfolded_batchnorms`), decided from the modules alone: empty when every BatchNorm
+        folds or ``f_R`` has none."""
+        if self._unfolded is None:
+            self._unfolded = unfolded_batchnorms(self.source)
+        return self._unfolded
+
+    @property
+    def batchnorm_folded(self) -> bool:
+        """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
+        return not self.unfolded_batchnorms
+
+    def get(self, channels_last: bool, pooled: bool = False) -> nn.Module:
+        """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
+        folded, on the device, channels_last for image latents, compiled if asked) where preparing changes something,
+        else the user's module itself (or its ``[1:]`` slice, which shares the user's layers)."""
+        key = (channels_last, pooled)
+        if key not in self._prepared:
+            source = self.source[1:] if pooled else self.source
+            needs_copy = self.compile or (channels_last and _has_conv(source)) or any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
+            prepared = source
+            if needs_copy:
+                folded, unfolded = folded_copy(source)
+                if not pooled:
+                    self._unfolded = unfolded
+                self._warn_unfolded(unfolded)
+                prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device)
+                if channels_last:
+                    prepared = prepared.to(memory_format=torch.channels_last)
+                if self.compile:
+                    prepared = CompiledOrEager(prepared)
+            self._prepared[key] = prepared
+        return self._prepared[key]
+
+    def is_copy(self, net: nn.Module) -> bool:
+        """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
+        return not any(p is q for p in net.parameters() for q in self.source.parameters())
+
+    def probe_once(self, net: nn.Module, layout: tuple[bool, bool], scores: Callable, latent: torch.Tensor,
+                   sigma: float, dtype: torch.dtype) -> None:
+        """:func:`probe_batch_independence` of the prepared module of ``layout`` (``(channels_last, pooled)``), once
+        per prepared copy."""
+        if layout not in self._probed:
+            probe_batch_independence(net, scores, latent, sigma, dtype, *layout)
+            self._probed.add(layout)
+
+    def _warn_unfolded(self, unfolded: dict[str, str]) -> None:
+        """Warn once per engine (and set of layers) that the prepared ``f_R`` keeps BatchNorm layers unfolded."""
+        if not unfolded or tuple(unfolded) in self._warned_unfolded:
+            return
+        self._warned_unfolded.add(tuple(unfolded))
+        shown = [f"{name or 'f_R'} ({why})" for name, why in unfolded.items()]
+        if len(shown) > 5:
+            shown = shown[:5] + [f"and {len(shown) - 5} more"]
+        warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
+                      f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
+                      "of the model as it is", stacklevel=5)
+
+
+def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Tensor, sigma: float,
+                             dtype: torch.dtype, channels_last: bool, pooled: bool) -> None:
+    """Refuse an ``f_R`` whose scores for one noisy latent change with the other rows of its batch, or between two
+    identical calls: its votes would not be i.i.d. draws of one base classifier (batch statistics, state kept
+    between calls), and a certificate would not be a function of the input and its seed. The probe scores
+    :data:`PROBE_ROWS` noisy copies of ``latent`` (their own generator: the inputs' noise streams are untouched) as one
+    batch, twice, in halves and one row alone, each time through a fresh copy of ``net`` (the probe never touches the
+    user's modules or the prepared copy, and a module that counts its calls sees the same rows in the same order each
+    time); ``scores(net, batch)`` is how the engine scores a batch (its precision). Scores must agree to
+    :data:`PROBE_TOLERANCE` (relative to the largest score, for the rounding differences of batch-size-dependent
+    kernels)."""
+    if isinstance(net, CompiledOrEager):
+        net = net.net  # the same function; probing the compiled one would compile it for every probe shape
+
+    def fresh_scores(*batches: torch.Tensor) -> torch.Tensor:
+        fresh = copy.deepcopy(net)
+        return torch.cat([scores(fresh, batch).float() for batch in batches])
+
+    gen = torch.Generator(device=latent.device).manual_seed(0)
+    rows = torch.randn((PROBE_ROWS, *latent.shape), generator=gen, device=latent.device)
+    rows = (latent.float() + sigma * rows).to(dtype)
+    if pooled:
+        rows = torch.nn.functional.max_pool2d(rows, 2)
+    if channels_last:
+        rows = rows.contiguous(memory_format=torch.channels_last)
+    half = PROBE_ROWS // 2
+    whole = fresh_scores(rows)
+    variants = {"the same batch again": fresh_scores(rows),
+                f"batches of {half}": fresh_scores(rows[:half], rows[half:]),
+                "a batch of 1": torch.cat([fresh_scores(rows[:1]), whole[1:]])}
+    scale = float(whole.abs().max()) + 1.0
+    for what, other in variants.items():
+        gap = float((other - whole).abs().max())
+        if not gap <= PROBE_TOLERANCE[dtype] * scale:
+            raise ValueError(
+                f"f_R's scores for an input change with the rest of its batch or between calls (max difference "
+                f"{gap:.3g} against {what}, scores up to {scale - 1:.3g}): votes would not be i.i.d. draws of one "
+                "base classifier. Put the model in eval mode (model.eval()), use BatchNorm with running "
+                "statistics, and remove randomness or state from f_R's forward")
+
+
+# Layers whose output is a fresh tensor or a view of their input only: in an nn.Sequential of these, the input of a
+# ReLU is used by nothing else, so the ReLU may overwrite it (_cheaper_chain).
+_CHAIN_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.ReLU,
+                 nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: torch.device) -> nn.Module:
+    """The prepared copy of a plain layer chain, rearranged to cost less for the same function:
+
+    * every ``ReLU`` directly followed by a ``MaxPool2d`` runs after it: ``maxpool(relu(x)) = relu(maxpool(x))``
+      because ReLU is monotone non-decreasing and elementwise (a window's max commutes with it; padding pads with
+      -inf, which never wins a window holding a real value; NaN propagates through both), so ReLU touches 4x fewer
+      values behind a 2x2 pool (LeNet at s = 0: the sampling engine 1.4x faster, the same votes);
+    * the ReLUs run in place (one large allocation less per layer): in such a chain no ReLU input is used again;
+    * on the CPU only (``device``, where the copy runs: :func:`_pools_as_strided_maxima`), every plain 2x2 max pool
+      of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise maxima of strided views,
+      bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through both), without its index
+      bookkeeping, and written channels_last where the chain runs channels_last (NCHW where a Flatten follows, which
+      then needs no copy). ATen's CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at
+      s = 0: oneDNN runs the first convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs
+      its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
+      LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
+      stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time).
+
+    Only for an ``nn.Sequential`` whose layers are all exactly of the types in :data:`_CHAIN_LAYERS` (subclasses may
+    return aliases or compute something else); other modules are returned as they are."""
+    if not isinstance(module, nn.Sequential) or not all(type(m) in _CHAIN_LAYERS for m in module):
+        return module
+    layers = list(module)
+    for i in range(len(layers) - 1):
+        if type(layers[i]) is nn.ReLU and type(layers[i + 1]) is nn.MaxPool2d and not layers[i + 1].return_indices:
+            layers[i], layers[i + 1] = layers[i + 1], layers[i]
+    for layer in layers:
+        if isinstance(layer, nn.ReLU):
+            layer.inplace = True
+    for i, layer in enumerate(layers):
+        if _is_maxpool2(layer) and _pools_as_strided_maxima(device):
+            # a pool that feeds a Flatten (through in-place ReLUs) writes NCHW: the Flatten is then a view, not a copy
+            rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
+            layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
+    return nn.Sequential(*layers)
+
+
+def _pools_as_strided_maxima(device: torch.device) -> bool:
+    """Whether a prepared chain on ``device`` runs its plain 2x2 max pools as :class:`_MaxPool2x2`: on the CPU only,
+    where it was measured to win (:func:`_cheaper_chain`). On CUDA the pooling kernel stays: measured on an H100, the
+    two strided maxima (two ``aten::maximum`` kernels) cost 31 % of LeNet's GPU time."""
+    return torch.device(device).type == "cpu"
+
+
+class _MaxPool2x2(nn.Module):
+    """``F.max_pool2d(x, 2)`` (kernel 2, stride 2, no padding, floor mode) as two elementwise maxima of strided views
+    (rows, then columns): the same values bitwise, no indices computed; 4-D output is written channels_last when
+    ``channels_last``, else contiguous (NCHW: a following Flatten is a view). See :func:`_cheaper_chain`."""
+
+    def __init__(self, channels_last: bool):
+        super().__init__()
+        self.channels_last = channels_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode: an odd last row/column is dropped
+        rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
+        out = None
+        if x.ndim == 4 and not (x.requires_grad and torch.is_grad_enabled()):  # out= is not differentiable
+            out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device,
+                              memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
+        return torch.maximum(rows[..., 0::2], rows[..., 1::2], out=out)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size=2, stride=2, channels_last={self.channels_last}"
+
+
+def check_batch_independent(module: nn.Module) -> None:
+    """Refuse (one line saying how to fix it) an ``f_R`` whose votes would depend on the batch they are drawn in: a
+    module in training mode (batch statistics, dropout) or a BatchNorm without running statistics (it normalizes
+    with the batch's statistics even in eval mode). Votes must be i.i.d. draws of one base classifier, whatever the
+    batch size the engine picks. What these checks cannot see is probed at the first batch
+    (:func:`probe_batch_independence`)."""
+    for name, m in module.named_modules():
+        where = f"f_R's {type(m).__name__}" + (f" ({name})" if name else "")
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (not m.track_running_stats or m.running_mean is None):
+            raise ValueError(f"{where} has no running statistics (track_running_stats=False): it normalizes with "
+                             "the batch's statistics, so votes would depend on the batch; train it with running "
+                             "statistics (or use GroupNorm/LayerNorm) and call model.eval()")
+        if m.training:
+            raise ValueError(f"{where} is in training mode: votes would depend on the batch (batch statistics, "
+                             "dropout); call model.eval() before sampling")
+
+
+def starts_with_maxpool2(module: nn.Module) -> bool:
+    """``module`` is an ``nn.Sequential`` whose first layer is ``MaxPool2d(2)``: kernel 2, stride 2, no padding,
+    no dilation, floor mode, no indices."""
+    return isinstance(module, nn.Sequential) and len(module) >= 2 and _is_maxpool2(module[0])
+
+
+def _is_maxpool2(pool: nn.Module) -> bool:
+    """``pool`` is exactly ``nn.MaxPool2d(2)``: kernel 2, stride 2, no padding, no dilation, floor mode, no indices."""
+    if type(pool) is not nn.MaxPool2d:
+        return False
+
+    def pair(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+    return (pair(pool.kernel_size) == (2, 2) and pair(pool.stride if pool.stride is not None else 2) == (2, 2)
+            and pair(pool.padding) == (0, 0) and pair(pool.dilation) == (1, 1) and not pool.ceil_mode
+            and not pool.return_indices)
+
+
+def _has_conv(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+class CompiledOrEager(nn.Module):
+    """``torch.compile(net)``, falling back to ``net`` itself (with one warning) if compiling or the first compiled
+    call fails — no compiler, an unsupported platform or model; eager is always a correct base classifier."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+        self.compiled = None
+        try:
+            self.compiled = torch.compile(net, dynamic=False)
+        except Exception as err:  # noqa: BLE001
+            self._give_up(err)
+
+    def _give_up(self, err: Exception) -> None:
+        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly", stacklevel=4)
+        self.compiled = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(x)
+            except Exception as err:  # noqa: BLE001
+                self._give_up(err)
+        return self.net(x)
+
+
+__all__ = ["PreparedClassifier", "check_batch_independent", "probe_batch_independence", "PROBE_ROWS",
+           "PROBE_TOLERANCE"]
