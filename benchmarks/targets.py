@@ -68,7 +68,8 @@ if str(HERE) not in sys.path:  # the benchmark modules import each other by bare
     sys.path.insert(0, str(HERE))
 
 import splitz_fast as sz  # noqa: E402
-from splitz_fast.smoothing import DEFAULT_MAX_BATCH, WINDOW_BATCHES  # noqa: E402
+from splitz_fast.smoothing import DEFAULT_MAX_BATCH  # noqa: E402
+from splitz_fast.windows import WINDOW_BATCHES  # noqa: E402
 from compile_watch import BatchShapes, CompileCounter, timed_region_record  # noqa: E402
 from conftest import environment  # noqa: E402
 from floor import card_for, count_cost, floors, measure_copy_bandwidth  # noqa: E402

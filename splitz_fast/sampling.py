@@ -22,14 +22,13 @@ from __future__ import annotations
 import copy
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from .folding import fold_batchnorm, folded_copy, unfolded_batchnorms
+from .folding import fold_batchnorm, unfolded_batchnorms
 from .kernels import select_backend
 from .kernels.noise_votes import (
     count_votes_triton,
@@ -41,7 +40,7 @@ from .kernels.noise_votes import (
     noisy_latents_maxpool2_triton,
     noisy_latents_native,
 )
-from .modules import ModuleSnapshot
+from .prepared import CompiledOrEager, PreparedClassifier, check_batch_independent, starts_with_maxpool2
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
@@ -58,12 +57,6 @@ TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can lo
 TUNE_MIN_TIME_S = 0.15
 TUNE_BUDGET_S = 8.0
 TUNE_RECHECK = 3  # the fastest sizes of the sweep, timed once more (the better of two rates counts)
-# The batch-independence probe (SamplingEngine._probe_batch_independence): rows scored, and the largest score
-# difference allowed between batchings, relative to the largest score (+1). The allowance covers kernels that round
-# differently at another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by
-# a sizeable fraction of their range.
-PROBE_ROWS = 8
-PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 # Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
 # precision, compile) -> batch size.
 _TUNED_BATCH: dict[tuple, int] = {}
@@ -200,7 +193,7 @@ class SamplingEngine:
 
     Args:
         right: ``f_R``, never modified: the engine samples through a prepared copy where preparing changes something
-            (:meth:`classifier`), else through ``f_R`` itself.
+            (:attr:`prepared`, a :class:`~splitz_fast.prepared.PreparedClassifier`), else through ``f_R`` itself.
         num_classes: length of ``f_R``'s score vector.
         sigma: noise level σ > 0 in latent units.
         device: where sampling runs (``f_R``'s device).
@@ -218,46 +211,15 @@ class SamplingEngine:
         self.device = torch.device(device)
         self.precision = precision
         self.dtype = PRECISIONS[precision]
-        self.source = right
         self.compile = compile
-        self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
-        self._probed: set[tuple[bool, bool]] = set()  # prepared copies whose votes were checked batch-independent
-        self._snapshot: ModuleSnapshot | None = None
+        self.prepared = PreparedClassifier(right, self.device, compile)
         self._count_lock = threading.Lock()
-        self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
-        self._warned_unfolded: set[tuple[str, ...]] = set()
 
     # ------------------------------------------------------------------ the prepared f_R
-    def check_current(self) -> None:
-        """Drop the prepared copies if the user's ``f_R`` changed since they were made (weights, buffers, layers).
-        Called once per certify/predict call, so a changed model is never sampled through a stale copy; during the
-        call, the call's guard (:class:`~splitz_fast.inputs.CallGuard`) holds :attr:`snapshot` and refuses edits."""
-        if self._snapshot is None or not self._snapshot.matches(self.source):
-            self._prepared.clear()
-            self._probed.clear()
-            self._unfolded = None
-            self._snapshot = ModuleSnapshot(self.source)
-
     @property
-    def snapshot(self) -> ModuleSnapshot:
-        """The snapshot of ``f_R`` that the prepared copies were made from, as of the last :meth:`check_current`."""
-        if self._snapshot is None:
-            raise RuntimeError("SamplingEngine.check_current() has not run yet")
-        return self._snapshot
-
-    @property
-    def unfolded_batchnorms(self) -> dict[str, str]:
-        """The BatchNorm layers of ``f_R`` that the prepared copy keeps unfolded (qualified name → why; see
-        :func:`~splitz_fast.folding.unfolded_batchnorms`), decided from the modules alone: empty when every BatchNorm
-        folds or ``f_R`` has none."""
-        if self._unfolded is None:
-            self._unfolded = unfolded_batchnorms(self.source)
-        return self._unfolded
-
-    @property
-    def batchnorm_folded(self) -> bool:
-        """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
-        return not self.unfolded_batchnorms
+    def source(self) -> nn.Module:
+        """The user's ``f_R``."""
+        return self.prepared.source
 
     def pools_in_noise(self, latent_shape: torch.Size) -> bool:
         """Whether ``f_R``'s leading 2x2 max pool is drawn by the noise kernel (:meth:`NoiseStream.noisy` with
@@ -267,42 +229,7 @@ class SamplingEngine:
         LeNet split 1 it removes the largest single cost of a sample (the full-size noisy batch and its pooling
         pass)."""
         return (len(latent_shape) == 3 and latent_shape[1] % 2 == 0 and latent_shape[2] % 2 == 0
-                and _starts_with_maxpool2(self.source) and pooled_noise_kernel(self.device) is not None)
-
-    def classifier(self, channels_last: bool, pooled: bool = False) -> nn.Module:
-        """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
-        folded, on the device, channels_last for image latents, compiled if asked) where preparing changes something,
-        else the user's module itself (or its ``[1:]`` slice, which shares the user's layers)."""
-        key = (channels_last, pooled)
-        if key not in self._prepared:
-            source = self.source[1:] if pooled else self.source
-            needs_copy = self.compile or (channels_last and _has_conv(source)) or any(
-                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
-            prepared = source
-            if needs_copy:
-                folded, unfolded = folded_copy(source)
-                if not pooled:
-                    self._unfolded = unfolded
-                self._warn_unfolded(unfolded)
-                prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device)
-                if channels_last:
-                    prepared = prepared.to(memory_format=torch.channels_last)
-                if self.compile:
-                    prepared = _CompiledOrEager(prepared)
-            self._prepared[key] = prepared
-        return self._prepared[key]
-
-    def _warn_unfolded(self, unfolded: dict[str, str]) -> None:
-        """Warn once per engine (and set of layers) that the prepared ``f_R`` keeps BatchNorm layers unfolded."""
-        if not unfolded or tuple(unfolded) in self._warned_unfolded:
-            return
-        self._warned_unfolded.add(tuple(unfolded))
-        shown = [f"{name or 'f_R'} ({why})" for name, why in unfolded.items()]
-        if len(shown) > 5:
-            shown = shown[:5] + [f"and {len(shown) - 5} more"]
-        warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
-                      f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
-                      "of the model as it is", stacklevel=4)
+                and starts_with_maxpool2(self.source) and pooled_noise_kernel(self.device) is not None)
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -321,69 +248,8 @@ class SamplingEngine:
         key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile,
                self.pools_in_noise(latent_shape))
         if key not in _TUNED_BATCH:
-            _TUNED_BATCH[key] = self._measure_batch_size(tuple(latent_shape), cap)
+            _TUNED_BATCH[key] = _measure_batch_size(self, tuple(latent_shape), cap)
         return _TUNED_BATCH[key]
-
-    @torch.inference_mode()
-    def _measure_batch_size(self, shape: tuple[int, ...], cap: int) -> int:
-        channels_last = len(shape) == 3
-        pooled = self.pools_in_noise(torch.Size(shape))
-        net = self.classifier(channels_last, pooled)
-        parallel = self._may_run_parallel(net)
-        if isinstance(net, _CompiledOrEager):
-            # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
-            # it is compiled once, for the size chosen here.
-            net = net.net
-        if net is self.source or pooled and not self._prepared_is_copy(net):
-            net = copy.deepcopy(net)  # timing runs must not touch the user's modules (they may keep state)
-        latent = torch.zeros(shape, device=self.device)
-        stream = NoiseStream(0, self.device)
-        counts = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device)
-        best_rate, best, b, worse = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
-        rates: dict[int, float] = {}
-        deadline = time.perf_counter() + TUNE_BUDGET_S
-        while b <= cap and time.perf_counter() < deadline:
-            try:
-                rate = self._samples_per_second(net, SamplingJob(latent, stream, b, counts), channels_last, pooled,
-                                                parallel)
-            except torch.OutOfMemoryError:
-                break
-            rates[b] = rate
-            if rate > best_rate:
-                best_rate, best = rate, b
-            # Stop after two sizes clearly (> 10 %) slower than the best, once past the cache-sized batches.
-            worse = worse + 1 if rate < 0.9 * best_rate else 0
-            if worse == 2 and b >= TUNE_MIN_SEARCH:
-                break
-            b = cap if b < cap < 2 * b else 2 * b
-        # A second look at the leaders: on a shared machine one measurement of a size can be slowed by other jobs
-        # (noise only ever slows), so each of the fastest TUNE_RECHECK sizes is timed again and keeps its better rate
-        # (measured: batches of 4096 chosen under load, 2-5x slower than 64-256 on a quiet machine).
-        for b in sorted(rates, key=rates.get, reverse=True)[:TUNE_RECHECK]:
-            try:
-                rates[b] = max(rates[b], self._samples_per_second(net, SamplingJob(latent, stream, b, counts),
-                                                                  channels_last, pooled, parallel))
-            except torch.OutOfMemoryError:
-                continue
-        return max(rates, key=lambda b: (rates[b], -b)) if rates else best
-
-    def _samples_per_second(self, net, job: SamplingJob, channels_last: bool, pooled: bool, parallel: bool) -> float:
-        """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
-        passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU). A pass
-        is one batch per worker thread (:meth:`_execute`), as a run would use them."""
-        batches = torch.get_num_threads() if parallel else 1
-
-        def one_pass() -> None:
-            self._execute(net, [[_segment(job, job.num)] for _ in range(batches)], channels_last, pooled, job.num,
-                          parallel)
-            _synchronize(self.device)
-
-        one_pass()
-        passes, start = 0, time.perf_counter()
-        while passes < 2 or time.perf_counter() - start < TUNE_MIN_TIME_S:
-            one_pass()
-            passes += 1
-        return passes * batches * job.num / (time.perf_counter() - start)
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
@@ -400,17 +266,15 @@ class SamplingEngine:
             raise ValueError("all jobs of one run must have latents of the same shape")
         channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
         pooled = self.pools_in_noise(shape)
-        net = self.classifier(channels_last, pooled)
-        if (channels_last, pooled) not in self._probed:
-            self._probe_batch_independence(net, jobs[0].latent, channels_last, pooled)
-            self._probed.add((channels_last, pooled))
+        net = self.prepared.get(channels_last, pooled)
+        self.prepared.probe_once(net, (channels_last, pooled), self._scores, jobs[0].latent, self.sigma, self.dtype)
         self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self._may_run_parallel(net))
 
     def _may_run_parallel(self, net: nn.Module) -> bool:
         """Whether batches may run on several worker threads (:meth:`_execute`): on the CPU, through an eager
         prepared copy of ``f_R`` (never the user's own modules, which need not be thread-safe)."""
         return (self.device.type == "cpu" and not self.compile and net is not self.source
-                and self._prepared_is_copy(net))
+                and self.prepared.is_copy(net))
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
                  parallel: bool) -> None:
@@ -440,49 +304,6 @@ class SamplingEngine:
                     pass
         finally:
             torch.set_num_threads(threads)  # the workers' call also changed the default of threads started later
-
-    def _probe_batch_independence(self, net: nn.Module, latent: torch.Tensor, channels_last: bool,
-                                  pooled: bool) -> None:
-        """Refuse an ``f_R`` whose scores for one noisy latent change with the other rows of its batch, or between two
-        identical calls: its votes would not be i.i.d. draws of one base classifier (batch statistics, state kept
-        between calls), and a certificate would not be a function of the input and its seed. The probe scores
-        :data:`PROBE_ROWS` noisy copies of ``latent`` (their own generator: the inputs' noise streams are untouched)
-        as one batch, twice, in halves and one row alone, each time through a fresh copy of ``f_R`` (the probe never
-        touches the user's modules or the prepared copy, and a module that counts its calls sees the same rows in the
-        same order each time); scores must agree to :data:`PROBE_TOLERANCE` (relative to the largest score, for the
-        rounding differences of batch-size-dependent kernels)."""
-        if isinstance(net, _CompiledOrEager):
-            net = net.net  # the same function; probing the compiled one would compile it for every probe shape
-
-        def scores(*batches: torch.Tensor) -> torch.Tensor:
-            fresh = copy.deepcopy(net)
-            return torch.cat([self._scores(fresh, batch).float() for batch in batches])
-
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        rows = torch.randn((PROBE_ROWS, *latent.shape), generator=gen, device=self.device)
-        rows = (latent.float() + self.sigma * rows).to(self.dtype)
-        if pooled:
-            rows = torch.nn.functional.max_pool2d(rows, 2)
-        if channels_last:
-            rows = rows.contiguous(memory_format=torch.channels_last)
-        half = PROBE_ROWS // 2
-        whole = scores(rows)
-        variants = {"the same batch again": scores(rows),
-                    f"batches of {half}": scores(rows[:half], rows[half:]),
-                    "a batch of 1": torch.cat([scores(rows[:1]), whole[1:]])}
-        scale = float(whole.abs().max()) + 1.0
-        for what, scores in variants.items():
-            gap = float((scores - whole).abs().max())
-            if not gap <= PROBE_TOLERANCE[self.dtype] * scale:
-                raise ValueError(
-                    f"f_R's scores for an input change with the rest of its batch or between calls (max difference "
-                    f"{gap:.3g} against {what}, scores up to {scale - 1:.3g}): votes would not be i.i.d. draws of one "
-                    "base classifier. Put the model in eval mode (model.eval()), use BatchNorm with running "
-                    "statistics, and remove randomness or state from f_R's forward")
-
-    def _prepared_is_copy(self, net: nn.Module) -> bool:
-        """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
-        return not any(p is q for p in net.parameters() for q in self.source.parameters())
 
     def _count_segments(self, net, segments: list[tuple[SamplingJob, int, int | None]], channels_last: bool,
                         pooled: bool, batch_size: int) -> None:
@@ -542,142 +363,67 @@ def _plan(jobs: list[SamplingJob], batch_size: int) -> list[list[tuple[SamplingJ
     return plan
 
 
-# Layers whose output is a fresh tensor or a view of their input only: in an nn.Sequential of these, the input of a
-# ReLU is used by nothing else, so the ReLU may overwrite it (_cheaper_chain).
-_CHAIN_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.ReLU,
-                 nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)
-
-
-def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: torch.device) -> nn.Module:
-    """The prepared copy of a plain layer chain, rearranged to cost less for the same function:
-
-    * every ``ReLU`` directly followed by a ``MaxPool2d`` runs after it: ``maxpool(relu(x)) = relu(maxpool(x))``
-      because ReLU is monotone non-decreasing and elementwise (a window's max commutes with it; padding pads with
-      -inf, which never wins a window holding a real value; NaN propagates through both), so ReLU touches 4x fewer
-      values behind a 2x2 pool (LeNet at s = 0: the sampling engine 1.4x faster, the same votes);
-    * the ReLUs run in place (one large allocation less per layer): in such a chain no ReLU input is used again;
-    * on the CPU only (``device``, where the copy runs: :func:`_pools_as_strided_maxima`), every plain 2x2 max pool
-      of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise maxima of strided views,
-      bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through both), without its index
-      bookkeeping, and written channels_last where the chain runs channels_last (NCHW where a Flatten follows, which
-      then needs no copy). ATen's CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at
-      s = 0: oneDNN runs the first convolution in NCHW because a ``[B, 1, H, W]`` batch is also "contiguous") it runs
-      its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
-      LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
-      stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time).
-
-    Only for an ``nn.Sequential`` whose layers are all exactly of the types in :data:`_CHAIN_LAYERS` (subclasses may
-    return aliases or compute something else); other modules are returned as they are."""
-    if not isinstance(module, nn.Sequential) or not all(type(m) in _CHAIN_LAYERS for m in module):
-        return module
-    layers = list(module)
-    for i in range(len(layers) - 1):
-        if type(layers[i]) is nn.ReLU and type(layers[i + 1]) is nn.MaxPool2d and not layers[i + 1].return_indices:
-            layers[i], layers[i + 1] = layers[i + 1], layers[i]
-    for layer in layers:
-        if isinstance(layer, nn.ReLU):
-            layer.inplace = True
-    for i, layer in enumerate(layers):
-        if _is_maxpool2(layer) and _pools_as_strided_maxima(device):
-            # a pool that feeds a Flatten (through in-place ReLUs) writes NCHW: the Flatten is then a view, not a copy
-            rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
-            layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
-    return nn.Sequential(*layers)
-
-
-def _pools_as_strided_maxima(device: torch.device) -> bool:
-    """Whether a prepared chain on ``device`` runs its plain 2x2 max pools as :class:`_MaxPool2x2`: on the CPU only,
-    where it was measured to win (:func:`_cheaper_chain`). On CUDA the pooling kernel stays: measured on an H100, the
-    two strided maxima (two ``aten::maximum`` kernels) cost 31 % of LeNet's GPU time."""
-    return torch.device(device).type == "cpu"
-
-
-class _MaxPool2x2(nn.Module):
-    """``F.max_pool2d(x, 2)`` (kernel 2, stride 2, no padding, floor mode) as two elementwise maxima of strided views
-    (rows, then columns): the same values bitwise, no indices computed; 4-D output is written channels_last when
-    ``channels_last``, else contiguous (NCHW: a following Flatten is a view). See :func:`_cheaper_chain`."""
-
-    def __init__(self, channels_last: bool):
-        super().__init__()
-        self.channels_last = channels_last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode: an odd last row/column is dropped
-        rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
-        out = None
-        if x.ndim == 4 and not (x.requires_grad and torch.is_grad_enabled()):  # out= is not differentiable
-            out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device,
-                              memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
-        return torch.maximum(rows[..., 0::2], rows[..., 1::2], out=out)
-
-    def extra_repr(self) -> str:
-        return f"kernel_size=2, stride=2, channels_last={self.channels_last}"
-
-
-def check_batch_independent(module: nn.Module) -> None:
-    """Refuse (one line saying how to fix it) an ``f_R`` whose votes would depend on the batch they are drawn in: a
-    module in training mode (batch statistics, dropout) or a BatchNorm without running statistics (it normalizes
-    with the batch's statistics even in eval mode). Votes must be i.i.d. draws of one base classifier, whatever the
-    batch size the engine picks. What these checks cannot see is probed at the first batch
-    (:meth:`SamplingEngine._probe_batch_independence`)."""
-    for name, m in module.named_modules():
-        where = f"f_R's {type(m).__name__}" + (f" ({name})" if name else "")
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (not m.track_running_stats or m.running_mean is None):
-            raise ValueError(f"{where} has no running statistics (track_running_stats=False): it normalizes with "
-                             "the batch's statistics, so votes would depend on the batch; train it with running "
-                             "statistics (or use GroupNorm/LayerNorm) and call model.eval()")
-        if m.training:
-            raise ValueError(f"{where} is in training mode: votes would depend on the batch (batch statistics, "
-                             "dropout); call model.eval() before sampling")
-
-
-def _starts_with_maxpool2(module: nn.Module) -> bool:
-    """``module`` is an ``nn.Sequential`` whose first layer is ``MaxPool2d(2)``: kernel 2, stride 2, no padding,
-    no dilation, floor mode, no indices."""
-    return isinstance(module, nn.Sequential) and len(module) >= 2 and _is_maxpool2(module[0])
-
-
-def _is_maxpool2(pool: nn.Module) -> bool:
-    """``pool`` is exactly ``nn.MaxPool2d(2)``: kernel 2, stride 2, no padding, no dilation, floor mode, no indices."""
-    if type(pool) is not nn.MaxPool2d:
-        return False
-
-    def pair(v):
-        return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
-
-    return (pair(pool.kernel_size) == (2, 2) and pair(pool.stride if pool.stride is not None else 2) == (2, 2)
-            and pair(pool.padding) == (0, 0) and pair(pool.dilation) == (1, 1) and not pool.ceil_mode
-            and not pool.return_indices)
-
-
-def _has_conv(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Conv2d) for m in module.modules())
-
-
-class _CompiledOrEager(nn.Module):
-    """``torch.compile(net)``, falling back to ``net`` itself (with one warning) if compiling or the first compiled
-    call fails — no compiler, an unsupported platform or model; eager is always a correct base classifier."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-        self.compiled = None
+@torch.inference_mode()
+def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: int) -> int:
+    """The fastest ``f_R`` batch of ``engine`` for latents of ``shape``, at most ``cap`` (:meth:`SamplingEngine.batch_size`)."""
+    channels_last = len(shape) == 3
+    pooled = engine.pools_in_noise(torch.Size(shape))
+    net = engine.prepared.get(channels_last, pooled)
+    parallel = engine._may_run_parallel(net)
+    if isinstance(net, CompiledOrEager):
+        # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
+        # it is compiled once, for the size chosen here.
+        net = net.net
+    if net is engine.source or pooled and not engine.prepared.is_copy(net):
+        net = copy.deepcopy(net)  # timing runs must not touch the user's modules (they may keep state)
+    latent = torch.zeros(shape, device=engine.device)
+    stream = NoiseStream(0, engine.device)
+    counts = torch.zeros(engine.num_classes, dtype=torch.int64, device=engine.device)
+    best_rate, best, b, worse = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
+    rates: dict[int, float] = {}
+    deadline = time.perf_counter() + TUNE_BUDGET_S
+    while b <= cap and time.perf_counter() < deadline:
         try:
-            self.compiled = torch.compile(net, dynamic=False)
-        except Exception as err:  # noqa: BLE001
-            self._give_up(err)
+            rate = _samples_per_second(engine, net, SamplingJob(latent, stream, b, counts), channels_last, pooled,
+                                            parallel)
+        except torch.OutOfMemoryError:
+            break
+        rates[b] = rate
+        if rate > best_rate:
+            best_rate, best = rate, b
+        # Stop after two sizes clearly (> 10 %) slower than the best, once past the cache-sized batches.
+        worse = worse + 1 if rate < 0.9 * best_rate else 0
+        if worse == 2 and b >= TUNE_MIN_SEARCH:
+            break
+        b = cap if b < cap < 2 * b else 2 * b
+    # A second look at the leaders: on a shared machine one measurement of a size can be slowed by other jobs
+    # (noise only ever slows), so each of the fastest TUNE_RECHECK sizes is timed again and keeps its better rate
+    # (measured: batches of 4096 chosen under load, 2-5x slower than 64-256 on a quiet machine).
+    for b in sorted(rates, key=rates.get, reverse=True)[:TUNE_RECHECK]:
+        try:
+            rates[b] = max(rates[b], _samples_per_second(engine, net, SamplingJob(latent, stream, b, counts),
+                                                              channels_last, pooled, parallel))
+        except torch.OutOfMemoryError:
+            continue
+    return max(rates, key=lambda b: (rates[b], -b)) if rates else best
 
-    def _give_up(self, err: Exception) -> None:
-        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly", stacklevel=4)
-        self.compiled = None
+def _samples_per_second(engine: "SamplingEngine", net, job: SamplingJob, channels_last: bool, pooled: bool, parallel: bool) -> float:
+    """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
+    passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU). A pass
+    is one batch per worker thread (:meth:`_execute`), as a run would use them."""
+    batches = torch.get_num_threads() if parallel else 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled is not None:
-            try:
-                return self.compiled(x)
-            except Exception as err:  # noqa: BLE001
-                self._give_up(err)
-        return self.net(x)
+    def one_pass() -> None:
+        engine._execute(net, [[_segment(job, job.num)] for _ in range(batches)], channels_last, pooled, job.num,
+                      parallel)
+        _synchronize(engine.device)
+
+    one_pass()
+    passes, start = 0, time.perf_counter()
+    while passes < 2 or time.perf_counter() - start < TUNE_MIN_TIME_S:
+        one_pass()
+        passes += 1
+    return passes * batches * job.num / (time.perf_counter() - start)
 
 
 class _cuda_math:

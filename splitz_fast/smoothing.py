@@ -11,118 +11,21 @@ certificate bound (:mod:`splitz_fast.radius`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
-import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import TypeVar
 
 import torch
 
 from ._checks import check_certify_counts, check_count, check_positive
-from .inputs import (CallGuard, PreparedInput, evaluating, inputs_of, model_device, prepare_input, resolve_seed,
-                     with_seeds)
+from .inputs import CallGuard, inputs_of, model_device, with_seeds
 from .modules import SplitModel
-from .protocols import CertificationProtocol, get_protocol, is_estimate_kind
-from .radius import BoundOptions, RadiusResult, RadiusSearch, check_bound_options
-from .sampling import PRECISIONS, NoiseStream, SamplingEngine, SamplingJob
-from .stats import clopper_pearson_lower, latent_radius, two_sided_binomial_pvalue
+from .outcomes import ABSTAIN, CertifyResult, PredictResult, about_given_input
+from .protocols import CertificationProtocol, get_protocol
+from .radius import BoundOptions, RadiusSearch, check_bound_options
+from .sampling import PRECISIONS, SamplingEngine
+from .windows import certify_stream, predict_stream
 
-ABSTAIN = -1
 # Largest f_R batch the tuner tries (an explicit batch_size may be larger).
 DEFAULT_MAX_BATCH = 4096
-# certify_many gathers inputs until their samples fill this many batches, then synchronises once for all of them.
-WINDOW_BATCHES = 4
-
-
-@dataclass
-class CertifyResult:
-    """Outcome of CERTIFY for one input.
-
-    ``radius`` is in raw input units (``ABSTAIN`` prediction → radius 0). ``failure_prob`` is the total probability
-    that the certificate is wrong: α plus the failure probability of every probabilistic Lipschitz bound evaluated.
-    ``bound_kind`` says what produced ``lipschitz``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``,
-    ``global-exact`` or ``global-probabilistic``. ``noise_source`` says which stream drew the noise (``philox4x32-10``:
-    the Philox stream of kernels/noise_votes.py, the same on every device and backend; or ``torch-<device>``: the
-    fallback's torch generator): with the seed, it is what a rerun needs to reproduce the certificate. ``seconds`` is this
-    input's share of the sampling time of the batches it was packed in, plus its own radius search.
-
-    ``input_rounding``: an upper bound on ``‖x − x̃‖₂`` where ``x̃`` is the given input ``x`` rounded to float32 (the
-    dtype the model computes in); 0 for float32 and narrower inputs. The certificate is computed at ``x̃`` and
-    ``radius`` is already reduced by it, so it is a radius about the input as given (:func:`about_given_input`).
-    """
-
-    prediction: int
-    radius: float
-    p_a_lower: float
-    latent_radius: float
-    lipschitz: float
-    gamma: float
-    bound_kind: str
-    failure_prob: float
-    count_a: int
-    n: int
-    gamma_evaluations: int
-    seed: int
-    seconds: float
-    noise_source: str = ""
-    input_rounding: float = 0.0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def is_certificate(self) -> bool:
-        """False for the results of an estimate protocol (``bound_kind`` ``paper-estimate`` /
-        ``published-code-estimate``): their radii are not certified (:mod:`splitz_fast.protocols`)."""
-        return not is_estimate_kind(self.bound_kind)
-
-
-@dataclass
-class PredictResult:
-    """Outcome of PREDICT: ``prediction`` is ``ABSTAIN`` unless the top class wins the binomial test at level α.
-    ``seconds``: this input's share of the sampling time of the batches it was packed in.
-
-    ``input_rounding``: an upper bound on ``‖x − x̃‖₂`` where ``x̃`` is the given input ``x`` rounded to float32 (the
-    dtype the model computes in); 0 for float32 and narrower inputs. PREDICT's answer is about ``x̃``, not ``x``; it
-    has no radius to reduce (CERTIFY reduces its radius by this distance, :func:`about_given_input`), so the distance
-    is reported here."""
-
-    prediction: int
-    count_top: int
-    count_second: int
-    p_value: float
-    seed: int
-    seconds: float = field(default=0.0, compare=False)  # timing, not part of the outcome
-    input_rounding: float = 0.0
-
-
-# ---------------------------------------------------------------------------------------------- the result
-def about_given_input(result: CertifyResult, rounding: float) -> CertifyResult:
-    """``result`` (certified at the float32 rounding ``x̃`` of the input ``x``) as a certificate about ``x`` itself.
-
-    If no point within ``r`` of ``x̃`` changes the prediction and ``‖x − x̃‖ ≤ ρ``, then by the triangle inequality no
-    point within ``r − ρ`` of ``x`` does, and ``x`` itself (at distance ``ρ < r``) gets the same prediction. So the
-    radius is ``r − ρ`` rounded down; when ``ρ ≥ r`` nothing is certified about ``x``: abstain."""
-    if rounding == 0.0 or result.prediction == ABSTAIN:
-        return dataclasses.replace(result, input_rounding=rounding)
-    radius = math.nextafter(result.radius - rounding, -math.inf)
-    if radius <= 0:
-        return dataclasses.replace(result, prediction=ABSTAIN, radius=0.0, input_rounding=rounding)
-    return dataclasses.replace(result, radius=radius, input_rounding=rounding)
-
-
-@dataclass
-class _Pending:
-    """One input of a certify_many window: its samples' jobs and, once counted, its result."""
-
-    x: PreparedInput
-    latent: torch.Tensor
-    stream: NoiseStream
-    selection: SamplingJob
-    estimation: SamplingJob
 
 
 class Smoother:
@@ -201,14 +104,14 @@ class Smoother:
     def engine(self) -> SamplingEngine:
         """The sampling engine for ``f_R`` as the model holds it now, on the model's current device: rebuilt when
         ``model.right`` was replaced, its prepared copy when the module's tensors or layers changed
-        (:meth:`SamplingEngine.check_current`, which also refuses a batch-dependent ``f_R``)."""
+        (:meth:`~splitz_fast.prepared.PreparedClassifier.check_current`)."""
         model, device = self.model, self.device
         engine = self._engine
         if engine is None or engine.device != device or engine.source is not model.right \
                 or engine.num_classes != model.num_classes:
             engine = self._engine = SamplingEngine(model.right, model.num_classes, self.sigma, device,
                                                    precision=self.precision, compile=self.compile)
-        engine.check_current()
+        engine.prepared.check_current()
         return engine
 
     @torch.inference_mode()
@@ -216,7 +119,8 @@ class Smoother:
         """``f_L(x)`` for one input ``x`` as float32 (computed once per input; noise is added after it)."""
         return self.model.left(x.unsqueeze(0))[0].float().contiguous()
 
-    def _batch_size(self, engine: SamplingEngine, latent: torch.Tensor, batch_size: int | None) -> int:
+    def batch_size_for(self, engine: SamplingEngine, latent: torch.Tensor, batch_size: int | None) -> int:
+        """The ``f_R`` batch of a call: ``batch_size`` checked, or the engine's measured one when ``None``."""
         if batch_size is None:
             return engine.batch_size(latent.shape, self.max_batch_size)
         return check_count("batch_size", batch_size)
@@ -248,7 +152,7 @@ class Smoother:
         with a ``RuntimeError`` before the next result (start a new call to certify the edited model).
         """
         check_certify_counts(n0, n, alpha, batch_size)
-        return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, n, alpha, batch_size)
+        return certify_stream(self, with_seeds(inputs_of(inputs), seeds), n0, n, alpha, batch_size)
 
     def engine_and_guard(self) -> tuple[SamplingEngine, CallGuard]:
         """The sampling engine for one certify/predict call (:meth:`engine`) and the guard that stops the call if the
@@ -257,95 +161,7 @@ class Smoother:
         smoother (:class:`~splitz_fast.sequential.SequentialCertifier`) start with it too."""
         self.model.check_structure()
         engine = self.engine()
-        return engine, CallGuard(self.model, right=engine.snapshot)
-
-    def _certify_stream(self, seeded, n0, n, alpha, batch_size) -> Iterator[CertifyResult]:
-        with evaluating(self.model):
-            engine, guard = self.engine_and_guard()
-            overlap = self.device.type == "cuda" if self.overlap_bounds is None else self.overlap_bounds
-            with ThreadPoolExecutor(max_workers=1) if overlap else contextlib.nullcontext() as pool:
-                finishing = None  # the previous window's radius searches, running on the worker
-                for window, batch, counts, seconds in self._windows(engine, guard, seeded, n0, n, batch_size):
-                    if pool is None:
-                        yield from _checked(guard, self._finish(guard, window, counts, seconds, n, alpha))
-                        continue
-                    if finishing is not None:
-                        yield from _checked(guard, finishing.result())
-                    finishing = pool.submit(self._finish_on_side_stream, guard, window, counts, seconds, n, alpha)
-                if finishing is not None:
-                    yield from _checked(guard, finishing.result())
-
-    def _windows(self, engine, guard: CallGuard, seeded, n0, n, batch_size):
-        """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``."""
-        window: list[_Pending] = []
-        batch = None
-        for x, seed in seeded:
-            x = prepare_input(self.model, x)
-            stream = NoiseStream(resolve_seed(seed), self.device)
-            guard.check()
-            latent = self.latent(x.x)
-            if batch is None:
-                batch = self._batch_size(engine, latent, batch_size)
-            window.append(_Pending(x, latent, stream, SamplingJob(latent, stream, n0, self._zero_counts()),
-                                   SamplingJob(latent, stream, n, self._zero_counts())))
-            if len(window) * (n0 + n) >= WINDOW_BATCHES * batch:
-                yield self._sample(engine, window, batch)
-                window = []
-        if window:
-            yield self._sample(engine, window, batch)
-
-    def _zero_counts(self) -> torch.Tensor:
-        return torch.zeros(self.model.num_classes, dtype=torch.int64, device=self.device)
-
-    def _sample(self, engine, window: list[_Pending], batch: int):
-        start = time.perf_counter()
-        # Selection then estimation of each input: consecutive, disjoint ranges of its noise stream.
-        engine.run([job for p in window for job in (p.selection, p.estimation)], batch)
-        counts = torch.stack([torch.stack([p.selection.counts for p in window]),
-                              torch.stack([p.estimation.counts for p in window])]).cpu()  # the one host sync
-        return window, batch, counts, (time.perf_counter() - start) / len(window)
-
-    def _finish_on_side_stream(self, guard, window, counts, seconds, n, alpha) -> list[CertifyResult]:
-        if self.device.type != "cuda":
-            return list(self._finish(guard, window, counts, seconds, n, alpha))
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            results = list(self._finish(guard, window, counts, seconds, n, alpha))
-        side.synchronize()
-        return results
-
-    def _finish(self, guard: CallGuard, window, counts, seconds, n, alpha) -> Iterator[CertifyResult]:
-        """The window's results in order. The radius searches of its non-abstaining inputs run together
-        (:meth:`~splitz_fast.protocols.CertificationProtocol.radii`: one batched ball-bound pass per round of all of
-        them), each equal to its own search; each input's ``seconds`` adds an equal share of that time."""
-        guard.check()  # the caller's code ran since the previous window: the bounds must be of the sampled f_L
-        start = time.perf_counter()
-        decided = []
-        for i, pending in enumerate(window):
-            candidate = int(counts[0, i].argmax())  # ties go to the lowest class index
-            count_a = int(counts[1, i, candidate])
-            decided.append((candidate, count_a, clopper_pearson_lower(count_a, n, alpha)))
-        certified = [i for i, (_, _, p_lower) in enumerate(decided) if p_lower >= 0.5]
-        found = dict(zip(certified, self.protocol.radii(
-            self.radius_search, [window[i].x.x for i in certified],
-            [latent_radius(self.sigma, decided[i][2]) for i in certified],
-            [window[i].stream.generator for i in certified])))
-        seconds = seconds + (time.perf_counter() - start) / len(window)
-        for i, pending in enumerate(window):
-            candidate, count_a, p_lower = decided[i]
-            source, seed = pending.stream.source, pending.stream.seed
-            if i not in found:
-                yield about_given_input(CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha,
-                                                      count_a, n, 0, seed, seconds, source), pending.x.rounding)
-                continue
-            best: RadiusResult = found[i]
-            yield about_given_input(CertifyResult(
-                prediction=candidate, radius=best.radius, p_a_lower=p_lower,
-                latent_radius=latent_radius(self.sigma, p_lower), lipschitz=best.lipschitz, gamma=best.gamma,
-                bound_kind=best.kind, failure_prob=alpha + best.failure, count_a=count_a, n=n,
-                gamma_evaluations=best.evaluations, seed=seed, seconds=seconds, noise_source=source,
-            ), pending.x.rounding)
+        return engine, CallGuard(self.model, right=engine.prepared.snapshot)
 
     # ------------------------------------------------------------------ PREDICT
     def predict(self, x: torch.Tensor, n: int, alpha: float, batch_size: int | None = None,
@@ -361,35 +177,7 @@ class Smoother:
         """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed; an edit of
         the model while the results are consumed stops the call before the next result)."""
         check_certify_counts(None, n, alpha, batch_size)
-        return self._predict_stream(with_seeds(inputs_of(inputs), seeds), n, alpha, batch_size)
-
-    def _predict_stream(self, seeded, n, alpha, batch_size) -> Iterator[PredictResult]:
-        with evaluating(self.model):
-            engine, guard = self.engine_and_guard()
-            for window, _, counts, seconds in self._windows(engine, guard, seeded, 0, n, batch_size):
-                yield from _checked(guard, (_predict_result(counts[1, i], alpha, pending.stream.seed, seconds,
-                                                            pending.x.rounding)
-                                            for i, pending in enumerate(window)))
+        return predict_stream(self, with_seeds(inputs_of(inputs), seeds), n, alpha, batch_size)
 
 
-_Result = TypeVar("_Result")
-
-
-def _checked(guard: CallGuard, results: Iterable[_Result]) -> Iterator[_Result]:
-    """``results`` one by one, each after checking that the caller has not edited the model since the previous one:
-    results computed before an edit describe the model as it was sampled, not the edited one."""
-    for result in results:
-        guard.check()
-        yield result
-
-
-def _predict_result(counts: torch.Tensor, alpha: float, seed: int, seconds: float, rounding: float) -> PredictResult:
-    top = int(counts.argmax())  # ties go to the lowest class index
-    ordered = counts.sort(descending=True).values
-    n1 = int(ordered[0])
-    n2 = int(ordered[1]) if counts.numel() > 1 else 0
-    p_value = two_sided_binomial_pvalue(n1, n2)
-    return PredictResult(top if p_value <= alpha else ABSTAIN, n1, n2, p_value, seed, seconds, rounding)
-
-
-__all__ = ["ABSTAIN", "CertifyResult", "PredictResult", "Smoother", "PRECISIONS"]
+__all__ = ["ABSTAIN", "CertifyResult", "PredictResult", "Smoother", "PRECISIONS", "about_given_input"]

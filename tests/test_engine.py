@@ -187,8 +187,8 @@ def test_prepared_f_r_folds_batchnorm_and_leaves_the_user_model_unchanged():
     before = copy.deepcopy(model.state_dict())
     model.train()
     engine = SamplingEngine(model.right, 5, 0.4, torch.device("cpu"))
-    engine.check_current()
-    prepared = engine.classifier(channels_last=True)
+    engine.prepared.check_current()
+    prepared = engine.prepared.get(channels_last=True)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in prepared.modules())
     assert model.training and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
     assert model.right[0].weight.is_contiguous()  # the user's layout is untouched too
@@ -232,11 +232,11 @@ def test_prepared_resnets_fold_every_batchnorm_at_both_splits(name, shape, split
     right = _randomize_batchnorms(model.right)
     assert _batchnorms(right) > 50
     engine = SamplingEngine(right, model.num_classes, 0.25, CPU)
-    engine.check_current()
+    engine.prepared.check_current()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing left unfolded: no warning
-        prepared = engine.classifier(channels_last=True)
-    assert _batchnorms(prepared) == 0 and engine.batchnorm_folded and engine.unfolded_batchnorms == {}
+        prepared = engine.prepared.get(channels_last=True)
+    assert _batchnorms(prepared) == 0 and engine.prepared.batchnorm_folded and engine.prepared.unfolded_batchnorms == {}
     folded = fold_batchnorm(right)
     assert _batchnorms(folded) == 0
     with torch.no_grad():
@@ -255,11 +255,11 @@ def test_lenet_is_prepared_on_the_cpu_as_before(split, pooled):
     folded = fold_batchnorm(model.right)
     assert [type(m) for m in folded] == [type(m) for m in model.right] and folded is not model.right
     engine = SamplingEngine(model.right, 10, 0.25, CPU)
-    engine.check_current()
-    prepared = engine.classifier(channels_last=True, pooled=pooled)
+    engine.prepared.check_current()
+    prepared = engine.prepared.get(channels_last=True, pooled=pooled)
     chain = ["Conv2d", "_MaxPool2x2", "ReLU", "Flatten", "Linear", "ReLU", "Linear"]
     want = {0: ["Conv2d", "_MaxPool2x2", "ReLU"] + chain, 1: ["_MaxPool2x2"] + chain}[split][int(pooled):]
-    assert [type(m).__name__ for m in prepared] == want and engine.batchnorm_folded
+    assert [type(m).__name__ for m in prepared] == want and engine.prepared.batchnorm_folded
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
     with torch.no_grad():
         latents = model.left(torch.rand(3, 1, 28, 28, generator=_gen(2)))
@@ -310,10 +310,10 @@ def test_fold_batchnorm_where_fx_cannot_trace_and_warn_once_about_the_rest(recwa
     with torch.no_grad():
         torch.testing.assert_close(folded(x), right(x), rtol=1e-5, atol=1e-5)
     engine = SamplingEngine(right, 5, 0.25, CPU)
-    engine.check_current()
-    assert not engine.batchnorm_folded and engine.unfolded_batchnorms == unfolded
+    engine.prepared.check_current()
+    assert not engine.prepared.batchnorm_folded and engine.prepared.unfolded_batchnorms == unfolded
     for channels_last in (True, False, True):
-        prepared = engine.classifier(channels_last)
+        prepared = engine.prepared.get(channels_last)
         with torch.no_grad():
             torch.testing.assert_close(prepared(x), right(x), rtol=1e-5, atol=1e-5)
     messages = [str(w.message) for w in recwarn if "BatchNorm" in str(w.message)]
@@ -350,21 +350,21 @@ def test_linear_batchnorm1d_folds_for_feature_vectors_only():
 def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
     """The 2x2 max pool runs as two strided maxima (_MaxPool2x2) on the CPU only; a copy prepared for CUDA keeps
     nn.MaxPool2d (decided from the device; nothing is allocated on it here)."""
-    from splitz_fast import sampling
+    from splitz_fast import prepared as preparing
 
     right = sz.build_model("lenet", split_index=0).right
     cuda, cpu = torch.device("cuda"), CPU
-    assert sampling._pools_as_strided_maxima(cpu) and not sampling._pools_as_strided_maxima(cuda)
-    on_cpu = sampling._cheaper_chain(copy.deepcopy(right), True, device=cpu)
-    on_cuda = sampling._cheaper_chain(copy.deepcopy(right), True, device=cuda)
+    assert preparing._pools_as_strided_maxima(cpu) and not preparing._pools_as_strided_maxima(cuda)
+    on_cpu = preparing._cheaper_chain(copy.deepcopy(right), True, device=cpu)
+    on_cuda = preparing._cheaper_chain(copy.deepcopy(right), True, device=cuda)
     assert [type(m).__name__ for m in on_cpu][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "_MaxPool2x2", "ReLU"]
     assert [type(m).__name__ for m in on_cuda][:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
     # the engine passes its own device: with moves to the device stubbed out, a CUDA engine prepares MaxPool2d
     monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
     engine = SamplingEngine(right, 10, 0.25, cuda)
-    prepared = engine.classifier(channels_last=True)
+    prepared = engine.prepared.get(channels_last=True)
     assert sum(type(m) is nn.MaxPool2d for m in prepared) == 2
-    assert not any(isinstance(m, sampling._MaxPool2x2) for m in prepared)
+    assert not any(isinstance(m, preparing._MaxPool2x2) for m in prepared)
 
 
 def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_path):
@@ -415,13 +415,13 @@ def test_pool_fused_into_the_noise_gives_the_same_votes(precision, monkeypatch):
 def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(monkeypatch):
     """ReLU -> MaxPool2d pairs of a plain chain run as MaxPool2d -> ReLU (in place) in the prepared copy: the same
     outputs (max commutes with the monotone ReLU; NaN propagates), and the same votes as the unchanged chain."""
-    from splitz_fast import sampling
+    from splitz_fast import prepared as preparing
 
     torch.manual_seed(3)
     right = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1),
                           nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), nn.Flatten(),
                           nn.Linear(54, 5))
-    prepared = sampling._cheaper_chain(copy.deepcopy(right), device=CPU)
+    prepared = preparing._cheaper_chain(copy.deepcopy(right), device=CPU)
     assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
     assert not any(m.inplace for m in right if isinstance(m, nn.ReLU))  # the user's chain is untouched
@@ -433,11 +433,11 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     model = SplitModel(LeftHalf([], [], input_shape=(1, 8, 8)), right, 5)
     xs = torch.rand(3, 1, 8, 8, generator=_gen(4))
     fast = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
-    monkeypatch.setattr(sampling, "_cheaper_chain", lambda module, channels_last=False, device=None: module)
+    monkeypatch.setattr(preparing, "_cheaper_chain", lambda module, channels_last=False, device=None: module)
     plain = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
     assert [(p.count_top, p.count_second) for p in fast] == [(p.count_top, p.count_second) for p in plain]
     chain = nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2))
-    assert sampling._cheaper_chain(chain, device=CPU)[0].inplace is False
+    assert preparing._cheaper_chain(chain, device=CPU)[0].inplace is False
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -446,7 +446,7 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     """The prepared chain's 2x2 max pool (_MaxPool2x2: two maxima of strided views) gives bitwise F.max_pool2d's
     values, NaN and infinities included, odd sizes floored, for contiguous and channels_last inputs (1-channel ones
     too); its 4-D output is channels_last when the chain runs channels_last."""
-    from splitz_fast.sampling import _MaxPool2x2
+    from splitz_fast.prepared import _MaxPool2x2
 
     x = torch.randn(*shape, generator=_gen(5))
     x.view(-1)[::7] = float("nan")
@@ -459,12 +459,12 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
     if channels_last and x.ndim == 4:
         assert got.is_contiguous(memory_format=torch.channels_last)
-    from splitz_fast import sampling
+    from splitz_fast import prepared as preparing
 
-    chain = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
+    chain = preparing._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
                                                   nn.MaxPool2d(2, ceil_mode=True)), channels_last, device=CPU)
     assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
-    flat = sampling._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True,
+    flat = preparing._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True,
                                    device=CPU)
     assert flat[1].channels_last is False  # feeds a Flatten (through the ReLU): NCHW, so the Flatten is a view
     with torch.no_grad():
@@ -515,15 +515,15 @@ def test_worker_threads_give_the_same_votes_and_restore_the_thread_count(split, 
 
 
 def test_only_a_plain_leading_2x2_max_pool_is_fused():
-    from splitz_fast.sampling import _starts_with_maxpool2
+    from splitz_fast.prepared import starts_with_maxpool2
 
     rest = [nn.Flatten(), nn.Linear(4, 2)]
-    assert _starts_with_maxpool2(nn.Sequential(nn.MaxPool2d(2), *rest))
-    assert _starts_with_maxpool2(nn.Sequential(nn.MaxPool2d((2, 2), stride=2), *rest))
+    assert starts_with_maxpool2(nn.Sequential(nn.MaxPool2d(2), *rest))
+    assert starts_with_maxpool2(nn.Sequential(nn.MaxPool2d((2, 2), stride=2), *rest))
     for pool in (nn.MaxPool2d(3), nn.MaxPool2d(2, stride=1), nn.MaxPool2d(2, padding=1), nn.MaxPool2d(2, ceil_mode=True),
                  nn.MaxPool2d(2, dilation=2), nn.AvgPool2d(2)):
-        assert not _starts_with_maxpool2(nn.Sequential(pool, *rest)), pool
-    assert not _starts_with_maxpool2(nn.MaxPool2d(2))  # not a Sequential: nothing to run after it
+        assert not starts_with_maxpool2(nn.Sequential(pool, *rest)), pool
+    assert not starts_with_maxpool2(nn.MaxPool2d(2))  # not a Sequential: nothing to run after it
     model, _ = _pooling_splitz()
     assert not model.right is None and not SamplingEngine(model.right, 5, 0.5, torch.device("cpu")).pools_in_noise(
         torch.Size((4, 7, 8)))  # odd H
