@@ -690,6 +690,41 @@ def test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding():
         assert a.prediction == m.prediction and abs(a.count_a - m.count_a) <= 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches():
+    """RS (s = 0, no radius search) over a stream of images on CUDA: after a warm-up call, the host synchronisations
+    counted by torch's sync debug mode stay a few per image — the votes read once per window, the edit guard one
+    comparison per dtype group of each half — whatever the number of layers of f_R and the number of f_R batches
+    per image (no sync per batch, none per tensor)."""
+    import warnings
+
+    def syncs(depth: int, batch_size: int) -> float:
+        torch.manual_seed(0)
+        layers = [nn.Conv2d(1, 8, 3, padding=1), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()]
+        model = sz.split_sequential(nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 8 * 8, 3)), 0, num_classes=3,
+                                    input_shape=(1, 8, 8)).cuda()
+        smoother = Smoother(model, 0.25)
+        xs = torch.rand(8, 1, 8, 8, device="cuda")
+        list(smoother.certify_many(xs[:2], 10, 2000, 0.01, batch_size=batch_size, seeds=range(2)))  # warm-up
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                list(smoother.certify_many(xs, 10, 2000, 0.01, batch_size=batch_size, seeds=range(8)))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught) / len(xs)
+
+    few = syncs(depth=1, batch_size=1024)
+    assert few <= 10, few
+    assert syncs(depth=12, batch_size=1024) <= few + 1  # 11 more conv layers: no sync per tensor
+    assert syncs(depth=1, batch_size=128) <= few + 1  # 8x the f_R batches: no sync per batch
+
+
 def test_bound_options_say_what_is_wrong():
     with pytest.raises(ValueError, match="gamma_batch"):
         BoundOptions(gamma_batch=1)
