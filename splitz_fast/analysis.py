@@ -548,11 +548,41 @@ def load_runs(paths_or_named: RunsArg) -> dict[str, CertificationTable]:
 
 
 NOT_A_CERTIFICATE = "not a certificate"
+#: A run whose smoothed classifier answers one class for at least this share of its inputs is flagged as (nearly)
+#: constant: a constant classifier is certifiably robust everywhere, so its "certified accuracy" is the share of that
+#: class in the data, not robustness anyone wants (it can look good at large radii).
+CONSTANT_SHARE = 0.95
+#: Runs with fewer rows are not judged.
+CONSTANT_MIN_ROWS = 10
+
+
+def constant_prediction(table: CertificationTable) -> tuple[int, float] | None:
+    """``(class, share of all rows)`` when the smoothed classifier predicts one class for at least
+    :data:`CONSTANT_SHARE` of the rows (abstentions count against it), else ``None``."""
+    if len(table) < CONSTANT_MIN_ROWS:
+        return None
+    predicted = table.predict[table.predict != _ABSTAIN]
+    if predicted.size == 0:
+        return None
+    classes, counts = np.unique(predicted, return_counts=True)
+    share = float(counts.max()) / len(table)
+    return (int(classes[counts.argmax()]), share) if share >= CONSTANT_SHARE else None
+
+
+def constant_note(table: CertificationTable) -> str | None:
+    """"predicts class 1 for 100 % of inputs" for a (nearly) constant run (:func:`constant_prediction`), else None."""
+    found = constant_prediction(table)
+    return None if found is None else f"predicts class {found[0]} for {100 * found[1]:.0f} % of inputs"
 
 
 def labelled(name: str, table: CertificationTable) -> str:
-    """``name``, marked "(not a certificate)" when ``table`` holds an estimate protocol's radii."""
-    return f"{name} ({NOT_A_CERTIFICATE})" if table.is_estimate and NOT_A_CERTIFICATE not in name else name
+    """``name``, marked "(not a certificate)" when ``table`` holds an estimate protocol's radii, and with
+    :func:`constant_note` when its smoothed classifier is (nearly) constant."""
+    marks = [NOT_A_CERTIFICATE] if table.is_estimate else []
+    note = constant_note(table)
+    marks += [note] if note else []
+    marks = [mark for mark in marks if mark not in name]
+    return f"{name} ({'; '.join(marks)})" if marks else name
 
 
 def analyze(paths_or_named: RunsArg, radii: Iterable[float], out_dir: PathLike | None = None,
@@ -591,6 +621,7 @@ __all__ = [
     "certified_accuracy",
     "certified_accuracy_curve",
     "clean_accuracy",
+    "constant_prediction",
     "latex_table",
     "load_runs",
     "markdown_table",

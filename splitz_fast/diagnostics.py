@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ._checks import check_output_folder
-from .analysis import CertificationTable
+from .analysis import CertificationTable, constant_note
 from .bounds import BallBounds, ball_bounds, masked_frobenius_sq
 from .modules import LeftHalf, SplitModel
 
@@ -89,6 +89,7 @@ class CertificateDiagnostics:
     states: NeuronStates
     flatness: np.ndarray | None = None
     estimate: bool = False
+    constant: str | None = None  # analysis.constant_note of the run: its smoothed classifier is (nearly) constant
 
 
 def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, batch: int = 64) -> CertificateDiagnostics:
@@ -124,7 +125,8 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
         flatness = np.concatenate(frobenius2) / (n * np.square(lipschitz))
     return CertificateDiagnostics(idx=idx, lipschitz=lipschitz, gamma=gamma,
                                   p_a_lower=np.asarray(table.extra["pA_lower"], dtype=np.float64)[keep],
-                                  states=states, flatness=flatness, estimate=table.is_estimate)
+                                  states=states, flatness=flatness, estimate=table.is_estimate,
+                                  constant=constant_note(table))
 
 
 _QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -147,7 +149,9 @@ def diagnostics_report(diag: CertificateDiagnostics, title: str, out_dir: str | 
     dead = 100 * (1 - diag.states.ever_awake.mean())
     lines = [f"{title}: {diag.idx.size} {words.inputs} (correct, radius > 0).{words.warning} {dead:.1f} % of f_L's "
              "neurons are inactive on the ball of every one of them (dead: constant, but carrying no signal to f_R; "
-             "the constant neurons that buy radius are the others).", "",
+             "the constant neurons that buy radius are the others)." + (
+                 f" DEGENERATE: the smoothed classifier {diag.constant}; a constant classifier is certifiably robust "
+                 "everywhere, so these radii say nothing about robustness." if diag.constant else ""), "",
              head, "|---" + "|---:" * (len(_QUANTILES) + 1) + "|"]
     for name, values in columns.items():
         cells = [f"{v:.4g}" for v in np.quantile(values, _QUANTILES)] + [f"{values.mean():.4g}"]

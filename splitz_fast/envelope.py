@@ -20,7 +20,7 @@ import numpy as np
 
 from ._checks import check_output_folder, read_settings_file
 from .analysis import (NOT_A_CERTIFICATE, CertificationTable, acr, certified_accuracy, certified_accuracy_curve,
-                       labelled, markdown_table, read_certification)
+                       constant_note, labelled, markdown_table, read_certification)
 
 __all__ = ["Reference", "MNIST_REFERENCES", "SigmaRuns", "envelope", "load_group", "envelope_report"]
 
@@ -88,8 +88,9 @@ def _check_group(name: str, runs: SigmaRuns) -> None:
 
 
 def _group_label(name: str, runs: SigmaRuns) -> str:
-    """The group's name, marked when its runs are estimates, not certificates."""
-    return labelled(name, next(iter(runs.values())))
+    """The group's name, marked when its runs are estimates, not certificates (a (nearly) constant run is marked
+    where its values enter the envelope, :func:`_envelope_rows`)."""
+    return f"{name} ({NOT_A_CERTIFICATE})" if next(iter(runs.values())).is_estimate else name
 
 
 def envelope(runs: SigmaRuns, radii: Sequence[float]) -> tuple[np.ndarray, list[float]]:
@@ -108,13 +109,19 @@ def _envelope_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
                    references: Sequence[Reference]) -> list[str]:
     head = "| | " + " | ".join(f"ε={r:g}" for r in radii) + " |"
     lines = [head, "|---" + "|---:" * len(radii) + "|"]
+    constant: list[str] = []
     for name, runs in groups.items():
         values, sigmas = envelope(runs, radii)
-        cells = [f"{100 * v:.1f} (σ={s:g})" for v, s in zip(values, sigmas)]
+        notes = {sigma: constant_note(table) for sigma, table in runs.items()}
+        cells = [f"{100 * v:.1f} (σ={s:g})" + ("*" if notes[s] else "") for v, s in zip(values, sigmas)]
         lines.append(f"| {_group_label(name, runs)} envelope | " + " | ".join(cells) + " |")
+        constant += [f"{name} σ={sigma:g} {note}" for sigma, note in notes.items() if note and sigma in sigmas]
     for ref in references:
         cells = [f"{ref.accuracy[r]:.1f}" if r in ref.accuracy else "—" for r in radii]
         lines.append(f"| {ref.name} | " + " | ".join(cells) + " |")
+    if constant:
+        lines += ["", "\\* from a run whose smoothed classifier is (nearly) constant — certifiably robust, but not a "
+                  f"classifier anyone wants: {'; '.join(constant)}."]
     return lines
 
 

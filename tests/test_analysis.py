@@ -4,6 +4,7 @@ Every expected number is computed by hand in the comments next to it.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -373,3 +374,41 @@ def test_rows_never_round_a_certificate_in_the_users_disfavour(radius, failure):
     fields = format_row(0, 3, result).split("\t")
     assert float(fields[3]) <= radius and float(fields[8]) <= radius
     assert float(fields[11]) >= failure
+
+
+def test_a_nearly_constant_classifier_is_flagged_in_tables_envelopes_and_diagnostics():
+    """A smoothed classifier that answers one class for (nearly) every input is certifiably robust everywhere: its
+    certified accuracy is that class's share of the data. analyze's run names, the envelope's cells and diagnose
+    say so."""
+    from splitz_fast.analysis import CertificationTable, constant_prediction, labelled, markdown_table
+    from splitz_fast.envelope import envelope_report
+
+    def table(predict, label, radius):
+        predict, label = np.asarray(predict), np.asarray(label)
+        return CertificationTable(idx=np.arange(len(predict)), label=label, predict=predict,
+                                  radius=np.asarray(radius, dtype=float) * (predict != -1), correct=predict == label,
+                                  time=np.ones(len(predict)))
+
+    labels = np.arange(40) % 10
+    constant = table(np.ones(40, dtype=int), labels, np.full(40, 2.0))  # class 1 for every input, radius 2
+    nearly = table(np.where(np.arange(40) < 39, 3, -1), labels, np.full(40, 1.0))  # 39 of 40: 97.5 %
+    varied = table(labels, labels, np.full(40, 0.5))
+    assert constant_prediction(constant) == (1, 1.0) and constant_prediction(nearly) == (3, 0.975)
+    assert constant_prediction(varied) is None
+    assert constant_prediction(table(np.ones(5, dtype=int), np.zeros(5, dtype=int), np.ones(5))) is None  # too few
+    assert labelled("SPLITZ σ=1", constant) == "SPLITZ σ=1 (predicts class 1 for 100 % of inputs)"
+    assert "predicts class" not in labelled("RS", varied)
+    report = envelope_report({"SPLITZ": {0.5: varied, 1.0: constant}}, [0.0, 1.5])
+    row = next(line for line in report.splitlines() if line.startswith("| SPLITZ envelope"))
+    assert "| 100.0 (σ=0.5) |" in row  # ε = 0: the varied run wins, unmarked
+    assert "10.0 (σ=1)*" in row  # ε = 1.5: only the constant run certifies (class 1 is 10 % of the labels)
+    assert "from a run whose smoothed classifier is (nearly) constant" in report
+    assert "SPLITZ σ=1 (predicts class 1 for 100 % of inputs)" in report
+    from splitz_fast.diagnostics import CertificateDiagnostics, NeuronStates, diagnostics_report
+
+    ones = np.ones(3)
+    diag = CertificateDiagnostics(np.arange(3), ones, ones, 0.9 * ones, NeuronStates(0 * ones, 0 * ones, ones,
+                                                                                    np.ones(4, dtype=bool)),
+                                  constant="predicts class 1 for 100 % of inputs")
+    assert "DEGENERATE: the smoothed classifier predicts class 1 for 100 % of inputs" in diagnostics_report(diag, "t")
+    assert "DEGENERATE" not in diagnostics_report(dataclasses.replace(diag, constant=None), "t")
