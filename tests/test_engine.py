@@ -1,5 +1,5 @@
-"""The dataset-level engine (splitz_fast.sampling / smoothing.certify_many / radius) and the cache soundness of
-issue #11: results of a stream equal one-by-one certification, the noise does not depend on batching, f_R is
+"""The dataset-level engine (splitz_fast.sampling / smoothing.certify_many / radius) and the soundness of its caches:
+results of a stream equal one-by-one certification, the noise does not depend on batching, f_R is
 prepared without changing the user's model, batched γ passes never lose radius, and no cached bound or prepared
 copy survives a change of the model.
 """

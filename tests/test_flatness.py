@@ -1,4 +1,4 @@
-"""Issue #22: the spectral-flatness training term, log(L̂² n / ‖A‖_F²) of the one-layer f_L's masked operator —
+"""The spectral-flatness training term, log(L̂² n / ‖A‖_F²) of the one-layer f_L's masked operator —
 checked against a dense SVD of the Jacobian, in the loss with its weight, refused where it is not defined, and
 recorded by a resumable training run."""
 from __future__ import annotations

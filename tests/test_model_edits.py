@@ -1,4 +1,4 @@
-"""Certifiers certify the model as it is *now* (issue #21): after a half is replaced, a piece of ``f_L`` swapped, a
+"""Certifiers certify the model as it is *now*: after a half is replaced, a piece of ``f_L`` swapped, a
 batch-dependent ``f_R`` or a float64 input, every certifier either gives the result a freshly built one gives or
 refuses with one clear error. Each case here certified something that did not hold before the fix."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The estimate protocols behind the SPLITZ paper's numbers (issue #22 item 1): what each computes, checked against a
+"""The estimate protocols behind the SPLITZ paper's numbers: what each computes, checked against a
 naive reference, and labelled "not a certificate" everywhere (rows, sidecars, analysis, envelope)."""
 from __future__ import annotations
 

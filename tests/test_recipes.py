@@ -1,5 +1,5 @@
-"""Issue #12's tools: training recipes and objectives, warm start, the held-out split, best-σ envelopes and the
-certificate diagnostics (constant neurons checked against sampled points of the ball)."""
+"""The tools for comparing training recipes: recipes and objectives, warm start, the held-out split, best-σ envelopes
+and the certificate diagnostics (constant neurons checked against sampled points of the ball)."""
 from __future__ import annotations
 
 import copy

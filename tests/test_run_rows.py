@@ -1,4 +1,4 @@
-"""The rows every run kind writes, pinned (issue #24 item 4): certify (sound, an estimate protocol, sequential),
+"""The rows every run kind writes, pinned: certify (sound, an estimate protocol, sequential),
 predict, certify-margin and attack on fixed checkpoints and seeds must write the same TSV bytes — every column but
 the timing one — whatever the run pipeline looks like inside. The checkpoints and the expected rows live in
 tests/data/run_rows/; `SPLITZ_REGENERATE_RUN_ROWS=1` rewrites the expected rows (only after a deliberate change of

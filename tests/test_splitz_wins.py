@@ -1,4 +1,4 @@
-"""The constructed example of scripts/splitz_wins_example.py (issue #22 item 4): on a class-0 point of the box task,
+"""The constructed example of scripts/splitz_wins_example.py: on a class-0 point of the box task,
 sound SPLITZ certifies about ``t − ‖x‖_∞`` (its detectors stay inactive on the ball, so L = 0), more than randomized
 smoothing of the same network at any σ of the grid — the mechanism by which SPLITZ can beat RS, end to end."""
 from __future__ import annotations

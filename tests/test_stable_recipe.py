@@ -1,4 +1,4 @@
-"""Issue #22 item 2: the `stable` recipe — the stability term (neurons constant on the training ball), its interval
+"""The `stable` recipe — the stability term (neurons constant on the training ball), its interval
 bounds (those of the certificate), the per-step γ ramp, and resumable training with the new fields."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Clipped-ReLU thresholds of every accepted shape are read the same way by the forward pass, the bound code and the
 kernels (kernels/thresholds.py), and the certificate bound holds for each: a θ read per row by the forward pass but
-per channel by the bounds gave "local" constants far below the true one (issue #11, soundness hole 1).
+per channel by the bounds gave "local" constants far below the true one (a soundness hole this suite guards against).
 
 The activation below is 4×4×4 (C = H = W), so a per-row, per-column or per-channel misreading of θ cannot hide
 behind a shape mismatch.
