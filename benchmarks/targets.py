@@ -53,6 +53,7 @@ timings are smoke-test numbers, never results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -394,34 +395,61 @@ def _met(value) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- native vs Triton
+def _lenet_s1_comparison(recorder: Recorder, what: str, settings: dict, speedup_key: str, images: int,
+                         device: torch.device, quick: bool, deadline: float, precision: str) -> None:
+    """One row: LeNet s = 1 CERTIFY timed under each of ``settings`` (label → a context manager factory that sets it
+    up), in order, and ``speedup_key`` = the first setting's time over the second's."""
+    lenet = (QUICK if quick else FULL)[0]
+    row = dict(what=f"LeNet s=1 CERTIFY n={lenet.n:,} {precision}: {what}", device=device_name(device), images=images)
+    try:
+        for label, setting in settings.items():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the part's --budget was spent")
+            with setting():
+                (measured,) = measure_group(lenet, 1, images, device, quick, precisions=(precision,), naive=False)
+            if measured.get("status") != "ok":
+                raise RuntimeError(measured.get("error"))
+            row[f"{label}_s_per_image"] = measured["ours_s_per_image"]
+        first, second = settings
+        row.update(status="ok", **{speedup_key: row[f"{first}_s_per_image"] / row[f"{second}_s_per_image"]})
+    except Exception as exc:
+        traceback.print_exc()
+        row.update(status="error", error=error_text(exc))
+    print("  " + json.dumps(row, default=str), flush=True)
+    recorder.add(row)
+
+
+@contextlib.contextmanager
+def _backend(name: str):
+    """``SPLITZ_BACKEND=name`` for the block."""
+    os.environ["SPLITZ_BACKEND"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("SPLITZ_BACKEND", None)
+
+
+@contextlib.contextmanager
+def _auto_triton(op: str):
+    """``op`` in ``AUTO_TRITON_OPS`` for the block (what a GPU measurement would decide)."""
+    import splitz_fast.kernels as kernels
+
+    default = kernels.AUTO_TRITON_OPS
+    kernels.AUTO_TRITON_OPS = default | {op}
+    try:
+        yield
+    finally:
+        kernels.AUTO_TRITON_OPS = default
+
+
 def run_fused_pool(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
     """LeNet s = 1 CERTIFY with f_R's leading 2x2 max pool drawn by the fused Triton noise kernel
     (``noisy_latents_maxpool2`` added to ``AUTO_TRITON_OPS`` for the row) against the pool run in f_R (today's
     ``auto`` on CUDA): the measurement that decides whether ``auto`` fuses there. Same samples, same votes."""
-    import splitz_fast.kernels as kernels
-
-    lenet = (QUICK if quick else FULL)[0]
     for precision in ("tf32", "bfloat16"):
-        row = dict(what=f"LeNet s=1 CERTIFY n={lenet.n:,} {precision}: fused noise + max pool (Triton) vs pool in f_R",
-                   device=device_name(device), images=images)
-        default = kernels.AUTO_TRITON_OPS
-        try:
-            for label, ops in (("auto", default), ("fused", default | {"noisy_latents_maxpool2"})):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the part's --budget was spent")
-                kernels.AUTO_TRITON_OPS = ops
-                (measured,) = measure_group(lenet, 1, images, device, quick, precisions=(precision,), naive=False)
-                if measured.get("status") != "ok":
-                    raise RuntimeError(measured.get("error"))
-                row[f"{label}_s_per_image"] = measured["ours_s_per_image"]
-            row.update(status="ok", fused_speedup=row["auto_s_per_image"] / row["fused_s_per_image"])
-        except Exception as exc:
-            traceback.print_exc()
-            row.update(status="error", error=error_text(exc))
-        finally:
-            kernels.AUTO_TRITON_OPS = default
-        print("  " + json.dumps(row, default=str), flush=True)
-        recorder.add(row)
+        _lenet_s1_comparison(recorder, "fused noise + max pool (Triton) vs pool in f_R",
+                             {"auto": contextlib.nullcontext, "fused": lambda: _auto_triton("noisy_latents_maxpool2")},
+                             "fused_speedup", images, device, quick, deadline, precision)
 
 
 def run_native(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
@@ -450,27 +478,10 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
             row.update(status="error", error=error_text(exc))
         print("  " + json.dumps(row, default=str), flush=True)
         recorder.add(row)
-    lenet = (QUICK if quick else FULL)[0]
     for precision in PRECISIONS:
-        row = dict(what=f"LeNet s=1 CERTIFY n={lenet.n:,} {precision}: SPLITZ_BACKEND=native vs auto (Triton)",
-                   device=device_name(device), images=images)
-        try:
-            for backend in ("auto", "native"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the part's --budget was spent")
-                os.environ["SPLITZ_BACKEND"] = backend
-                (measured,) = measure_group(lenet, 1, images, device, quick, precisions=(precision,), naive=False)
-                if measured.get("status") != "ok":
-                    raise RuntimeError(measured.get("error"))
-                row[f"{backend}_s_per_image"] = measured["ours_s_per_image"]
-            row.update(status="ok", native_speedup=row["auto_s_per_image"] / row["native_s_per_image"])
-        except Exception as exc:
-            traceback.print_exc()
-            row.update(status="error", error=error_text(exc))
-        finally:
-            os.environ.pop("SPLITZ_BACKEND", None)
-        print("  " + json.dumps(row, default=str), flush=True)
-        recorder.add(row)
+        _lenet_s1_comparison(recorder, "SPLITZ_BACKEND=native vs auto (Triton)",
+                             {"auto": lambda: _backend("auto"), "native": lambda: _backend("native")},
+                             "native_speedup", images, device, quick, deadline, precision)
 
 
 # ----------------------------------------------------------------------------------------------------- outputs
