@@ -13,7 +13,8 @@ import torch
 import splitz_fast.training as training
 from splitz_fast.cli import build_parser, main
 from splitz_fast.datasets import DATASETS
-import splitz_fast.smoothing as smoothing
+import splitz_fast.outcomes as outcomes
+import splitz_fast.windows as windows
 from splitz_fast.training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 
@@ -146,8 +147,9 @@ def test_ctrl_c_during_a_run_says_where_it_stopped_and_how_to_resume(tmp_path, c
     part_args = args(tmp_path / "part.tsv")
     with monkeypatch.context() as patch:
         # The per-input statistic of the kind: raised while finishing the third input, after two rows are written.
-        statistic = "clopper_pearson_lower" if kind == "certify" else "two_sided_binomial_pvalue"
-        _interrupt_on_call(patch, smoothing, statistic, 3)
+        module, statistic = ((windows, "clopper_pearson_lower") if kind == "certify"
+                             else (outcomes, "two_sided_binomial_pvalue"))
+        _interrupt_on_call(patch, module, statistic, 3)
         assert main(part_args) == 130
     err = _last_line(capsys)
     assert err.startswith(f"interrupted: 2 rows in {tmp_path / 'part.tsv'}; to continue, run: ")
@@ -461,7 +463,7 @@ def test_identical_trainings_give_identical_checkpoints_and_certify_resumes_with
 
     out = tmp_path / "out.tsv"
     with pytest.MonkeyPatch.context() as patch:
-        _interrupt_on_call(patch, smoothing, "clopper_pearson_lower", 2)
+        _interrupt_on_call(patch, windows, "clopper_pearson_lower", 2)
         assert main(_certify_args(first, out)) == 130
     sidecar = json.loads((tmp_path / "out.tsv.json").read_text())
     assert sidecar["checkpoint_digest"] == checkpoint_digest(a)

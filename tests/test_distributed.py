@@ -221,11 +221,11 @@ def test_certify_margin_shards_merge_to_the_single_process_rows(tmp_path, capsys
 def test_ctrl_c_in_a_shard_names_the_shard_file_and_the_resume_command(tmp_path, capsys, monkeypatch, checkpoint):
     import shlex
 
-    import splitz_fast.smoothing as smoothing
+    import splitz_fast.windows as windows
 
     out = tmp_path / "c.tsv"
     args = _args("certify", checkpoint, out, "--shard", "1/2")
-    original, calls = smoothing.clopper_pearson_lower, []
+    original, calls = windows.clopper_pearson_lower, []
 
     def interrupt_third(*a, **k):
         calls.append(1)
@@ -234,7 +234,7 @@ def test_ctrl_c_in_a_shard_names_the_shard_file_and_the_resume_command(tmp_path,
         return original(*a, **k)
 
     with monkeypatch.context() as patch:
-        patch.setattr(smoothing, "clopper_pearson_lower", interrupt_third)
+        patch.setattr(windows, "clopper_pearson_lower", interrupt_third)
         assert main(args) == 130
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"interrupted: 2 rows in {ShardSpec(1, 2).path(out)}; to continue, run: ")
