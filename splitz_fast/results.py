@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from .smoothing import CertifyResult
+from .outcomes import CertifyResult
 
 COHEN_COLUMNS = ("idx", "label", "predict", "radius", "correct", "time")
 SPLITZ_COLUMNS = ("L", "gamma", "R_latent", "pA_lower", "bound", "failure_prob")
