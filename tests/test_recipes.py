@@ -272,7 +272,7 @@ def test_published_code_recipe_weights_the_lipschitz_term_as_that_code_does():
     assert config.lambda_at(0) == 1.0 and config.lambda_at(3) == pytest.approx(0.7)
     ce = torch.tensor(2.0, requires_grad=True)
     lip = torch.tensor([0.9, 1.1], requires_grad=True)
-    loss = config.objective.combine(ce, lip, config.lambda_at(0), config, 1.0, float(lip.mean()))
+    loss = config.objective.combine(ce, lip, config.lambda_at(0), config, 1.0, float(lip.detach().mean()))
     loss.backward()
     assert float(ce.grad) == 0.0 and float(loss) == pytest.approx(1.0)
     late = config.objective.combine(torch.tensor(2.0), lip.detach(), config.lambda_at(3), config, 1.0, 1.0)
