@@ -115,6 +115,14 @@ def _model_kwargs(model_name: str, info, args: argparse.Namespace, recipe_model:
     kwargs = {key: chosen[key] for key in ("split_index", "threshold", "learnable_threshold")}
     if chosen["threshold_per_element"]:  # only LeNet and the MLP take it: others refuse the keyword by name
         kwargs["threshold_per_element"] = True
+    detector_options = {"detectors": args.detectors, "detector_kernel": args.detector_kernel}
+    if model_name == "lenet-rs-init":  # recorded in model_spec even at their defaults
+        from .models import RS_INIT_DETECTOR_KERNEL, RS_INIT_DETECTORS
+
+        defaults = {"detectors": RS_INIT_DETECTORS, "detector_kernel": RS_INIT_DETECTOR_KERNEL}
+        kwargs.update({key: defaults[key] if value is None else value for key, value in detector_options.items()})
+    elif any(value is not None for value in detector_options.values()):
+        raise ValueError(f"--detectors and --detector-kernel belong to model lenet-rs-init, not {model_name}")
     if model_name == "mlp":
         kwargs.update(in_features=info.input_shape[0], num_classes=info.num_classes)
     elif model_name.startswith(("cifar_resnet", "imagenet_resnet")):
@@ -614,6 +622,10 @@ def _add_train_parser(sub) -> None:
                    help="learn θ (projected to >= 0; unset: the recipe's, else fixed)")
     t.add_argument("--threshold-per-element", action=argparse.BooleanOptionalAction, default=None,
                    help="one θ per element of f_L's activations (lenet, mlp; unset: the recipe's, else one per layer)")
+    t.add_argument("--detectors", type=int, default=None,
+                   help="lenet-rs-init: detector channels of f_L, beside its identity channel (unset: 8)")
+    t.add_argument("--detector-kernel", type=int, default=None,
+                   help="lenet-rs-init: odd kernel size of f_L's convolution (unset: 7)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
     t.add_argument("--epochs", type=int, default=10,
                    help="training epochs, numbered from 0 to EPOCHS-1 (messages, train.log, a checkpoint's epoch)")
