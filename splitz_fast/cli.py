@@ -115,19 +115,27 @@ def _model_kwargs(model_name: str, info, args: argparse.Namespace, recipe_model:
     kwargs = {key: chosen[key] for key in ("split_index", "threshold", "learnable_threshold")}
     if chosen["threshold_per_element"]:  # only LeNet and the MLP take it: others refuse the keyword by name
         kwargs["threshold_per_element"] = True
-    detector_options = {"detectors": args.detectors, "detector_kernel": args.detector_kernel}
-    if model_name == "lenet-rs-init":  # recorded in model_spec even at their defaults
-        from .models import RS_INIT_DETECTOR_KERNEL, RS_INIT_DETECTORS
-
-        defaults = {"detectors": RS_INIT_DETECTORS, "detector_kernel": RS_INIT_DETECTOR_KERNEL}
-        kwargs.update({key: defaults[key] if value is None else value for key, value in detector_options.items()})
-    elif any(value is not None for value in detector_options.values()):
-        raise ValueError(f"--detectors and --detector-kernel belong to model lenet-rs-init, not {model_name}")
+    kwargs.update(_detector_kwargs(model_name, args))
     if model_name == "mlp":
         kwargs.update(in_features=info.input_shape[0], num_classes=info.num_classes)
     elif model_name.startswith(("cifar_resnet", "imagenet_resnet")):
         kwargs.update(num_classes=info.num_classes)
     return kwargs
+
+
+def _detector_kwargs(model_name: str, args: argparse.Namespace) -> dict:
+    """``detectors`` and ``detector_kernel`` of model lenet-rs-init (recorded in model_spec even at their defaults);
+    nothing for other models, which refuse the options."""
+    from .models import RS_INIT_DETECTOR_KERNEL, RS_INIT_DETECTORS
+
+    given = {"detectors": args.detectors, "detector_kernel": args.detector_kernel}
+    if model_name != "lenet-rs-init":
+        if any(value is not None for value in given.values()):
+            raise ValueError(f"--detectors and --detector-kernel do nothing with model {model_name}: they size the "
+                             "f_L of model lenet-rs-init")
+        return {}
+    defaults = {"detectors": RS_INIT_DETECTORS, "detector_kernel": RS_INIT_DETECTOR_KERNEL}
+    return {key: defaults[key] if value is None else value for key, value in given.items()}
 
 
 _MODEL_DEFAULTS = {"split_index": 1, "threshold": 1.0, "learnable_threshold": False, "threshold_per_element": False}
@@ -174,6 +182,7 @@ def train_command(args: argparse.Namespace) -> int:
 
     # Validate the settings before touching data or the output folder.
     config = _train_config(args, _TRAIN_OPTIONS, args.recipe)
+    _detector_kwargs(args.model, args)
     check_output_folder("OUTDIR", args.outdir)
     env = TorchrunEnv.from_environ()
     if env is None:

@@ -275,4 +275,7 @@ def test_cli_trains_from_an_rs_checkpoint_and_certifies(tmp_path):
     assert main(["certify", "mnist", str(tmp_path / "init" / "best.pt"), str(SIGMA), str(out), "--skip", "5000",
                  "--N0", "10", "--N", "50"]) == 0
     assert len(out.read_text().splitlines()) == 3  # header and images 0 and 5000
-    assert main(["train", "mnist", "lenet", str(tmp_path / "bad"), "--detectors", "2", *common]) == 2
+
+def test_cli_refuses_detector_options_for_other_models(tmp_path, capsys):
+    assert main(["train", "mnist", "lenet", str(tmp_path / "bad"), "--detectors", "2", "--sigma", "0.5"]) == 2
+    assert "nothing with model lenet" in capsys.readouterr().err and not (tmp_path / "bad").exists()
