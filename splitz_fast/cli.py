@@ -115,11 +115,27 @@ def _model_kwargs(model_name: str, info, args: argparse.Namespace, recipe_model:
     kwargs = {key: chosen[key] for key in ("split_index", "threshold", "learnable_threshold")}
     if chosen["threshold_per_element"]:  # only LeNet and the MLP take it: others refuse the keyword by name
         kwargs["threshold_per_element"] = True
+    kwargs.update(_detector_kwargs(model_name, args))
     if model_name == "mlp":
         kwargs.update(in_features=info.input_shape[0], num_classes=info.num_classes)
     elif model_name.startswith(("cifar_resnet", "imagenet_resnet")):
         kwargs.update(num_classes=info.num_classes)
     return kwargs
+
+
+def _detector_kwargs(model_name: str, args: argparse.Namespace) -> dict:
+    """``detectors`` and ``detector_kernel`` of model lenet-rs-init (recorded in model_spec even at their defaults);
+    nothing for other models, which refuse the options."""
+    from .models import RS_INIT_DETECTOR_KERNEL, RS_INIT_DETECTORS
+
+    given = {"detectors": args.detectors, "detector_kernel": args.detector_kernel}
+    if model_name != "lenet-rs-init":
+        if any(value is not None for value in given.values()):
+            raise ValueError(f"--detectors and --detector-kernel do nothing with model {model_name}: they size the "
+                             "f_L of model lenet-rs-init")
+        return {}
+    defaults = {"detectors": RS_INIT_DETECTORS, "detector_kernel": RS_INIT_DETECTOR_KERNEL}
+    return {key: defaults[key] if value is None else value for key, value in given.items()}
 
 
 _MODEL_DEFAULTS = {"split_index": 1, "threshold": 1.0, "learnable_threshold": False, "threshold_per_element": False}
@@ -166,6 +182,7 @@ def train_command(args: argparse.Namespace) -> int:
 
     # Validate the settings before touching data or the output folder.
     config = _train_config(args, _TRAIN_OPTIONS, args.recipe)
+    _detector_kwargs(args.model, args)
     check_output_folder("OUTDIR", args.outdir)
     env = TorchrunEnv.from_environ()
     if env is None:
@@ -614,6 +631,10 @@ def _add_train_parser(sub) -> None:
                    help="learn θ (projected to >= 0; unset: the recipe's, else fixed)")
     t.add_argument("--threshold-per-element", action=argparse.BooleanOptionalAction, default=None,
                    help="one θ per element of f_L's activations (lenet, mlp; unset: the recipe's, else one per layer)")
+    t.add_argument("--detectors", type=int, default=None,
+                   help="lenet-rs-init: detector channels of f_L, beside its identity channel (unset: 8)")
+    t.add_argument("--detector-kernel", type=int, default=None,
+                   help="lenet-rs-init: odd kernel size of f_L's convolution (unset: 7)")
     t.add_argument("--sigma", type=float, required=True, help="training noise σ (train at the test σ)")
     t.add_argument("--epochs", type=int, default=10,
                    help="training epochs, numbered from 0 to EPOCHS-1 (messages, train.log, a checkpoint's epoch)")

@@ -9,6 +9,8 @@ Registered models (:data:`MODELS`, :func:`build_model`), input ``[B, ...]`` → 
 
 * ``lenet`` (:func:`lenet`, advertorch LeNet-5): ``[B, 1, 28, 28]`` in [0, 1] → 0, 1
 * ``lenet-splitz`` (:func:`lenet`, no first max-pool): ``[B, 1, 28, 28]`` in [0, 1] → 0, 1, 2
+* ``lenet-rs-init`` (:func:`lenet_rs_init`, starts as RS with ``L(x, γ) = 1``; warm-starts from an RS ``lenet``):
+  ``[B, 1, 28, 28]`` in [0, 1] → 1
 * ``cifar_resnet20`` / ``56`` / ``110`` (:func:`cifar_resnet`): ``[B, 3, 32, 32]`` in [0, 1] → 0, 1
 * ``imagenet_resnet50`` (:func:`imagenet_resnet50`): ``[B, 3, 224, 224]`` in [0, 1] → 0, 1
 * ``mlp`` (:func:`tabular_mlp`): ``[B, in_features]`` → 0, …, ``len(hidden)``
@@ -19,13 +21,14 @@ mode), so a trained torchvision-style ResNet can be split without changing its f
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
+from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, affine_layers, split_sequential
 from .zoo import lenet5, pretrained_lenet5
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -102,6 +105,117 @@ def lenet(
         network, split_index, num_classes=10, input_shape=MNIST_INPUT_SHAPE,
         threshold=threshold, learnable_threshold=learnable_threshold, threshold_per_element=threshold_per_element,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MNIST LeNet that starts as randomized smoothing
+# ----------------------------------------------------------------------------------------------------------------
+
+RS_INIT_DETECTORS = 8
+RS_INIT_DETECTOR_KERNEL = 7
+
+
+class RSInitLeNet(SplitModel):
+    """``lenet-rs-init`` (:func:`lenet_rs_init`): a split-1 model whose ``f_R`` is an RS LeNet widened by zero input
+    columns, so it warm-starts from an RS ``lenet`` checkpoint (split 0) rather than layer for layer."""
+
+    @torch.no_grad()
+    def warm_start_from_(self, source: SplitModel) -> None:
+        """``f_R`` from an RS LeNet (``lenet`` at split 0): every weight copied; the widened first convolution takes
+        the RS convolution as its input channel 0 and zeros on the detector channels. ``f_L`` stays as built, so the
+        result classifies ``f_R(f_L(x) + δ)`` exactly as the RS network classifies ``x + δ[:, :1]``."""
+        if source.split_index != 0:
+            raise ValueError(f"lenet-rs-init starts from an RS model (split_index 0), not split {source.split_index}")
+        theirs, ours = affine_layers(source), affine_layers(self)[1:]  # [1:]: skip f_L's convolution
+        if len(theirs) != len(ours) or ours[0].weight[:, :1].shape != theirs[0].weight.shape or any(
+                a.weight.shape != b.weight.shape for a, b in zip(theirs[1:], ours[1:])):
+            raise ValueError("lenet-rs-init starts from the advertorch LeNet at split 0 (model lenet, split_index 0)")
+        first = ours[0]
+        first.weight.zero_()
+        first.weight[:, :1].copy_(theirs[0].weight)
+        first.bias.copy_(theirs[0].bias)
+        for src, dst in zip(theirs[1:], ours[1:]):
+            dst.weight.copy_(src.weight)
+            dst.bias.copy_(src.bias)
+
+
+def rs_init_left(detectors: int, detector_kernel: int, threshold: float, learnable_threshold: bool) -> LeftHalf:
+    """``f_L`` of :func:`lenet_rs_init`: ``Conv2d(1 → 1 + detectors, detector_kernel, same padding)`` then a clipped ReLU
+    with one θ per channel. Output ``[B, 1 + detectors, 28, 28]``.
+
+    * Channel 0, the identity channel: a delta kernel (1 at the centre), bias 0, θ = 1, so on inputs in [0, 1] it
+      outputs ``clip(x, 0, 1) = x`` exactly.
+    * Channels 1…K, the detectors: weights 0, bias ``threshold / 2``, θ = ``threshold``: constant on every ball.
+
+    Hence ``L(x, γ) = 1`` for every x in [0, 1] and γ > 0: the detectors' rows of the Jacobian are zero, and the
+    identity channel's rows are the unit vectors of the pixels, every one varying on the ball (its interval
+    ``[x − γ, x + γ]`` meets (0, 1)), so the masked operator is an identity padded with zero rows.
+    """
+    channels = 1 + detectors
+    conv = nn.Conv2d(1, channels, detector_kernel, padding=detector_kernel // 2)
+    activation = ClippedReLU(threshold, shape=(channels,), learnable=learnable_threshold)
+    centre = detector_kernel // 2
+    with torch.no_grad():
+        conv.weight.zero_()
+        conv.weight[0, 0, centre, centre] = 1.0
+        # Detectors sit at θ/2, inside the clipped ReLU's linear range: slope 1 there, so the gradient reaches their
+        # weights. With bias 0 they would sit at the kink, where the ReLU's derivative is 0, and never train.
+        conv.bias.fill_(threshold / 2)
+        conv.bias[0] = 0.0
+        activation.threshold[0] = 1.0
+    return LeftHalf([conv], [activation], input_shape=MNIST_INPUT_SHAPE)
+
+
+def widened_lenet(extra_channels: int) -> nn.Sequential:
+    """:func:`~splitz_fast.zoo.lenet5` with its first convolution taking ``1 + extra_channels`` input channels, the
+    extra channels' weights 0 (so it computes the LeNet of channel 0 alone)."""
+    network = lenet5()
+    first = network[0]
+    wide = nn.Conv2d(1 + extra_channels, first.out_channels, first.kernel_size, padding=first.padding)
+    with torch.no_grad():
+        wide.weight.zero_()
+        wide.weight[:, :1].copy_(first.weight)
+        wide.bias.copy_(first.bias)
+    network[0] = wide
+    return network
+
+
+def lenet_rs_init(
+    split_index: int = 1,
+    threshold: float = 1.0,
+    learnable_threshold: bool = True,
+    detectors: int = RS_INIT_DETECTORS,
+    detector_kernel: int = RS_INIT_DETECTOR_KERNEL,
+) -> RSInitLeNet:
+    """An MNIST SPLITZ model that starts as randomized smoothing and can learn nonlinear detectors. Input
+    ``[B, 1, 28, 28]`` in [0, 1], output ``[B, 10]`` logits; split 1 only.
+
+    ``f_L`` = :func:`rs_init_left` (an identity channel and ``detectors`` detector channels, ``detector_kernel`` ×
+    ``detector_kernel``); ``f_R`` = :func:`widened_lenet` (the advertorch LeNet of ``lenet`` at split 0, drawn from the
+    same seed, its first convolution widened by zero columns). At initialisation, ``f_R(f_L(x) + δ)`` is the LeNet
+    applied to ``x + δ_0`` (the noise of channel 0) and ``L(x, γ) = 1``: the certificate is RS's. An affine ``f_L``
+    with ``‖A‖ ≤ 1`` can never do better than RS; SPLITZ gains only through ``f_L``'s nonlinearity at the scale of the
+    certified ball, which the detectors (and the identity channel's gain and θ) are free to learn.
+
+    Args:
+        threshold: the detectors' initial θ (their bias is ``threshold / 2``); finite and > 0. The identity
+            channel's θ is 1.
+        learnable_threshold: make the per-channel θ an ``nn.Parameter``.
+        detectors: K ≥ 0 detector channels.
+        detector_kernel: odd kernel size of ``f_L``'s convolution.
+    """
+    if split_index != 1:
+        raise ValueError(f"lenet-rs-init: split_index must be 1 (its f_L is one convolution), got {split_index!r}")
+    if isinstance(detectors, bool) or not isinstance(detectors, int) or detectors < 0:
+        raise ValueError(f"lenet-rs-init: detectors must be an integer >= 0, got {detectors!r}")
+    if isinstance(detector_kernel, bool) or not isinstance(detector_kernel, int) or detector_kernel < 1 \
+            or detector_kernel % 2 == 0:
+        raise ValueError(f"lenet-rs-init: detector_kernel must be an odd positive integer, got {detector_kernel!r}")
+    if not 0.0 < threshold < math.inf:
+        raise ValueError(f"lenet-rs-init: threshold (the detectors' θ) must be finite and > 0, got {threshold!r}")
+    right = widened_lenet(detectors)  # first: f_R draws the initial weights lenet(split_index=0) draws from a seed
+    left = rs_init_left(detectors, detector_kernel, threshold, learnable_threshold)
+    return RSInitLeNet(left, right, num_classes=10)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -377,6 +491,7 @@ def _preset(builder: Callable[..., SplitModel], name: str, **fixed) -> Callable[
 MODELS: dict[str, Callable[..., SplitModel]] = {
     "lenet": _preset(lenet, "lenet", variant="advertorch"),
     "lenet-splitz": _preset(lenet, "lenet-splitz", variant="splitz"),
+    "lenet-rs-init": lenet_rs_init,
     "cifar_resnet20": _preset(cifar_resnet, "cifar_resnet20", depth=20),
     "cifar_resnet56": _preset(cifar_resnet, "cifar_resnet56", depth=56),
     "cifar_resnet110": _preset(cifar_resnet, "cifar_resnet110", depth=110),

@@ -400,6 +400,26 @@ class SplitModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.right(self.left(x))
 
+    @torch.no_grad()
+    def warm_start_from_(self, source: "SplitModel") -> None:
+        """Initialise this model from a trained ``source``: its affine layers copied into this model's one for one, in
+        network order, whatever the two splits are (an RS model, split 0, warm-starts split 1 of the same network).
+        Thresholds stay as they are. ``ValueError`` when the affine layers do not match one for one. A model family
+        whose architecture differs from its warm-start source overrides this."""
+        theirs, ours = affine_layers(source), affine_layers(self)
+        if len(theirs) != len(ours) or any(a.weight.shape != b.weight.shape for a, b in zip(theirs, ours)):
+            raise ValueError("its affine layers do not match this model's one for one; warm-start from the same "
+                             "architecture")
+        for src, dst in zip(theirs, ours):
+            dst.weight.copy_(src.weight)
+            if dst.bias is not None:
+                dst.bias.copy_(src.bias)
+
+
+def affine_layers(model: SplitModel) -> list[nn.Module]:
+    """The affine layers of ``f_R ∘ f_L`` in network order (``f_L``'s, then ``f_R``'s as ``modules()`` walks them)."""
+    return [m for half in (model.left, model.right) for m in half.modules() if isinstance(m, AFFINE_TYPES)]
+
 
 def split_sequential(
     network: nn.Sequential,

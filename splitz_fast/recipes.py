@@ -65,6 +65,18 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         train=_PAPER_TRAIN, model=_PAPER_MODEL, needs_init=True,
     ),
     Recipe(
+        "rs-init",
+        "this library's recipe for model lenet-rs-init, started from an RS lenet checkpoint of the same σ (--init, e.g. "
+        "from --recipe rs): the model is that RS classifier with L(x, γ) = 1 at the start (an identity channel in f_L, "
+        "detector channels constant on every ball, f_R the RS network widened by zero columns); Gaussian-augmentation "
+        "training of the whole model (λ = 0: the paper's hinge toward θ_lip = 0.5 would pull against L = 1, which "
+        "is the starting point, not a fault), learnable per-channel thresholds (projected to ≥ 0), so the detectors "
+        "can learn nonlinearity at the scale of the certified ball",
+        train={"lambda_start": 0.0, "lambda_end": 0.0},
+        model={"split_index": 1, "threshold": 1.0, "learnable_threshold": True, "threshold_per_element": False},
+        needs_init=True,
+    ),
+    Recipe(
         "constrained",
         "this library's constrained recipe: minimise cross-entropy subject to mean L̂ ≤ L* (--lip-target, default 0.5) "
         "by a Lagrange multiplier with dual ascent (step 0.01 per training step, start 1.0) instead of a fixed λ "

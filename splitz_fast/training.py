@@ -54,7 +54,7 @@ from tqdm import tqdm
 from ._checks import check_count, check_nonnegative, check_positive, check_tensor
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .models import build_model
-from .modules import AFFINE_TYPES, SplitModel
+from .modules import SplitModel
 from .bounds import (BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part,
                      masked_frobenius_sq, squared_row_norms)
 # Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
@@ -835,9 +835,10 @@ def train(
 
 
 def warm_start_(model: SplitModel, checkpoint: dict, config: TrainConfig) -> SplitModel:
-    """Copy a checkpoint's affine layers into ``model``, in network order, whatever the two splits are (an RS model,
-    split 0, warm-starts a SPLITZ model of split 1: same LeNet, different halves). Thresholds and optimizer state
-    start fresh. Refused when the checkpoint was trained at another σ or its affine layers do not match one for one.
+    """Initialise ``model`` from a checkpoint's model as ``model.warm_start_from_`` does
+    (:meth:`~splitz_fast.modules.SplitModel.warm_start_from_`: by default its affine layers one for one, whatever the
+    two splits are; a model family may define its own, e.g. ``lenet-rs-init`` from an RS ``lenet``). Thresholds and
+    optimizer state start fresh. Refused when the checkpoint was trained at another σ or does not fit ``model``.
     """
     spec = checkpoint.get("model_spec") or {}
     trained_sigma = (checkpoint.get("config") or {}).get("sigma")
@@ -845,19 +846,8 @@ def warm_start_(model: SplitModel, checkpoint: dict, config: TrainConfig) -> Spl
         raise ValueError(f"--init {config.init_checkpoint} was trained at σ = {trained_sigma}, this run at σ = "
                          f"{config.sigma}; warm-start from a checkpoint of the same σ")
     source = load_state_into(build_model(spec["name"], **spec["kwargs"]), checkpoint)
-    pairs = list(zip(_affine_layers(source), _affine_layers(model)))
-    if len(_affine_layers(source)) != len(_affine_layers(model)) or any(
-            a.weight.shape != b.weight.shape for a, b in pairs):
-        raise ValueError(f"--init {config.init_checkpoint} is a {spec.get('name')} whose affine layers do not match "
-                         "this model's one for one; warm-start from the same architecture")
-    with torch.no_grad():
-        for src, dst in pairs:
-            dst.weight.copy_(src.weight)
-            if dst.bias is not None:
-                dst.bias.copy_(src.bias)
+    try:
+        model.warm_start_from_(source)
+    except ValueError as err:
+        raise ValueError(f"--init {config.init_checkpoint} is a {spec.get('name')}: {err}") from None
     return model
-
-
-def _affine_layers(model: SplitModel) -> list[nn.Module]:
-    """The affine layers of ``f_R ∘ f_L`` in network order (``f_L``'s, then ``f_R``'s as ``modules()`` walks them)."""
-    return [m for half in (model.left, model.right) for m in half.modules() if isinstance(m, AFFINE_TYPES)]

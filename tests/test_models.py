@@ -46,8 +46,8 @@ def test_registered_models_split_after_first_affine_layer_by_default(name, kwarg
 
 
 def test_registry_names_and_errors():
-    assert set(M.MODELS) == {"lenet", "lenet-splitz", "cifar_resnet20", "cifar_resnet56", "cifar_resnet110",
-                             "imagenet_resnet50", "mlp"}
+    assert set(M.MODELS) == {"lenet", "lenet-splitz", "lenet-rs-init", "cifar_resnet20", "cifar_resnet56",
+                             "cifar_resnet110", "imagenet_resnet50", "mlp"}
     with pytest.raises(ValueError, match=r"unknown model 'resnet18'.*valid names:.*cifar_resnet110.*lenet"):
         M.build_model("resnet18")
     with pytest.raises(TypeError, match="fixes \\['depth'\\]"):
