@@ -15,7 +15,9 @@ certificate's interval bounds made differentiable (:func:`ball_intervals`, :func
 recipe's way of making ``f_L`` flat where it is certified. With ``flatness_weight > 0`` it holds
 ``flatness_weight · mean_i log(L̂_i² n / ‖A_i‖_F²)`` (:func:`flatness_penalty`): how far the masked operator's spectrum
 is from flat, so that latent noise that is as large as the certificate assumes in the worst direction is not much
-larger, relative to the signal, in all the others.
+larger, relative to the signal, in all the others. With ``radius_weight > 0`` it holds MACER's hinge on a soft SPLITZ
+radius, ``radius_weight · mean_i [correct_i] · max(0, radius_target − min(γ_i, σ Φ⁻¹(p̃_A,i) / L̂(x_i, γ_i)))``
+(:func:`radius_penalty`): pressure on the radius the certificate reports, with ``L̂`` on each input's own ball.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only

@@ -202,8 +202,8 @@ def test_radius_weight_and_its_ramp_enter_the_loss():
     zero, zparts = splitz_loss(model, x, y, config, 0.8, PowerIterationState(), torch.Generator().manual_seed(0),
                                radius_weight=0.0)
     assert parts["radius"] > 0 and zparts["radius"] == parts["radius"]
-    assert float(on) == pytest.approx(float(off) + 0.3 * parts["radius"], rel=1e-5)
-    assert float(zero) == pytest.approx(float(off), rel=1e-6)
+    assert float(on.detach()) == pytest.approx(float(off.detach()) + 0.3 * parts["radius"], rel=1e-5)
+    assert float(zero.detach()) == pytest.approx(float(off.detach()), rel=1e-6)
     # The ramp: 0 at the first step, the full weight after half of all steps.
     ramped = TrainConfig(sigma=0.5, epochs=4, radius_weight=0.8)
     assert ramped.radius_weight_at(0, 0, 10) == 0.0
@@ -240,7 +240,7 @@ def test_split_zero_is_macers_radius_by_hand():
     off, _ = splitz_loss(model, x, y, TrainConfig(sigma=sigma, noise_samples=q), 0.8, None,
                          torch.Generator().manual_seed(13), training_noise=torch_training_noise)
     assert parts["radius"] == pytest.approx(float(np.mean(correct * np.maximum(0.0, target - r))), rel=1e-5)
-    assert float(on) == pytest.approx(float(off) + 0.7 * parts["radius"], rel=1e-6)
+    assert float(on.detach()) == pytest.approx(float(off.detach()) + 0.7 * parts["radius"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ 5. command line
