@@ -103,16 +103,8 @@ class TrainConfig:
             (:func:`flatness_penalty`; one-layer ``f_L`` only); 0 (default) leaves it out.
         init_checkpoint: a ``splitz train`` checkpoint whose affine layers initialise the model (warm start, e.g. from
             an RS model of the same σ); ``None`` = fresh weights from ``seed``.
-        radius_weight: weight κ_r of the radius term ``κ_r · mean_i [correct_i] · max(0, radius_target − r̃_i)``
-            (:func:`radius_penalty`: MACER's hinge on a soft estimate of the SPLITZ radius, through the training
-            estimate of the local bound at the input's own ball); 0 (default) leaves it out.
-        radius_target: the radius the term asks of every input the soft smoothed classifier gets right, in raw input
-            units (the units of certified radii; default 2.0, an MNIST radius). It also caps the ball the term's
-            ``L̃`` is taken on.
-        radius_beta: inverse temperature β of the soft smoothed classifier ``mean_q softmax(β · logits)`` (MACER: 16).
-        radius_ramp_fraction: the radius term's weight rises linearly from 0 at the first step to ``radius_weight``
-            after this share of all training steps, then stays (Huang et al. 2021 ramp their ball over the first half:
-            0.5, the default); 0 = the full weight from the first step.
+        radius_weight, radius_target, radius_beta, radius_ramp_fraction: the radius term (:func:`radius_penalty`, off at
+            weight 0, the default): its weight, target radius (raw input units), β and the share of steps it ramps over.
     """
 
     sigma: float = 0.25
@@ -187,14 +179,7 @@ class TrainConfig:
                 raise ValueError(f"gamma_ramp_fraction must lie in (0, 1], got {self.gamma_ramp_fraction}")
             if not self.gamma_ramp:
                 raise ValueError("gamma_ramp_fraction needs gamma_ramp (the ramp it shapes)")
-        check_nonnegative("stability_weight", self.stability_weight)
-        check_positive("stability_scale", self.stability_scale)
-        check_nonnegative("flatness_weight", self.flatness_weight)
-        check_nonnegative("radius_weight", self.radius_weight)
-        check_positive("radius_target", self.radius_target)
-        check_positive("radius_beta", self.radius_beta)
-        if not 0.0 <= self.radius_ramp_fraction <= 1.0:
-            raise ValueError(f"radius_ramp_fraction must lie in [0, 1], got {self.radius_ramp_fraction}")
+        _check_extra_terms(self)
         return self
 
     @property
@@ -220,15 +205,6 @@ class TrainConfig:
             return self.gamma_train
         return self.gamma_train * epoch / (self.epochs - 1)
 
-    def radius_weight_at(self, epoch: int, step: int = 0, steps: int = 1) -> float:
-        """The radius term's weight at step ``step`` (0-based) of the ``steps`` of ``epoch``: ``radius_weight``, ramped
-        linearly from 0 at the first step over a share ``radius_ramp_fraction`` of all ``epochs · steps`` steps. A
-        function of the step's position alone, so a resumed run sees the weights of an uninterrupted one."""
-        if self.radius_ramp_fraction == 0.0:
-            return self.radius_weight
-        done = (epoch * steps + step) / (self.radius_ramp_fraction * self.epochs * steps)
-        return self.radius_weight * min(1.0, done)
-
     def lr_at(self, epoch: int) -> float:
         if self.lr_schedule == "step":
             return self.lr * self.lr_decay ** (epoch // self.lr_step)
@@ -239,6 +215,28 @@ class TrainConfig:
             return self.lr
         progress = (epoch - start) / max(1, self.epochs - start)
         return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
+
+
+def _check_extra_terms(config: TrainConfig) -> None:
+    """Validate the fields of the optional loss terms (stability, flatness, radius)."""
+    check_nonnegative("stability_weight", config.stability_weight)
+    check_positive("stability_scale", config.stability_scale)
+    check_nonnegative("flatness_weight", config.flatness_weight)
+    check_nonnegative("radius_weight", config.radius_weight)
+    check_positive("radius_target", config.radius_target)
+    check_positive("radius_beta", config.radius_beta)
+    if not 0.0 <= config.radius_ramp_fraction <= 1.0:
+        raise ValueError(f"radius_ramp_fraction must lie in [0, 1], got {config.radius_ramp_fraction}")
+
+
+def radius_weight_at(config: TrainConfig, epoch: int, step: int = 0, steps: int = 1) -> float:
+    """The radius term's weight at step ``step`` (0-based) of the ``steps`` of ``epoch``: ``radius_weight``, ramped
+    linearly from 0 at the first step over a share ``radius_ramp_fraction`` of all ``epochs · steps`` steps. A
+    function of the step's position alone, so a resumed run sees the weights of an uninterrupted one."""
+    if config.radius_ramp_fraction == 0.0:
+        return config.radius_weight
+    done = (epoch * steps + step) / (config.radius_ramp_fraction * config.epochs * steps)
+    return config.radius_weight * min(1.0, done)
 
 
 class LipschitzObjective(abc.ABC):
@@ -819,8 +817,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         weight = multiplier if config.objective.has_multiplier else lam
         gamma = config.gamma_at(epoch, batch - 1, len(positions))
         loss, parts = training_step(model, x, y, share, config, weight, state, noise_gen, optimizer, group,
-                                    gamma=gamma, radius_weight=config.radius_weight_at(epoch, batch - 1,
-                                                                                       len(positions)))
+                                    gamma=gamma, radius_weight=radius_weight_at(config, epoch, batch - 1, len(positions)))
         if "lip_batch_mean" in parts and config.objective.has_multiplier:  # dual ascent, the same on every rank
             multiplier = max(0.0, multiplier + config.dual_step * (parts["lip_batch_mean"] - config.lip_target))
         sums["loss"] += float(loss.detach())
@@ -844,7 +841,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         record.update(train_flatness=totals[5] / batches)
     if config.radius_weight > 0:  # the radius hinge (unweighted), the mean soft radius r̃ and the last step's weight
         record.update(train_radius=totals[6] / batches, train_soft_radius=totals[7] / batches,
-                      radius_weight=config.radius_weight_at(epoch, batches - 1, batches))
+                      radius_weight=radius_weight_at(config, epoch, batches - 1, batches))
     return record, multiplier
 
 

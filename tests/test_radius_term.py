@@ -17,8 +17,8 @@ from splitz_fast.bounds import ball_bounds
 from splitz_fast.cli import _TRAIN_OPTIONS, _train_config, build_parser, main
 from splitz_fast.lipschitz import PowerIterationState, lipschitz_bound, lipschitz_estimate
 from splitz_fast.models import build_model, tabular_mlp
-from splitz_fast.training import (P_A_CLAMP, TrainConfig, load_checkpoint_file, radius_penalty, splitz_loss,
-                                  torch_training_noise)
+from splitz_fast.training import (P_A_CLAMP, TrainConfig, load_checkpoint_file, radius_penalty, radius_weight_at,
+                                  splitz_loss, torch_training_noise)
 
 
 def _lenet(seed=0, dtype=torch.float32, **kwargs):
@@ -206,10 +206,10 @@ def test_radius_weight_and_its_ramp_enter_the_loss():
     assert float(zero.detach()) == pytest.approx(float(off.detach()), rel=1e-6)
     # The ramp: 0 at the first step, the full weight after half of all steps.
     ramped = TrainConfig(sigma=0.5, epochs=4, radius_weight=0.8)
-    assert ramped.radius_weight_at(0, 0, 10) == 0.0
-    assert ramped.radius_weight_at(1, 0, 10) == pytest.approx(0.4)
-    assert ramped.radius_weight_at(2, 0, 10) == ramped.radius_weight_at(3, 9, 10) == pytest.approx(0.8)
-    assert TrainConfig(sigma=0.5, radius_weight=0.8, radius_ramp_fraction=0).radius_weight_at(0, 0, 10) == 0.8
+    assert radius_weight_at(ramped, 0, 0, 10) == 0.0
+    assert radius_weight_at(ramped, 1, 0, 10) == pytest.approx(0.4)
+    assert radius_weight_at(ramped, 2, 0, 10) == radius_weight_at(ramped, 3, 9, 10) == pytest.approx(0.8)
+    assert radius_weight_at(TrainConfig(sigma=0.5, radius_weight=0.8, radius_ramp_fraction=0), 0, 0, 10) == 0.8
 
 
 # ------------------------------------------------------------------------------------------------- 4. split 0
