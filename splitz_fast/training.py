@@ -461,10 +461,10 @@ def radius_penalty(left, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor,
       ``Φ⁻¹``; ``correct_i``: ``argmax p̃ = y_i`` (misclassified inputs contribute nothing, as in MACER).
     * ``γ_i = clamp(R_i / start_lip_i, 0, target)``, no gradient, with ``R_i = σ Φ⁻¹(p̃_A,i)`` and ``start_lip`` the
       estimate on the training ball: one fixed-point step of the crossing ``γ = R / L(x, γ)`` the certificate's γ
-      search looks for. Why this start: ``γ − R/L(x, γ)`` is increasing, so a start inside the crossing (the
-      training ball is small, 0.1, against radii of 1–2) lands at or beyond it, where ``r̃ = R/L̃(x, γ_i)`` is a lower
-      bound on the certificate's radius with gradient through ``R`` and ``L̃``; a start beyond it (a large training
-      ball) lands inside, where ``r̃ = γ_i`` has no gradient — there the ball, not ``R`` or ``L``, limits the radius.
+      search looks for. Why this start: ``γ − R/L(x, γ)`` is increasing, so a start below the crossing (the
+      training ball is small, 0.1, against radii of 1–2) lands at or above it, where ``r̃ = R/L̃(x, γ_i)`` is a lower
+      bound on the certificate's radius with gradient through ``R`` and ``L̃``; a start above it (a large training
+      ball) lands below, where ``r̃ = γ_i`` has no gradient — there the ball, not ``R`` or ``L``, limits the radius.
       The cap at ``target`` bounds the ball (``L̃`` may be 0, a locally constant ``f_L``) and makes the hinge read
       the certificate at the target ball: zero exactly when ``R / L̃(x, target) ≥ target``.
     * ``L̃(x_i, γ_i)``: :func:`~splitz_fast.lipschitz.lipschitz_estimate` with the certificate's varying masks of
