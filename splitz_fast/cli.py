@@ -151,7 +151,8 @@ _TRAIN_OPTIONS = {
     "lip_objective": "--lip-objective", "lip_target": "--lip-target", "dual_step": "--dual-step",
     "gamma_ramp": "--gamma-ramp", "init_checkpoint": "--init", "gamma_ramp_fraction": "--gamma-ramp-fraction",
     "stability_weight": "--stability-weight", "stability_scale": "--stability-scale",
-    "flatness_weight": "--flatness-weight",
+    "flatness_weight": "--flatness-weight", "radius_weight": "--radius-weight", "radius_target": "--radius-target",
+    "radius_beta": "--radius-beta", "radius_ramp_fraction": "--radius-ramp-fraction",
 }
 _DEMO_TRAIN_OPTIONS = {"sigma": "--sigma", "epochs": "--epochs", "batch_size": "--train-batch",
                        "lambda_start": "--lambda-start", "lambda_end": "--lambda-end", "seed": "--seed",
@@ -665,6 +666,17 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--flatness-weight", type=float, default=None,
                    help="weight of the term pulling f_L's masked spectrum flat, log(L̂² n / ‖A‖_F²); one-layer f_L "
                         "(unset: the recipe's, else 0)")
+    t.add_argument("--radius-weight", type=float, default=None,
+                   help="weight of the MACER-style term max(0, target − r̃) on the soft SPLITZ radius r̃ = min(γ, "
+                        "σΦ⁻¹(p̃_A)/L̂(x, γ)) of inputs the soft smoothed classifier gets right (unset: the recipe's, "
+                        "else 0)")
+    t.add_argument("--radius-target", type=float, default=None,
+                   help="radius the radius term asks for, raw input units (unset: the recipe's, else 2.0)")
+    t.add_argument("--radius-beta", type=float, default=None,
+                   help="inverse temperature β of the radius term's soft classifier (unset: the recipe's, else 16)")
+    t.add_argument("--radius-ramp-fraction", type=float, default=None,
+                   help="ramp the radius term's weight from 0 over this share of training steps; 0 = no ramp "
+                        "(unset: the recipe's, else 0.5)")
     t.add_argument("--power-iters", type=int, default=None,
                    help="power steps per training step (unset: the recipe's, else 5)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer (sgd: momentum 0.9)")

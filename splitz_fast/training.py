@@ -15,7 +15,9 @@ certificate's interval bounds made differentiable (:func:`ball_intervals`, :func
 recipe's way of making ``f_L`` flat where it is certified. With ``flatness_weight > 0`` it holds
 ``flatness_weight · mean_i log(L̂_i² n / ‖A_i‖_F²)`` (:func:`flatness_penalty`): how far the masked operator's spectrum
 is from flat, so that latent noise that is as large as the certificate assumes in the worst direction is not much
-larger, relative to the signal, in all the others.
+larger, relative to the signal, in all the others. With ``radius_weight > 0`` it holds MACER's hinge on a soft SPLITZ
+radius, ``radius_weight · mean_i [correct_i] · max(0, radius_target − min(γ_i, σ Φ⁻¹(p̃_A,i) / L̂(x_i, γ_i)))``
+(:func:`radius_penalty`): pressure on the radius the certificate reports, with ``L̂`` on each input's own ball.
 
 A run lives in one folder: ``last.pt`` (written atomically after every epoch), ``best.pt`` (best validation noisy
 accuracy: the paper's early stop), ``train.log`` (one JSON line per epoch, with its wall time). Checkpoints hold only
@@ -42,7 +44,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +103,8 @@ class TrainConfig:
             (:func:`flatness_penalty`; one-layer ``f_L`` only); 0 (default) leaves it out.
         init_checkpoint: a ``splitz train`` checkpoint whose affine layers initialise the model (warm start, e.g. from
             an RS model of the same σ); ``None`` = fresh weights from ``seed``.
+        radius_weight, radius_target, radius_beta, radius_ramp_fraction: the radius term (:func:`radius_penalty`, off at
+            weight 0, the default): its weight, target radius (raw input units), β and the share of steps it ramps over.
     """
 
     sigma: float = 0.25
@@ -133,6 +137,10 @@ class TrainConfig:
     stability_weight: float = 0.0
     stability_scale: float = 1.0
     flatness_weight: float = 0.0
+    radius_weight: float = 0.0
+    radius_target: float = 2.0
+    radius_beta: float = 16.0
+    radius_ramp_fraction: float = 0.5
 
     def validate(self) -> "TrainConfig":
         check_positive("sigma", self.sigma)
@@ -171,9 +179,7 @@ class TrainConfig:
                 raise ValueError(f"gamma_ramp_fraction must lie in (0, 1], got {self.gamma_ramp_fraction}")
             if not self.gamma_ramp:
                 raise ValueError("gamma_ramp_fraction needs gamma_ramp (the ramp it shapes)")
-        check_nonnegative("stability_weight", self.stability_weight)
-        check_positive("stability_scale", self.stability_scale)
-        check_nonnegative("flatness_weight", self.flatness_weight)
+        _check_extra_terms(self)
         return self
 
     @property
@@ -209,6 +215,28 @@ class TrainConfig:
             return self.lr
         progress = (epoch - start) / max(1, self.epochs - start)
         return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
+
+
+def _check_extra_terms(config: TrainConfig) -> None:
+    """Validate the fields of the optional loss terms (stability, flatness, radius)."""
+    check_nonnegative("stability_weight", config.stability_weight)
+    check_positive("stability_scale", config.stability_scale)
+    check_nonnegative("flatness_weight", config.flatness_weight)
+    check_nonnegative("radius_weight", config.radius_weight)
+    check_positive("radius_target", config.radius_target)
+    check_positive("radius_beta", config.radius_beta)
+    if not 0.0 <= config.radius_ramp_fraction <= 1.0:
+        raise ValueError(f"radius_ramp_fraction must lie in [0, 1], got {config.radius_ramp_fraction}")
+
+
+def radius_weight_at(config: TrainConfig, epoch: int, step: int = 0, steps: int = 1) -> float:
+    """The radius term's weight at step ``step`` (0-based) of the ``steps`` of ``epoch``: ``radius_weight``, ramped
+    linearly from 0 at the first step over a share ``radius_ramp_fraction`` of all ``epochs · steps`` steps. A
+    function of the step's position alone, so a resumed run sees the weights of an uninterrupted one."""
+    if config.radius_ramp_fraction == 0.0:
+        return config.radius_weight
+    done = (epoch * steps + step) / (config.radius_ramp_fraction * config.epochs * steps)
+    return config.radius_weight * min(1.0, done)
 
 
 class LipschitzObjective(abc.ABC):
@@ -308,6 +336,7 @@ def splitz_loss(
     training_noise: Callable[..., torch.Tensor] | None = None,
     gamma: float | None = None,
     rows: BatchRows | None = None,
+    radius_weight: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The SPLITZ objective on a batch ``x: [B, *input_shape]``, ``y: [B]``; returns ``(loss, parts)``.
 
@@ -331,6 +360,10 @@ def splitz_loss(
     this share's part of the global batch's: summed over the shares they give the global batch's values. (The
     power-iteration warm starts in ``state`` take the global batch's mean only if ``state`` sums over the ranks:
     :meth:`DataParallelGroup.power_iteration_state`.)
+
+    With ``config.radius_weight > 0`` the loss also holds ``radius_weight · mean_i`` of :func:`radius_penalty` on the
+    same noisy logits (``radius_weight``: the step's ramped weight, default ``config.radius_weight``); ``parts`` then
+    holds its unweighted value ``radius`` and the mean soft radius ``soft_radius``.
     """
     rows = BatchRows.whole(x.shape[0]) if rows is None else rows
     if rows.count != x.shape[0]:
@@ -350,9 +383,11 @@ def splitz_loss(
         native = select_composite(train_noise.OP_NAME, latent.device) == "native"
         training_noise = philox_training_noise if native else torch_training_noise
     noisy = training_noise(latent, q, config.sigma, generator, rows)
-    cross_entropy = F.cross_entropy(model.right(noisy), y.repeat_interleave(q)) * rows.share
+    logits = model.right(noisy)
+    cross_entropy = F.cross_entropy(logits, y.repeat_interleave(q)) * rows.share
     parts = {"ce": float(cross_entropy.detach())}
     loss = cross_entropy
+    lip = None
     if need_lip:
         if flatness and bounds is None:  # the flatness term reads the varying mask the estimate uses
             bounds = ball_bounds(model.left, x, gamma, dtype=x.dtype if x.dtype == torch.float64 else torch.float32)
@@ -375,7 +410,93 @@ def splitz_loss(
         parts["stability"] = float(penalty.detach().mean()) * rows.share
         parts["varying"] = float(varying.mean()) * rows.share
         loss = loss + config.stability_weight * penalty.mean() * rows.share
+    if config.radius_weight > 0:
+        # The estimate at the training ball places each input's ball γ_i (one fixed-point step): the Lipschitz term's,
+        # when it was computed, else one without gradient.
+        if lip is None:
+            with torch.no_grad():
+                lip = lipschitz_estimate(model.left, x, gamma, power_iters=config.power_iters, state=state,
+                                         generator=generator, bounds=bounds)
+        term = radius_penalty(model.left, x, y, logits, sigma=config.sigma, target=config.radius_target,
+                              beta=config.radius_beta, start_lip=lip.detach(), power_iters=config.power_iters,
+                              state=state, generator=generator)
+        parts["radius"] = float(term.penalty.detach().mean()) * rows.share
+        parts["soft_radius"] = float(term.radius.detach().mean()) * rows.share
+        weight = config.radius_weight if radius_weight is None else radius_weight
+        loss = loss + weight * term.penalty.mean() * rows.share
     return loss, parts
+
+
+#: p̃_A is clamped into ``[P_A_CLAMP, 1 − P_A_CLAMP]`` before Φ⁻¹: Φ⁻¹(1 − 1e-4) = 3.72, just under the largest
+#: ``Φ⁻¹(p_A_lower)`` CERTIFY reaches (3.81 at n = 10⁵, α = 0.001), so the term asks for no more than the protocol can
+#: certify, and Φ⁻¹ and its gradient stay finite.
+P_A_CLAMP = 1e-4
+
+
+class RadiusTerm(NamedTuple):
+    """What :func:`radius_penalty` computes, per input (``[B]`` each)."""
+
+    penalty: torch.Tensor  #: ``[correct] · max(0, target − r̃)``, with gradient
+    radius: torch.Tensor  #: the soft radius ``r̃``, with gradient
+    gamma: torch.Tensor  #: the ball ``γ_i`` of ``L̃`` (no gradient)
+    lip: torch.Tensor  #: ``L̃(x_i, γ_i)``, the training estimate on that ball, with gradient
+    p_a: torch.Tensor  #: the soft ``p̃_A`` (before the clamp), with gradient
+    correct: torch.Tensor  #: bool, the soft smoothed classifier's top class is the label
+
+
+def radius_penalty(left, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, *, sigma: float, target: float,
+                   beta: float = 16.0, start_lip: torch.Tensor, power_iters: int = 5,
+                   state: PowerIterationState | None = None,
+                   generator: torch.Generator | None = None) -> RadiusTerm:
+    """The radius term: MACER's hinge (Zhai et al., ICLR 2020) on a soft estimate of the SPLITZ radius, per input
+    ``[correct_i] · max(0, target − r̃_i)`` with ``r̃_i = min(γ_i, σ Φ⁻¹(p̃_A,i) / L̃(x_i, γ_i))`` — Theorem 1's
+    radius at the ball ``γ_i``, with the smoothed ``f_R``'s probability and ``f_L``'s local bound replaced by
+    differentiable estimates. It pushes up the radius the certificate reports, on the ball where the certificate
+    evaluates ``L``, for every input the soft classifier gets right. **A training objective, never a certificate**:
+    ``p̃_A`` is a soft frequency from a few draws and ``L̃`` a power-iteration (lower) estimate.
+
+    * ``logits``: ``f_R(f_L(x_i) + δ_q)`` for the ``Q`` draws of each input, ``[B Q, C]`` with input ``i``'s rows at
+      ``i Q … i Q + Q − 1`` (the layout of :func:`splitz_loss`). The soft smoothed classifier is
+      ``p̃ = mean_q softmax(β · logits)``; ``p̃_A = p̃[y]``, clamped into ``[P_A_CLAMP, 1 − P_A_CLAMP]`` before
+      ``Φ⁻¹``; ``correct_i``: ``argmax p̃ = y_i`` (misclassified inputs contribute nothing, as in MACER).
+    * ``γ_i = clamp(R_i / start_lip_i, 0, target)``, no gradient, with ``R_i = σ Φ⁻¹(p̃_A,i)`` and ``start_lip`` the
+      estimate on the training ball: one fixed-point step of the crossing ``γ = R / L(x, γ)`` the certificate's γ
+      search looks for. Why this start: ``γ − R/L(x, γ)`` is increasing, so a start below the crossing (the
+      training ball is small, 0.1, against radii of 1–2) lands at or above it, where ``r̃ = R/L̃(x, γ_i)`` is a lower
+      bound on the certificate's radius with gradient through ``R`` and ``L̃``; a start above it (a large training
+      ball) lands below, where ``r̃ = γ_i`` has no gradient — there the ball, not ``R`` or ``L``, limits the radius.
+      The cap at ``target`` bounds the ball (``L̃`` may be 0, a locally constant ``f_L``) and makes the hinge read
+      the certificate at the target ball: zero exactly when ``R / L̃(x, target) ≥ target``.
+    * ``L̃(x_i, γ_i)``: :func:`~splitz_fast.lipschitz.lipschitz_estimate` with the certificate's varying masks of
+      :func:`~splitz_fast.bounds.ball_bounds` at each input's ``γ_i``, differentiable in ``f_L``'s weights. The
+      masks are hard indicators: no gradient flows through them (nor through ``γ_i``), only through the weights of
+      the masked operators and, via ``p̃_A``, through ``f_R`` and ``f_L``.
+    * ``R_i ≤ 0`` (``p̃_A ≤ 1/2``, where CERTIFY abstains): ``r̃_i = R_i``, without the division by ``L̃``, which
+      would reward a larger ``L̃``; only ``p̃_A`` can lift such an input. ``L̃ = 0``: ``r̃_i = γ_i``.
+
+    With ``f_L = identity`` (split 0) ``L̃ ≡ 1`` and ``r̃ = min(γ_i, R) = R`` (up to the cap): MACER's term with
+    Cohen's radius ``σ Φ⁻¹(p̃_A)`` (MACER's ``σ/2 (Φ⁻¹(p̃_A) − Φ⁻¹(p̃_B))`` with ``p̃_B = 1 − p̃_A``)."""
+    batch = x.shape[0]
+    if batch == 0 or logits.shape[0] % batch:
+        raise ValueError(f"logits must hold Q rows per input: {logits.shape[0]} rows for {batch} inputs")
+    q = logits.shape[0] // batch
+    soft = torch.softmax(beta * logits, dim=1).view(batch, q, -1).mean(1)
+    p_a = soft.gather(1, y.view(-1, 1)).squeeze(1)
+    correct = (soft.argmax(1) == y).detach()
+    latent_radius = sigma * torch.special.ndtri(p_a.clamp(P_A_CLAMP, 1.0 - P_A_CLAMP))
+    with torch.no_grad():
+        r0 = latent_radius.detach()
+        start = start_lip.detach().to(r0.dtype)
+        inside = torch.where(start > 0, r0 / torch.where(start > 0, start, torch.ones_like(start)),
+                             torch.full_like(r0, math.inf))
+        gamma = torch.where(r0 > 0, inside, torch.zeros_like(r0)).clamp(0.0, target)
+    lip = lipschitz_estimate(left, x, gamma, power_iters=power_iters, state=state, generator=generator)
+    lip = lip.to(latent_radius.dtype)
+    safe = torch.where(lip > 0, lip, torch.ones_like(lip))
+    certified = torch.where(lip > 0, torch.minimum(gamma, latent_radius / safe), gamma)
+    radius = torch.where(latent_radius > 0, certified, latent_radius)
+    penalty = correct.to(radius.dtype) * F.relu(target - radius)
+    return RadiusTerm(penalty, radius, gamma, lip, p_a, correct)
 
 
 def ball_intervals(left, x: torch.Tensor, gamma: float | torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -625,11 +746,13 @@ def training_step(model: SplitModel, x: torch.Tensor, y: torch.Tensor, rows: Bat
                   lam: float, state: PowerIterationState, generator: torch.Generator,
                   optimizer: torch.optim.Optimizer,
                   group: DataParallelGroup = SINGLE_PROCESS, *,
-                  gamma: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                  gamma: float | None = None,
+                  radius_weight: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One optimisation step of :func:`train` on this rank's ``rows`` of a global batch: the share's SPLITZ loss
     (:func:`splitz_loss`), its gradient summed over ``group`` (the global batch's gradient), the optimizer step, the
     thresholds projected to ≥ 0. Returns the share's ``(loss, parts)``; summed over the ranks they are the batch's."""
-    loss, parts = splitz_loss(model, x, y, config, lam, state, generator, rows=rows, gamma=gamma)
+    loss, parts = splitz_loss(model, x, y, config, lam, state, generator, rows=rows, gamma=gamma,
+                              radius_weight=radius_weight)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     group.sum_gradients(p for param_group in optimizer.param_groups for p in param_group["params"])
@@ -684,7 +807,8 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
     positions, rows = _rank_batches(_batches_of(order, config.batch_size, config.max_batches), group)
     noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
     model.train()
-    sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0, "flatness": 0.0}
+    sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0, "flatness": 0.0, "radius": 0.0,
+            "soft_radius": 0.0}
     gamma = config.gamma_at(epoch)
     progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
                     total=len(positions), desc=f"epoch {epoch} of 0-{config.epochs - 1}", leave=False,
@@ -693,7 +817,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         weight = multiplier if config.objective.has_multiplier else lam
         gamma = config.gamma_at(epoch, batch - 1, len(positions))
         loss, parts = training_step(model, x, y, share, config, weight, state, noise_gen, optimizer, group,
-                                    gamma=gamma)
+                                    gamma=gamma, radius_weight=radius_weight_at(config, epoch, batch - 1, len(positions)))
         if "lip_batch_mean" in parts and config.objective.has_multiplier:  # dual ascent, the same on every rank
             multiplier = max(0.0, multiplier + config.dual_step * (parts["lip_batch_mean"] - config.lip_target))
         sums["loss"] += float(loss.detach())
@@ -702,6 +826,8 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         sums["stability"] += parts.get("stability", 0.0)
         sums["varying"] += parts.get("varying", 0.0)
         sums["flatness"] += parts.get("flatness", 0.0)
+        sums["radius"] += parts.get("radius", 0.0)
+        sums["soft_radius"] += parts.get("soft_radius", 0.0)
         progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
     progress.close()
     totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
@@ -713,6 +839,9 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         record.update(train_stability=totals[3] / batches, train_varying=totals[4] / batches)
     if config.flatness_weight > 0 and model.split_index > 0:  # log(L̂² n / ‖A‖_F²): 0 for a flat spectrum
         record.update(train_flatness=totals[5] / batches)
+    if config.radius_weight > 0:  # the radius hinge (unweighted), the mean soft radius r̃ and the last step's weight
+        record.update(train_radius=totals[6] / batches, train_soft_radius=totals[7] / batches,
+                      radius_weight=radius_weight_at(config, epoch, batches - 1, batches))
     return record, multiplier
 
 

@@ -69,7 +69,8 @@ def test_more_ranks_than_rows_of_a_batch_are_refused_before_any_work(tmp_path, t
 # and the Lagrangian read the global batch's mean estimate (an all-reduce before the backward pass).
 CASES = [("mlp", 0, "auto", "per-sample-hinge"), ("mlp", 1, "auto", "per-sample-hinge"),
          ("lenet", 1, "auto", "per-sample-hinge"), ("lenet", 1, "reference", "per-sample-hinge"),
-         ("mlp", 1, "auto", "batch-mean-hinge"), ("mlp", 1, "auto", "lagrangian")]
+         ("mlp", 1, "auto", "batch-mean-hinge"), ("mlp", 1, "auto", "lagrangian"),
+         ("mlp", 1, "auto", "per-sample-hinge+radius"), ("lenet", 1, "auto", "per-sample-hinge+radius")]
 GLOBAL_BATCH = 9  # two ranks: chunks of 4 and 5 rows, so the share weighting matters
 
 
@@ -77,6 +78,7 @@ def _two_steps(case, group: DataParallelGroup) -> dict:
     """Two SGD steps of `training_step` on this rank's chunk of two fixed global batches (the second starts from the
     first's power-iteration warm starts); the gradients and parameters after each, and the warm starts."""
     name, split, backend, objective = case
+    objective, _, extra = objective.partition("+")  # "+radius": the radius term too, at its full weight
     os.environ[BACKEND_ENV] = backend
     torch.manual_seed(1)
     if name == "mlp":
@@ -86,7 +88,8 @@ def _two_steps(case, group: DataParallelGroup) -> dict:
         model = build_model("lenet", split_index=split, learnable_threshold=True)
         x, y = torch.rand(2, GLOBAL_BATCH, 1, 28, 28), torch.randint(0, 10, (2, GLOBAL_BATCH))
     config = TrainConfig(sigma=0.5, noise_samples=2, power_iters=3, lambda_start=0.8, optimizer="sgd", lr=0.05,
-                         lip_objective=objective, theta_lip=0.05)
+                         lip_objective=objective, theta_lip=0.05,
+                         radius_weight=0.5 if extra == "radius" else 0.0, radius_target=1.0, radius_ramp_fraction=0.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     state, generator = group.power_iteration_state(), torch.Generator().manual_seed(5)
     rows = group.rows(GLOBAL_BATCH)
@@ -96,7 +99,8 @@ def _two_steps(case, group: DataParallelGroup) -> dict:
                                     0.8, state, generator, optimizer, group)
         steps.append({"grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None},
                       "params": {k: p.detach().clone() for k, p in model.named_parameters()},
-                      "loss": float(loss.detach()), "ce": parts["ce"], "lip": parts.get("lip", 0.0)})
+                      "loss": float(loss.detach()), "ce": parts["ce"], "lip": parts.get("lip", 0.0),
+                      "radius": parts.get("radius", 0.0)})
     return {"steps": steps, "power_vectors": [v.clone() for v in state.vectors]}
 
 
@@ -138,7 +142,8 @@ def test_two_ranks_take_the_single_process_step_on_the_same_global_batch(case, t
                     torch.testing.assert_close(got[what][key], value, rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"step {step}, rank {rank}, {what} {key}: {m}")
         # Each rank's loss parts are its share of the global batch's.
-        for part in ("loss", "ce", "lip"):
+        assert (expected["radius"] > 0) == case[3].endswith("+radius")
+        for part in ("loss", "ce", "lip", "radius"):
             assert sum(r["steps"][step][part] for r in ranks) == pytest.approx(expected[part], rel=1e-5, abs=1e-7)
     for got in ranks:
         assert len(got["power_vectors"]) == len(single["power_vectors"]) == (case[1] > 0)
