@@ -262,11 +262,15 @@ def _model_and_dataset(args: argparse.Namespace):
     return model, ckpt, info
 
 
-def _protocol(name: str, dataset: str) -> CertificationProtocol:
+def _protocol(name: str, dataset: str, lipschitz_factor: float | None = None) -> CertificationProtocol:
     """The protocol ``--protocol NAME`` means for ``dataset``: ``published-code`` reads a model without
-    standardization behind the dataset's published normalization (MNIST's std 0.3081)."""
+    standardization behind the dataset's published normalization (MNIST's std 0.3081) and multiplies its ``L`` by
+    ``--published-lipschitz-factor`` (``lipschitz_factor``, default 1), which no other protocol takes."""
     if name == "published-code":
-        return PublishedCode(data_std=PUBLISHED_DATA_STD.get(dataset))
+        factor = 1.0 if lipschitz_factor is None else lipschitz_factor
+        return PublishedCode(data_std=PUBLISHED_DATA_STD.get(dataset), lipschitz_factor=factor)
+    if lipschitz_factor is not None:
+        raise ValueError(f"--published-lipschitz-factor belongs to --protocol published-code, not --protocol {name}")
     return get_protocol(name)
 
 
@@ -346,9 +350,13 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, S
     check_probability("--alpha", args.alpha)
     bound_options = _bound_options(args)
     protocol_name = getattr(args, "protocol", "sound")
+    factor = getattr(args, "published_lipschitz_factor", None)
+    if factor is not None:
+        check_positive("--published-lipschitz-factor", factor)
+    protocol = _protocol(protocol_name, args.dataset, factor)
     run = _DatasetRun.open(args)
     smoother = Smoother(run.model, args.sigma, bound_options=bound_options, precision=args.precision,
-                        compile=args.compile, protocol=_protocol(protocol_name, args.dataset))
+                        compile=args.compile, protocol=protocol)
     settings = {"bound": smoother.bound, "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
     if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
         settings["precision"] = smoother.precision
@@ -748,6 +756,10 @@ def _add_certify_predict_parser(sub) -> None:
                                 "γ) and published-code (the published code: no masks, radius in standardized units) "
                                 "are ESTIMATES, NOT CERTIFICATES, for comparing with the paper's numbers: every row's "
                                 "bound column and the sidecar say so")
+            c.add_argument("--published-lipschitz-factor", type=float, default=None, metavar="C",
+                           help="with --protocol published-code: multiply its L by C, the published code's "
+                                "normalisation constant (its stored versions disagree: 0.2023 multiplies, 1/0.2023 "
+                                "divides; unset: 1). Recorded in the sidecar")
         c.add_argument("--precision", choices=tuple(PRECISIONS), default="float32",
                        help="how f_R computes while sampling (noise stays float32): float32 is IEEE float32 also on "
                             "CUDA; tf32 uses TF32 tensor cores on CUDA (a different base classifier, recorded)")

@@ -11,6 +11,8 @@ Registered models (:data:`MODELS`, :func:`build_model`), input ``[B, ...]`` → 
 * ``lenet-splitz`` (:func:`lenet`, no first max-pool): ``[B, 1, 28, 28]`` in [0, 1] → 0, 1, 2
 * ``lenet-rs-init`` (:func:`lenet_rs_init`, starts as RS with ``L(x, γ) = 1``; warm-starts from an RS ``lenet``):
   ``[B, 1, 28, 28]`` in [0, 1] → 1
+* ``lenet-5x5`` (:func:`lenet`, the SPLITZ authors' first layer, conv 5×5 1 → 20; later layers reconstructed):
+  ``[B, 1, 28, 28]`` in [0, 1] → 0, 1
 * ``cifar_resnet20`` / ``56`` / ``110`` (:func:`cifar_resnet`): ``[B, 3, 32, 32]`` in [0, 1] → 0, 1
 * ``imagenet_resnet50`` (:func:`imagenet_resnet50`): ``[B, 3, 224, 224]`` in [0, 1] → 0, 1
 * ``mlp`` (:func:`tabular_mlp`): ``[B, in_features]`` → 0, …, ``len(hidden)``
@@ -40,7 +42,7 @@ MNIST_INPUT_SHAPE = (1, 28, 28)
 CIFAR_INPUT_SHAPE = (3, 32, 32)
 IMAGENET_INPUT_SHAPE = (3, 224, 224)
 
-LENET_VARIANTS = ("advertorch", "splitz")
+LENET_VARIANTS = ("advertorch", "splitz", "5x5")
 
 
 def _check_split_index(split_index: int, largest: int, model_name: str, reason: str) -> None:
@@ -64,6 +66,14 @@ def lenet_network(variant: str = "advertorch") -> nn.Sequential:
       the SPLITZ paper splits after the first layer with no pool before it): conv(1→32, 3, p1)-ReLU-conv(32→64, 3,
       p1)-ReLU-maxpool2-flatten-fc(64·14·14→200)-ReLU-fc(200→10). Not the SPLITZ authors' own network, whose
       published code starts with a 5×5 convolution 1 → 20.
+    * ``"5x5"``: the SPLITZ authors' MNIST LeNet as far as their published code shows it, the rest reconstructed:
+      conv(1→20, 5)-ReLU-maxpool2-conv(20→50, 5)-ReLU-maxpool2-flatten-fc(800→500)-ReLU-fc(500→10). Evidence: the
+      stored copy of their ``archs/cifar_resnet.py`` defines a LeNet whose first layer is a 5×5 convolution 1 → 20
+      (no padding) followed by a clipped ReLU of shape ``[1, 20, 24, 24]``, with no pool before the split; the rest of
+      that file is in no source available to us. **Every layer after the first is a reconstruction**: the classic
+      LeNet that starts with exactly that layer (the PyTorch MNIST example's network, also the ``archs/lenet.py`` of
+      randomized-smoothing code such as CAT-RS). Split at 1, ``f_L`` = conv 5×5 + clipped ReLU (``[B, 20, 24,
+      24]``) and the first max-pool opens ``f_R``.
     """
     if variant == "advertorch":
         return lenet5()
@@ -73,6 +83,12 @@ def lenet_network(variant: str = "advertorch") -> nn.Sequential:
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),     # [B, 64, 28, 28]
             nn.MaxPool2d(2), nn.Flatten(),                  # [B, 64·14·14]
             nn.Linear(64 * 14 * 14, 200), nn.ReLU(), nn.Linear(200, 10),
+        )
+    if variant == "5x5":
+        return nn.Sequential(
+            nn.Conv2d(1, 20, 5), nn.ReLU(), nn.MaxPool2d(2),      # [B, 20, 24, 24] → [B, 20, 12, 12]
+            nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2),     # [B, 50, 8, 8] → [B, 50, 4, 4]
+            nn.Flatten(), nn.Linear(50 * 4 * 4, 500), nn.ReLU(), nn.Linear(500, 10),
         )
     raise ValueError(f"unknown LeNet variant {variant!r}; valid variants: {', '.join(LENET_VARIANTS)}")
 
@@ -492,6 +508,7 @@ MODELS: dict[str, Callable[..., SplitModel]] = {
     "lenet": _preset(lenet, "lenet", variant="advertorch"),
     "lenet-splitz": _preset(lenet, "lenet-splitz", variant="splitz"),
     "lenet-rs-init": lenet_rs_init,
+    "lenet-5x5": _preset(lenet, "lenet-5x5", variant="5x5"),
     "cifar_resnet20": _preset(cifar_resnet, "cifar_resnet20", depth=20),
     "cifar_resnet56": _preset(cifar_resnet, "cifar_resnet56", depth=56),
     "cifar_resnet110": _preset(cifar_resnet, "cifar_resnet110", depth=110),

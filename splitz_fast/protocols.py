@@ -24,7 +24,10 @@ three) into a radius in input space:
   read its network, behind a standardization by the dataset's ``data_std`` (``W_z = W diag(sd)``: MNIST 0.3081,
   :data:`PUBLISHED_DATA_STD`). Its carried-over ``L`` (the previous image's ``L`` placing this image's γ) changes
   nothing once ``L`` ignores the input, and its noise σ differing from the radius formula's cannot happen here (one
-  σ): neither is modelled.
+  σ): neither is modelled. Its normalisation constant is unsettled: one stored version of the code multiplies ``L`` by
+  0.2023 (CIFAR-10's std, applied for every dataset), another divides by it; ``PublishedCode(lipschitz_factor=c)``
+  reports ``c · L̃`` (default ``c = 1``; ``c = 0.2023`` for the multiplying version, ``1/0.2023`` for the dividing
+  one), ``splitz certify --published-lipschitz-factor C``.
 
 Power iteration (any Rayleigh quotient) is a *lower* estimate of a spectral norm, and the published code's radius is
 in the wrong units, so ``paper`` and ``published-code`` are **estimates, not certificates**: their results carry the
@@ -49,6 +52,9 @@ from .radius import RadiusResult, RadiusSearch
 PAPER_POWER_ITERS = 5
 # The per-channel std the published code standardized each dataset's inputs with (torchvision's MNIST constants).
 PUBLISHED_DATA_STD: dict[str, tuple[float, ...]] = {"mnist": (0.3081,)}
+# The constant one stored version of the published code multiplies L by (another divides by it): CIFAR-10's std of
+# its first channel, applied for every dataset (PublishedCode's lipschitz_factor).
+PUBLISHED_CIFAR10_STD0 = 0.2023
 
 
 class CertificationProtocol(abc.ABC):
@@ -140,13 +146,22 @@ class PaperAlgorithm1(CertificationProtocol):
 class PublishedCode(CertificationProtocol):
     """The published code's certification: unmasked power-iteration norms of the map from standardized inputs (an
     estimate). ``data_std``: the per-channel std the published code standardized inputs with, needed for a model
-    without ``Standardize`` in ``f_L`` (e.g. ``PUBLISHED_DATA_STD["mnist"]``); a model with one uses its own."""
+    without ``Standardize`` in ``f_L`` (e.g. ``PUBLISHED_DATA_STD["mnist"]``); a model with one uses its own.
+
+    ``lipschitz_factor`` ``c`` (> 0, finite): the published code's normalisation constant, which its stored versions
+    disagree on; the reported ``L`` is ``c · L̃`` and the radius ``R / (c · L̃)``. ``1.0`` (the default, the ICLR
+    review's account: no constant); ``0.2023`` (:data:`PUBLISHED_CIFAR10_STD0`: the version that multiplies ``L`` by
+    CIFAR-10's first std for every dataset); ``1 / 0.2023`` (the version that divides by it)."""
 
     name, certificate = "published-code", False
     kind = "published-code-estimate"
 
-    def __init__(self, data_std: tuple[float, ...] | None = None):
+    def __init__(self, data_std: tuple[float, ...] | None = None, lipschitz_factor: float = 1.0):
         self.data_std = None if data_std is None else tuple(float(s) for s in data_std)
+        factor = float(lipschitz_factor)
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"lipschitz_factor must be finite and > 0, got {lipschitz_factor!r}")
+        self.lipschitz_factor = factor
 
     def check(self, model) -> None:
         self._check_std(model.left)
@@ -175,6 +190,7 @@ class PublishedCode(CertificationProtocol):
         # No masks (bounds=None), and the first layer seen from standardized inputs.
         for op in masked_operators(left, None, tuple(x.shape), 1, self._input_scale(left, x)):
             lip *= _power_iteration_norm(op, PAPER_POWER_ITERS, generator)
+        lip *= self.lipschitz_factor
         radius = radius_latent / lip if lip > 0 else search.options.gamma_max
         return RadiusResult(radius, radius, lip, self.kind, math.nan, 1, 1)
 

@@ -95,6 +95,9 @@ class CertifyRun(RunTask):
         protocol = self.certifier.protocol
         if protocol.name != "sound":  # recorded only when set, so sound files written before still resume
             settings["protocol"] = protocol.name
+        factor = getattr(protocol, "lipschitz_factor", 1.0)
+        if factor != 1.0:  # published-code's normalisation constant; recorded only when set (older files resume)
+            settings["lipschitz_factor"] = factor
         if not protocol.certificate:
             settings["certificate"] = False
         return settings

@@ -23,6 +23,7 @@ def _output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 REGISTERED = [
     ("lenet", {}, (1, 28, 28), 10),
     ("lenet-splitz", {}, (1, 28, 28), 10),
+    ("lenet-5x5", {}, (1, 28, 28), 10),
     ("cifar_resnet20", {}, (3, 32, 32), 10),
     ("cifar_resnet56", {}, (3, 32, 32), 10),
     ("cifar_resnet110", {}, (3, 32, 32), 10),
@@ -46,7 +47,7 @@ def test_registered_models_split_after_first_affine_layer_by_default(name, kwarg
 
 
 def test_registry_names_and_errors():
-    assert set(M.MODELS) == {"lenet", "lenet-splitz", "lenet-rs-init", "cifar_resnet20", "cifar_resnet56",
+    assert set(M.MODELS) == {"lenet", "lenet-splitz", "lenet-5x5", "lenet-rs-init", "cifar_resnet20", "cifar_resnet56",
                              "cifar_resnet110", "imagenet_resnet50", "mlp"}
     with pytest.raises(ValueError, match=r"unknown model 'resnet18'.*valid names:.*cifar_resnet110.*lenet"):
         M.build_model("resnet18")
@@ -68,8 +69,36 @@ def test_learnable_threshold_is_a_parameter_with_the_given_value():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("split", [0, 1])
+def test_lenet_5x5_is_the_splitz_authors_first_layer_with_the_classic_lenet_after_it(split):
+    """lenet-5x5: f_L at split 1 is one conv 5×5 1 → 20 (no padding) and a clipped ReLU, [B, 20, 24, 24]; the first
+    max-pool opens f_R; the network is conv(1→20, 5)-pool-conv(20→50, 5)-pool-fc(800→500)-fc(500→10)."""
+    torch.manual_seed(0)
+    model = M.build_model("lenet-5x5", split_index=split)
+    assert model.split_index == split and model.left.depth == split
+    assert model.input_shape == (1, 28, 28) and model.num_classes == 10
+    x = torch.rand(3, 1, 28, 28)
+    assert _output(model, x).shape == (3, 10)
+    if split == 0:
+        assert torch.equal(model.left(x), x)
+        return
+    (conv,) = model.left.layers
+    assert isinstance(conv, nn.Conv2d) and conv.weight.shape == (20, 1, 5, 5) and conv.bias.shape == (20,)
+    assert conv.padding == (0, 0) and conv.stride == (1, 1)
+    assert isinstance(model.left.activation(0), sz.ClippedReLU) and float(model.left.activation(0).threshold) == 1.0
+    assert isinstance(model.left.pools[0], nn.Identity)  # no pool before the split
+    latent = model.left(x)
+    assert latent.shape == (3, 20, 24, 24) and latent.min() >= 0 and latent.max() <= 1.0
+    torch.testing.assert_close(latent, torch.clamp(nn.functional.conv2d(x, conv.weight, conv.bias), 0, 1))
+    right = [m for m in model.right.modules() if not list(m.children())]
+    assert isinstance(right[0], nn.MaxPool2d)
+    shapes = [(type(m).__name__, tuple(m.weight.shape)) for m in right if hasattr(m, "weight")]
+    assert shapes == [("Conv2d", (50, 20, 5, 5)), ("Linear", (500, 800)), ("Linear", (10, 500))]
+    assert sum(p.numel() for p in model.parameters()) == 431_080  # the classic LeNet's parameter count
+
+
 @pytest.mark.parametrize("variant,split", [("advertorch", 0), ("advertorch", 1), ("splitz", 0), ("splitz", 1),
-                                           ("splitz", 2)])
+                                           ("splitz", 2), ("5x5", 0), ("5x5", 1)])
 def test_lenet_with_infinite_threshold_equals_the_unsplit_network(variant, split):
     torch.manual_seed(1)
     network = M.lenet_network(variant)

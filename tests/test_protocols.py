@@ -344,3 +344,65 @@ def test_diagnose_labels_an_estimate_run_and_reports_no_flatness(tmp_path):
     sound = diagnose(model, _dataset(), read_certification(_api_run(tmp_path / "sound.tsv", "sound")))
     assert not sound.estimate and sound.flatness is not None and (sound.flatness <= 1 + 1e-9).all()
     assert "certified inputs" in diagnostics_report(sound, "sound run")
+
+
+# ------------------------------------------------------------------------ the published code's normalisation constant
+@pytest.mark.parametrize("factor", [0.2023, 1 / 0.2023, 3.0])
+def test_published_code_lipschitz_factor_scales_l_and_divides_the_radius(factor):
+    """Same model, same seed (so the same votes and the same power-iteration start): L is c times and the radius
+    exactly 1/c times the c = 1 protocol's."""
+    model, x = _model(True)
+    base = sz.Smoother(model, SIGMA, protocol=PublishedCode()).certify(x, **CERTIFY, seed=0)
+    scaled = sz.Smoother(model, SIGMA, protocol=PublishedCode(lipschitz_factor=factor)).certify(x, **CERTIFY, seed=0)
+    assert base.radius > 0 and scaled.latent_radius == base.latent_radius
+    assert scaled.lipschitz == pytest.approx(factor * base.lipschitz, rel=1e-12)
+    assert scaled.radius == pytest.approx(base.radius / factor, rel=1e-12)
+    assert scaled.bound_kind == "published-code-estimate"
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0, math.inf, math.nan])
+def test_published_code_lipschitz_factor_must_be_positive_and_finite(factor):
+    with pytest.raises(ValueError, match="lipschitz_factor"):
+        PublishedCode(data_std=(0.3081,), lipschitz_factor=factor)
+
+
+def test_cli_published_lipschitz_factor_reaches_the_sidecar_and_resume_refuses_another(tmp_path, tiny, capsys):
+    from splitz_fast.cli import main
+
+    ckpt = tmp_path / "run"  # the tiny data under the name mnist, so the published code's MNIST std applies
+    assert main(["train", "mnist", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8",
+                 "--split-index", "1"]) == 0
+    common = ["certify", "mnist", str(ckpt / "best.pt"), "0.5"]
+    counts = ["--N0", "10", "--N", "100", "--max", "3", "--protocol", "published-code"]
+    one, scaled = tmp_path / "c1.tsv", tmp_path / "c.tsv"
+    assert main([*common, str(one), *counts]) == 0
+    assert main([*common, str(scaled), *counts, "--published-lipschitz-factor", "0.2023"]) == 0
+    assert "lipschitz_factor" not in json.loads((tmp_path / "c1.tsv.json").read_text())
+    sidecar = json.loads((tmp_path / "c.tsv.json").read_text())
+    assert sidecar["protocol"] == "published-code" and sidecar["lipschitz_factor"] == 0.2023
+    a, b = read_certification(one), read_certification(scaled)
+    np.testing.assert_array_equal(a.correct, b.correct)
+    np.testing.assert_allclose(b.radius, a.radius / 0.2023, rtol=1e-4)  # TSV radii are rounded
+    capsys.readouterr()
+    assert main([*common, str(scaled), *counts, "--published-lipschitz-factor", "0.5", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and "lipschitz_factor" in err
+    assert main([*common, str(scaled), *counts, "--resume"]) == 2  # c = 1 is another run too
+    assert len(scaled.read_text().splitlines()) == 4  # header and the 3 rows, nothing appended
+
+
+@pytest.mark.parametrize("protocol", [[], ["--protocol", "sound"], ["--protocol", "paper"]])
+def test_cli_published_lipschitz_factor_is_refused_without_the_published_code_protocol(tmp_path, tiny, capsys,
+                                                                                         protocol):
+    from splitz_fast.cli import main
+
+    ckpt = tmp_path / "run"
+    assert main(["train", "mnist", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8",
+                 "--split-index", "1"]) == 0
+    out = tmp_path / "x.tsv"
+    capsys.readouterr()
+    assert main(["certify", "mnist", str(ckpt / "best.pt"), "0.5", str(out), "--N0", "10", "--N", "100", *protocol,
+                 "--published-lipschitz-factor", "0.2023"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--protocol published-code" in err[0]
+    assert not out.exists() and not (tmp_path / "x.tsv.json").exists()
