@@ -6,6 +6,8 @@
 #      rs-ft-radius   split 0 with the radius-aimed term (MACER-style: R = σΦ⁻¹(p̃_A))
 #      rsinit         lenet-rs-init from the RS checkpoint, Gaussian augmentation only
 #      rsinit-radius  lenet-rs-init with the radius-aimed term through the sound local bound
+#      rsinit-lip-radius  the same plus the paper's per-sample hinge on L̂ at the certified ball's scale: weight
+#                     LIP_WEIGHT, θ_lip = 1, γ_train = LIP_GAMMA (detectors constant on that ball cost nothing)
 #    (radius term: --radius-weight RADIUS_WEIGHT --radius-target RADIUS_TARGET).
 # 3. screen: every candidate certified on HELD images its run held out (--split heldout, every HELD_SKIP-th), n = HELD_N.
 #    Rule fixed before any test image is read: on each side (RS, SPLITZ) the candidate with the highest held-out
@@ -21,13 +23,17 @@ HELD_SKIP=${HELD_SKIP:-30}; HELD_N=${HELD_N:-2000}; SKIP=${SKIP:-50}; N=${N:-100
 RADIUS_WEIGHT=${RADIUS_WEIGHT:-0.5}; RADIUS_TARGET=${RADIUS_TARGET:-2.5}; STAGES=${STAGES:-"rs finetune screen test"}
 RUNS=${RUNS:-runs/mnist-rs-init}; OUT=${RESULTS:-docs/results/mnist-rs-init}
 THREADS=(); if [ -n "${THREADS_PER_JOB:-}" ]; then THREADS=(--threads "$THREADS_PER_JOB"); fi
-RS_CANDIDATES="rs-ft rs-ft-radius"; SPLITZ_CANDIDATES="rsinit rsinit-radius"
+LIP_WEIGHT=${LIP_WEIGHT:-0.3}; LIP_GAMMA=${LIP_GAMMA:-2.0}
+RS_CANDIDATES=${RS_CANDIDATES:-"rs-ft rs-ft-radius"}
+SPLITZ_CANDIDATES=${SPLITZ_CANDIDATES:-"rsinit rsinit-radius rsinit-lip-radius"}
 mkdir -p "$OUT" "$RUNS"
 BASE=$RUNS/rs-$SIGMA
 
 finetune() {  # finetune NAME
     local model=lenet options=(--split-index 0) radius=()
     case $1 in
+    rsinit-lip*) model=lenet-rs-init; options=(--recipe rs-init --lambda-start "$LIP_WEIGHT" --lambda-end "$LIP_WEIGHT"
+                                               --theta-lip 1.0 --gamma-train "$LIP_GAMMA") ;;
     rsinit*) model=lenet-rs-init; options=(--recipe rs-init) ;;
     esac
     case $1 in
