@@ -9,6 +9,8 @@
 #      rsinit-lip-radius  the same plus the paper's per-sample hinge on L̂ at the certified ball's scale: weight
 #                     LIP_WEIGHT, θ_lip = 1, γ_train = LIP_GAMMA (detectors constant on that ball cost nothing)
 #    (radius term: --radius-weight RADIUS_WEIGHT --radius-target RADIUS_TARGET).
+#    Candidates are read at their last epoch (CKPT=last): the radius term's weight ramps up over training, and the
+#    best epoch of `splitz train` (highest noisy validation accuracy) favours a large L(x, γ) over a large radius.
 # 3. screen: every candidate certified on HELD images its run held out (--split heldout, every HELD_SKIP-th), n = HELD_N.
 #    Rule fixed before any test image is read: on each side (RS, SPLITZ) the candidate with the highest held-out
 #    certified accuracy at ε = 2 wins (ties: at ε = 1.5, then the first listed).
@@ -21,7 +23,7 @@ SPLITZ=${SPLITZ:-.venv/bin/splitz}; PY=${PY:-.venv/bin/python}
 SIGMA=${SIGMA:-1.0}; EPOCHS=${EPOCHS:-15}; FT_EPOCHS=${FT_EPOCHS:-5}; DEVICE=${DEVICE:-cpu}; BATCH=${BATCH:-100}
 HELD_SKIP=${HELD_SKIP:-30}; HELD_N=${HELD_N:-2000}; SKIP=${SKIP:-50}; N=${N:-10000}
 RADIUS_WEIGHT=${RADIUS_WEIGHT:-0.5}; RADIUS_TARGET=${RADIUS_TARGET:-2.5}; STAGES=${STAGES:-"rs finetune screen test"}
-RUNS=${RUNS:-runs/mnist-rs-init}; OUT=${RESULTS:-docs/results/mnist-rs-init}
+CKPT=${CKPT:-last}; RUNS=${RUNS:-runs/mnist-rs-init}; OUT=${RESULTS:-docs/results/mnist-rs-init}
 THREADS=(); if [ -n "${THREADS_PER_JOB:-}" ]; then THREADS=(--threads "$THREADS_PER_JOB"); fi
 LIP_WEIGHT=${LIP_WEIGHT:-0.3}; LIP_GAMMA=${LIP_GAMMA:-2.0}
 RS_CANDIDATES=${RS_CANDIDATES:-"rs-ft rs-ft-radius"}
@@ -69,7 +71,7 @@ for stage in $STAGES; do
         for name in $RS_CANDIDATES $SPLITZ_CANDIDATES; do finetune "$name"; done ;;
     screen)
         tables=(); for name in $RS_CANDIDATES $SPLITZ_CANDIDATES; do
-            "$SPLITZ" certify mnist "$RUNS/$name-$SIGMA/best.pt" "$SIGMA" "$OUT/heldout-$name-$SIGMA.tsv" \
+            "$SPLITZ" certify mnist "$RUNS/$name-$SIGMA/$CKPT.pt" "$SIGMA" "$OUT/heldout-$name-$SIGMA.tsv" \
                 --split heldout --skip "$HELD_SKIP" --N0 100 --N "$HELD_N" --alpha 0.001 --batch "$BATCH" \
                 --device "$DEVICE" --resume "${THREADS[@]}"
             tables+=("$OUT/heldout-$name-$SIGMA.tsv")
@@ -81,12 +83,12 @@ for stage in $STAGES; do
         rs=$(winner $RS_CANDIDATES); splitz=$(winner $SPLITZ_CANDIDATES)
         echo "held-out winners: RS $rs, SPLITZ $splitz" | tee "$OUT/winners-$SIGMA.txt"
         for name in "$rs" "$splitz"; do
-            "$SPLITZ" certify mnist "$RUNS/$name-$SIGMA/best.pt" "$SIGMA" "$OUT/test-$name-$SIGMA.tsv" --skip "$SKIP" \
+            "$SPLITZ" certify mnist "$RUNS/$name-$SIGMA/$CKPT.pt" "$SIGMA" "$OUT/test-$name-$SIGMA.tsv" --skip "$SKIP" \
                 --N0 100 --N "$N" --alpha 0.001 --batch "$BATCH" --device "$DEVICE" --resume "${THREADS[@]}"
         done
         "$SPLITZ" analyze "$OUT/test-$rs-$SIGMA.tsv" "$OUT/test-$splitz-$SIGMA.tsv" --names "RS ($rs)" \
             "SPLITZ ($splitz)" --radii 0 0.5 1.0 1.5 2.0 2.5 --out "$OUT/test-$SIGMA"
-        "$SPLITZ" diagnose "$RUNS/$splitz-$SIGMA/best.pt" "$OUT/test-$splitz-$SIGMA.tsv" \
+        "$SPLITZ" diagnose "$RUNS/$splitz-$SIGMA/$CKPT.pt" "$OUT/test-$splitz-$SIGMA.tsv" \
             --out "$OUT/diagnostics-$splitz-$SIGMA" ;;
     *) echo "unknown stage $stage (rs, finetune, screen, test)" >&2; exit 2 ;;
     esac
