@@ -272,3 +272,26 @@ def test_cli_training_on_mnist_logs_the_radius_term(tmp_path):
     assert math.isfinite(record["train_soft_radius"]) and record["radius_weight"] == pytest.approx(0.5)
     ckpt = load_checkpoint_file(tmp_path / "r" / "last.pt")
     assert ckpt["config"]["radius_weight"] == 0.5 and ckpt["config"]["radius_target"] == 1.0
+
+
+def test_the_terms_gradient_reaches_the_detectors_of_an_rs_initialised_model():
+    """``lenet-rs-init`` a few steps after its RS start (detectors and f_R's extra columns slightly non-zero): the term
+    alone sends gradient to the detector weights, through p̃_A and through L̃ alone (on the detectors' varying rows)."""
+    torch.manual_seed(3)
+    model = build_model("lenet-rs-init")
+    detectors = model.left.layers[0].weight
+    with torch.no_grad():
+        detectors[1:].normal_(0.0, 0.02)
+        model.right[0].weight[:, 1:].normal_(0.0, 0.02)
+        list(model.right.parameters())[-2].mul_(100.0)  # a confident f_R: p̃_A > 1/2, so r̃ = R / L̃ involves L̃
+    x = _digits(4, seed=7)
+    with torch.no_grad():  # labels the model's own top classes, so the soft classifier is right and the hinge is on
+        y = model.right(model.left(x)).argmax(1)
+    noisy = torch_training_noise(model.left(x), 2, 0.25, torch.Generator().manual_seed(0))
+    logits = model.right(noisy)
+    start = torch.full((4,), 1.0)
+    for scores in (logits, logits.detach()):
+        term = radius_penalty(model.left, x, y, scores, sigma=0.25, target=5.0, beta=16.0, start_lip=start)
+        assert bool((term.correct & (term.penalty > 0) & (term.radius < term.gamma)).any())  # r̃ = R / L̃ there
+        (grad,) = torch.autograd.grad(term.penalty.sum(), [detectors], retain_graph=True)
+        assert float(grad[1:].abs().sum()) > 0, "no gradient on the detector channels"
