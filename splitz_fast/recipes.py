@@ -53,7 +53,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         "the published SPLITZ code's effective recipe: its loss (1 − κ)·CE + κ·L̂ on the batch-mean estimate L̂ while "
         "L̂ > θ_lip (cross-entropy alone below), the Lipschitz weight κ from 1.0 down to 0.7 linearly (its "
         "starting_kappa = 1.0, kappa = 0.7: the Lipschitz term starts with all the weight; λ = κ here), per-element "
-        "learnable thresholds initialised at 1 (projected to ≥ 0), γ_train ramped linearly from 0 to 0.1",
+        "learnable thresholds initialised at 1 (projected to ≥ 0), γ_train ramped linearly from 0 to 0.1. Caution: its "
+        "first, Lipschitz-only epoch collapsed lenet-5x5 trained from scratch to a constant classifier, and undid an "
+        "RS-pretrained one (docs/results/identification)",
         train={**_PAPER_TRAIN, "lambda_start": 1.0, "lambda_end": 0.7, "lip_objective": "batch-mean-hinge",
                "gamma_ramp": True},
         model={**_PAPER_MODEL, "learnable_threshold": True, "threshold_per_element": True},
