@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .folding import folded_copy, unfolded_batchnorms
+from .graphs import GraphedScores
 from .modules import ModuleSnapshot
 
 # The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
@@ -43,6 +44,7 @@ class PreparedClassifier:
         self.device = torch.device(device)
         self.compile = compile
         self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
+        self._graphs: dict[tuple[bool, bool, int], GraphedScores | None] = {}  # (layout, rows) -> graph, None: eager
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
         self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
@@ -54,6 +56,7 @@ class PreparedClassifier:
         call, the call's guard (:class:`~splitz_fast.inputs.CallGuard`) holds :attr:`snapshot` and refuses edits."""
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
+            self._graphs.clear()
             self._probed.clear()
             self._unfolded = None
             self._snapshot = ModuleSnapshot(self.source)
@@ -102,6 +105,16 @@ class PreparedClassifier:
             self._prepared[key] = prepared
         return self._prepared[key]
 
+    def graphed(self, layout: tuple[bool, bool], rows: int,
+                capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:
+        """The CUDA graph of the prepared module of ``layout`` at a static batch of ``rows`` (``None``: that batch
+        runs eagerly), made by ``capture`` the first time it is asked for and dropped with the prepared copies when
+        ``f_R`` changes (the graph holds the addresses of the tensors it was captured from)."""
+        key = (*layout, rows)
+        if key not in self._graphs:
+            self._graphs[key] = capture()
+        return self._graphs[key]
+
     def is_copy(self, net: nn.Module) -> bool:
         """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
         return not any(p is q for p in net.parameters() for q in self.source.parameters())
@@ -145,13 +158,7 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
         fresh = copy.deepcopy(net)
         return torch.cat([scores(fresh, batch).float() for batch in batches])
 
-    gen = torch.Generator(device=latent.device).manual_seed(0)
-    rows = torch.randn((PROBE_ROWS, *latent.shape), generator=gen, device=latent.device)
-    rows = (latent.float() + sigma * rows).to(dtype)
-    if pooled:
-        rows = torch.nn.functional.max_pool2d(rows, 2)
-    if channels_last:
-        rows = rows.contiguous(memory_format=torch.channels_last)
+    rows = noisy_rows(latent, sigma, dtype, PROBE_ROWS, channels_last, pooled)
     half = PROBE_ROWS // 2
     whole = fresh_scores(rows)
     variants = {"the same batch again": fresh_scores(rows),
@@ -166,6 +173,21 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
                 f"{gap:.3g} against {what}, scores up to {scale - 1:.3g}): votes would not be i.i.d. draws of one "
                 "base classifier. Put the model in eval mode (model.eval()), use BatchNorm with running "
                 "statistics, and remove randomness or state from f_R's forward")
+
+
+def noisy_rows(latent: torch.Tensor, sigma: float, dtype: torch.dtype, rows: int, channels_last: bool,
+               pooled: bool) -> torch.Tensor:
+    """``rows`` noisy copies ``latent + σz`` as the engine feeds them to ``f_R`` (cast to ``dtype``, max-pooled when
+    ``pooled``, channels_last when asked), drawn from their own generator (seed 0): the inputs' noise streams are
+    untouched. For the checks of a prepared ``f_R`` (the batch-independence probe, a CUDA graph's capture)."""
+    gen = torch.Generator(device=latent.device).manual_seed(0)
+    batch = torch.randn((rows, *latent.shape), generator=gen, device=latent.device)
+    batch = (latent.float() + sigma * batch).to(dtype)
+    if pooled:
+        batch = torch.nn.functional.max_pool2d(batch, 2)
+    if channels_last:
+        batch = batch.contiguous(memory_format=torch.channels_last)
+    return batch
 
 
 # Layers whose output is a fresh tensor or a view of their input only: in an nn.Sequential of these, the input of a
@@ -306,5 +328,5 @@ class CompiledOrEager(nn.Module):
         return self.net(x)
 
 
-__all__ = ["PreparedClassifier", "check_batch_independent", "probe_batch_independence", "PROBE_ROWS",
+__all__ = ["PreparedClassifier", "check_batch_independent", "probe_batch_independence", "noisy_rows", "PROBE_ROWS",
            "PROBE_TOLERANCE"]

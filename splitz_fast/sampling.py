@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,7 +41,9 @@ from .kernels.noise_votes import (
     noisy_latents_maxpool2_triton,
     noisy_latents_native,
 )
-from .prepared import CompiledOrEager, PreparedClassifier, check_batch_independent, starts_with_maxpool2
+from .graphs import GraphCaptureError, GraphedScores, capture_scores, graph_is_faster
+from .prepared import (PROBE_TOLERANCE, CompiledOrEager, PreparedClassifier, check_batch_independent, noisy_rows,
+                       starts_with_maxpool2)
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
@@ -178,6 +181,17 @@ def _draw_shape(shape: torch.Size, channels_last: bool) -> tuple[int, ...]:
 
 
 @dataclass
+class GraphDecision:
+    """Whether the engine scores one static batch through a CUDA graph (``used``) and why: ``cuda_graphs=True``, the
+    measurement (``eager_s`` / ``graph_s``: seconds per batch of each), or the capture's failure."""
+
+    used: bool
+    reason: str
+    eager_s: float | None = None
+    graph_s: float | None = None
+
+
+@dataclass
 class SamplingJob:
     """``num`` noise samples of one latent through ``f_R``; their class votes are added to ``counts`` (``[C]`` int64
     on the device)."""
@@ -200,18 +214,31 @@ class SamplingEngine:
         precision: a key of :data:`PRECISIONS` (the base classifier's precision, labelled in every result).
         compile: run ``f_R`` through ``torch.compile`` with static batch shapes (the last batch is padded and its
             padding not counted); where compiling fails the engine warns once and stays eager.
+        cuda_graphs: on CUDA, replay ``f_R``'s forward as a CUDA graph captured at the static batch
+            (:mod:`splitz_fast.graphs`; the last batch is padded as for ``compile``): ``None`` (default) where it
+            measures faster than eager on this device for this ``f_R`` and batch, ``True`` always, ``False`` never.
+            A capture that fails, or whose replay does not score like eager, warns once and samples eagerly. Every
+            choice is in :attr:`graph_decisions`. ``True`` needs a CUDA device.
     """
 
     def __init__(self, right: nn.Module, num_classes: int, sigma: float, device: torch.device,
-                 precision: str = "float32", compile: bool = False):
+                 precision: str = "float32", compile: bool = False, cuda_graphs: bool | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
+        if cuda_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs f_R on a CUDA device (it is on {torch.device(device)}); move the "
+                             "model with .cuda(), or leave cuda_graphs unset")
         self.num_classes = num_classes
         self.sigma = sigma
         self.device = torch.device(device)
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.compile = compile
+        self.cuda_graphs = cuda_graphs
+        # (channels_last, pooled, rows) -> what was decided for that static batch and why (see GraphDecision)
+        self.graph_decisions: dict[tuple[bool, bool, int], GraphDecision] = {}
         self.prepared = PreparedClassifier(right, self.device, compile)
         self._count_lock = threading.Lock()
 
@@ -232,7 +259,9 @@ class SamplingEngine:
                 and starts_with_maxpool2(self.source) and pooled_noise_kernel(self.device) is not None)
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        # No autocast weight cache: it lives for one call here anyway, and a CUDA graph capture must not use it.
+        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32,
+                                  cache_enabled=False)
         with autocast, _cuda_math(self.device, tf32=self.precision == "tf32"):
             logits = net(batch)
         if logits.ndim != 2 or logits.shape[1] != self.num_classes:
@@ -268,7 +297,40 @@ class SamplingEngine:
         pooled = self.pools_in_noise(shape)
         net = self.prepared.get(channels_last, pooled)
         self.prepared.probe_once(net, (channels_last, pooled), self._scores, jobs[0].latent, self.sigma, self.dtype)
-        self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self._may_run_parallel(net))
+        graph = self._graph(net, (channels_last, pooled), batch_size, jobs[0].latent)
+        self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self._may_run_parallel(net),
+                      graph)
+
+    def _graph(self, net: nn.Module, layout: tuple[bool, bool], rows: int,
+               latent: torch.Tensor) -> GraphedScores | None:
+        """The CUDA graph that scores the static batches of ``rows`` samples, or ``None`` to run ``net`` eagerly
+        (:attr:`cuda_graphs`); captured, checked and (by default) timed against eager once per prepared copy."""
+        if self.device.type != "cuda" or self.cuda_graphs is False:
+            return None
+
+        def capture() -> GraphedScores | None:
+            def scores(batch: torch.Tensor) -> torch.Tensor:
+                return self._scores(net, batch)
+
+            example = noisy_rows(latent, self.sigma, self.dtype, rows, *layout)
+            try:
+                graphed = capture_scores(scores, example, PROBE_TOLERANCE[self.dtype])
+            except GraphCaptureError as err:
+                decision = GraphDecision(False, f"capture failed: {err}")
+                if not any(d.reason.startswith("capture failed") for d in self.graph_decisions.values()):
+                    warnings.warn(f"f_R could not run as a CUDA graph ({err}); sampling runs it eagerly", stacklevel=6)
+                self.graph_decisions[(*layout, rows)] = decision
+                return None
+            if self.cuda_graphs:
+                self.graph_decisions[(*layout, rows)] = GraphDecision(True, "cuda_graphs=True")
+                return graphed
+            faster, eager_s, graph_s = graph_is_faster(scores, graphed)
+            self.graph_decisions[(*layout, rows)] = GraphDecision(
+                faster, f"measured at batch {rows}: eager {eager_s * 1e3:.3f} ms, graph {graph_s * 1e3:.3f} ms",
+                eager_s, graph_s)
+            return graphed if faster else None
+
+        return self.prepared.graphed(layout, rows, capture)
 
     def _may_run_parallel(self, net: nn.Module) -> bool:
         """Whether batches may run on several worker threads (:meth:`_execute`): on the CPU, through an eager
@@ -277,8 +339,9 @@ class SamplingEngine:
                 and self.prepared.is_copy(net))
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
-                 parallel: bool) -> None:
-        """Run the batches of ``plan`` (:func:`_plan`) and count their votes.
+                 parallel: bool, graph: GraphedScores | None = None) -> None:
+        """Run the batches of ``plan`` (:func:`_plan`) and count their votes (through ``graph`` where one is given:
+        every batch is then padded to its static ``batch_size`` rows).
 
         With ``parallel`` and more than one torch thread, on Philox streams (every segment's samples reserved, so
         any thread draws them), the batches run on ``torch.get_num_threads()`` worker threads, each batch on one
@@ -291,7 +354,7 @@ class SamplingEngine:
         workers = min(threads, len(plan)) if parallel else 1
         if workers <= 1 or any(first is None for segments in plan for _, _, first in segments):
             for segments in plan:
-                self._count_segments(net, segments, channels_last, pooled, batch_size)
+                self._count_segments(net, segments, channels_last, pooled, batch_size, graph)
             return
 
         @torch.inference_mode()
@@ -306,27 +369,31 @@ class SamplingEngine:
             torch.set_num_threads(threads)  # the workers' call also changed the default of threads started later
 
     def _count_segments(self, net, segments: list[tuple[SamplingJob, int, int | None]], channels_last: bool,
-                        pooled: bool, batch_size: int) -> None:
+                        pooled: bool, batch_size: int, graph: GraphedScores | None = None) -> None:
         total = sum(take for _, take, _ in segments)
-        # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
-        rows = batch_size if self.compile else total
-        if len(segments) == 1 and rows == total:
+        # Static shapes for a compiled f_R or a CUDA graph: pad to the full batch; padded rows belong to no segment
+        # (scored, never counted).
+        rows = batch_size if self.compile or graph is not None else total
+        if graph is None and len(segments) == 1 and rows == total:
             job, take, first = segments[0]
             batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, pool2=pooled, at=first)
         else:
-            fmt = torch.channels_last if channels_last else torch.contiguous_format
-            shape = segments[0][0].latent.shape
-            if pooled:
-                shape = (shape[0], shape[1] // 2, shape[2] // 2)
-            batch = torch.empty((rows, *shape), dtype=self.dtype, device=self.device, memory_format=fmt)
-            if rows > total:
-                batch[total:].zero_()  # padding rows: scored, never counted
+            if graph is not None:
+                batch = graph.input  # its padding rows hold earlier noisy rows: finite, and never counted
+            else:
+                fmt = torch.channels_last if channels_last else torch.contiguous_format
+                shape = segments[0][0].latent.shape
+                if pooled:
+                    shape = (shape[0], shape[1] // 2, shape[2] // 2)
+                batch = torch.empty((rows, *shape), dtype=self.dtype, device=self.device, memory_format=fmt)
+                if rows > total:
+                    batch[total:].zero_()
             start = 0
             for job, take, first in segments:
                 job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last,
                                  out=batch[start:start + take], pool2=pooled, at=first)
                 start += take
-        logits = self._scores(net, batch)
+        logits = self._scores(net, batch) if graph is None else graph.replay()
         count = {"triton": count_votes_triton, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
                                                                        count_votes_reference)
         start = 0
@@ -452,5 +519,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm",
+__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "GraphDecision", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm",
            "unfolded_batchnorms"]

@@ -42,6 +42,10 @@ class Smoother:
             noisy latent are float32 until the cast). Lower precision changes the base classifier, not the validity of
             its certificates; compare runs only at the same precision.
         compile: sample through ``torch.compile(f_R)`` with static batch shapes (falls back to eager with a warning).
+        cuda_graphs: on CUDA, score each batch by replaying a CUDA graph of ``f_R`` captured at the static batch (one
+            launch per batch instead of one per layer; the same kernels, checked at capture): ``None`` (default)
+            where it measures faster than eager for this ``f_R``, device and batch, ``True`` always, ``False`` never
+            (``True`` needs the model on a CUDA device). The choices are in ``smoother.engine().graph_decisions``.
         max_batch_size: the largest ``f_R`` batch the tuner tries when ``batch_size`` is not given.
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
@@ -63,6 +67,7 @@ class Smoother:
         bound_options: BoundOptions | None = None,
         precision: str = "float32",
         compile: bool = False,
+        cuda_graphs: bool | None = None,
         max_batch_size: int = DEFAULT_MAX_BATCH,
         overlap_bounds: bool | None = None,
         protocol: str | CertificationProtocol = "sound",
@@ -81,6 +86,9 @@ class Smoother:
         self.protocol.check(model)
         self.precision = precision
         self.compile = bool(compile)
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs
         self.max_batch_size = check_count("max_batch_size", max_batch_size)
         self.overlap_bounds = overlap_bounds
         self._engine: SamplingEngine | None = None
@@ -110,7 +118,8 @@ class Smoother:
         if engine is None or engine.device != device or engine.source is not model.right \
                 or engine.num_classes != model.num_classes:
             engine = self._engine = SamplingEngine(model.right, model.num_classes, self.sigma, device,
-                                                   precision=self.precision, compile=self.compile)
+                                                   precision=self.precision, compile=self.compile,
+                                                   cuda_graphs=self.cuda_graphs)
         engine.prepared.check_current()
         return engine
 

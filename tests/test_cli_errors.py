@@ -54,6 +54,20 @@ def checkpoint(tmp_path_factory, tiny, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ devices
+def test_cuda_graphs_on_without_a_gpu_is_one_line_and_auto_samples_eagerly(checkpoint, tmp_path, capsys):
+    assert main(_certify_args(checkpoint, tmp_path / "on.tsv", "--cuda-graphs", "on")) == 2
+    assert "--cuda-graphs on needs a CUDA device (this run samples on cpu)" in _one_line_error(capsys)
+    assert not (tmp_path / "on.tsv").exists()
+    assert main(_certify_args(checkpoint, tmp_path / "auto.tsv", "--cuda-graphs", "auto")) == 0
+    assert main(_certify_args(checkpoint, tmp_path / "off.tsv", "--cuda-graphs", "off")) == 0
+    rows = [[line.split("\t")[:5] for line in (tmp_path / f"{name}.tsv").read_text().splitlines()]
+            for name in ("auto", "off")]
+    assert rows[0] == rows[1] and len(rows[0]) > 1  # the same certificates (columns 1-5; the 6th is the time)
+    with pytest.raises(SystemExit):
+        main(_certify_args(checkpoint, tmp_path / "bad.tsv", "--cuda-graphs", "sometimes"))
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["train", "certify"])
 @pytest.mark.parametrize("device, problem", [("cuda", "unavailable"), ("cuda:7", "unavailable"),
                                              ("gpu", "not a device")])

@@ -482,8 +482,9 @@ def test_worker_threads_give_the_same_votes_and_restore_the_thread_count(split, 
     used = []
     execute = SamplingEngine._execute
 
-    def spy(self, net, plan, *args):
-        used.append(args[-1] and len(plan) > 1 and all(first is not None for seg in plan for _, _, first in seg))
+    def spy(self, net, plan, channels_last, pooled, batch_size, parallel, *rest):
+        args = (channels_last, pooled, batch_size, parallel, *rest)
+        used.append(parallel and len(plan) > 1 and all(first is not None for seg in plan for _, _, first in seg))
         return execute(self, net, plan, *args)
 
     monkeypatch.setattr(SamplingEngine, "_execute", spy)

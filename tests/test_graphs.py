@@ -1,0 +1,163 @@
+"""CUDA graphs of f_R (splitz_fast/graphs.py and the engine's use of them): the options and their errors everywhere;
+on a GPU, that a replayed graph scores whatever is in its input buffer exactly as the eager forward does, that
+certificates through graphs are those of the eager path, that a capture that fails falls back with one warning, that
+the default decides by measurement and records it, and that an edited f_R is captured again."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import splitz_fast as sz
+from splitz_fast import LeftHalf, Smoother, SplitModel
+from splitz_fast.graphs import GraphCaptureError, capture_scores
+from splitz_fast.sampling import SamplingEngine
+
+
+
+def _gpu(test):
+    """A test that needs CUDA (marked ``gpu``; skipped elsewhere)."""
+    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test)
+    return pytest.mark.gpu(test)
+
+
+def _small_splitz(device: str = "cpu") -> tuple[SplitModel, torch.Tensor]:
+    """A conv f_L and a conv f_R with BatchNorm (folded in the prepared copy), on ``device``."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    left = LeftHalf([nn.Conv2d(1, 3, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 6, 6))
+    right = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+    with torch.no_grad():
+        right[1].running_mean.uniform_(-0.2, 0.2, generator=gen)
+        right[1].running_var.uniform_(0.5, 2.0, generator=gen)
+    xs = torch.rand(5, 1, 6, 6, generator=gen)
+    return SplitModel(left, right, 5).to(device).eval(), xs.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------- every machine
+def test_cuda_graph_options_say_what_is_wrong():
+    model, xs = _small_splitz()
+    with pytest.raises(ValueError, match=r"cuda_graphs must be None \(measure\), True or False, got 'yes'"):
+        Smoother(model, 0.5, cuda_graphs="yes")
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs f_R on a CUDA device \(it is on cpu\)"):
+        SamplingEngine(model.right, 5, 0.5, torch.device("cpu"), cuda_graphs=True)
+    forced = Smoother(model, 0.5, cuda_graphs=True)  # the model may still move to a GPU: checked when sampling
+    with pytest.raises(ValueError, match="cuda_graphs=True needs f_R on a CUDA device"):
+        forced.certify(xs[0], 10, 100, 0.01, seed=0)
+
+
+def test_on_a_cpu_the_default_samples_eagerly_and_decides_nothing():
+    model, xs = _small_splitz()
+    smoother = Smoother(model, 0.5)
+    default = [r.count_a for r in smoother.certify_many(xs, 10, 300, 0.01, batch_size=64, seeds=range(5))]
+    off = [r.count_a for r in Smoother(model, 0.5, cuda_graphs=False).certify_many(xs, 10, 300, 0.01, batch_size=64,
+                                                                                     seeds=range(5))]
+    assert default == off
+    assert smoother.engine().graph_decisions == {}
+
+
+def test_capture_refuses_a_cpu_batch():
+    with pytest.raises(GraphCaptureError, match="CUDA graphs need a CUDA device, f_R samples on cpu"):
+        capture_scores(nn.Linear(3, 2), torch.zeros(4, 3), 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------- on a GPU
+@_gpu
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_replay_scores_what_is_in_the_input_buffer_like_eager(precision):
+    """Rows written into the graph's input after the capture are what the replay scores, exactly as eager does."""
+    model, _ = _small_splitz("cuda")
+    engine = SamplingEngine(model.right, 5, 0.5, torch.device("cuda"), precision=precision, cuda_graphs=True)
+    net = engine.prepared.get(channels_last=True)
+    example = torch.randn(32, 3, 6, 6, device="cuda").to(engine.dtype).contiguous(memory_format=torch.channels_last)
+    graphed = capture_scores(lambda b: engine._scores(net, b), example, 1e-2)
+    for seed in range(3):
+        rows = torch.randn(32, 3, 6, 6, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        graphed.input.copy_(rows.to(engine.dtype))
+        replayed = graphed.replay().clone()
+        eager = engine._scores(net, graphed.input.clone(memory_format=torch.channels_last))
+        assert torch.equal(replayed, eager)
+
+
+@_gpu
+@pytest.mark.parametrize("split", [0, 1])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_certificates_through_graphs_are_those_of_the_eager_path(split, precision):
+    """LeNet (advertorch architecture) at s = 0 and s = 1: every batch padded to the static batch and scored by the
+    replayed graph; the same predictions and, up to the batch-shape-dependent rounding of cuDNN's kernels that can
+    move a vote, the same counts as eager sampling."""
+    model = sz.build_model("lenet", split_index=split).cuda().eval()
+    xs = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run(graphs):
+        smoother = Smoother(model, 0.5, precision=precision, cuda_graphs=graphs)
+        out = list(smoother.certify_many(xs, 50, 3000, 0.01, batch_size=512, seeds=range(4)))
+        return out, smoother.engine().graph_decisions
+
+    graphed, decisions = run(True)
+    eager, none = run(False)
+    assert none == {} and decisions and all(d.used for d in decisions.values())
+    for g, e in zip(graphed, eager):
+        assert g.prediction == e.prediction and abs(g.count_a - e.count_a) <= 2
+        assert g.radius == pytest.approx(e.radius, abs=0.05)
+
+
+class _SyncsInForward(nn.Module):
+    """An f_R that asks the host for a value in its forward (``.item()``): not capturable as a CUDA graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3 * 6 * 6, 5)
+
+    def forward(self, x):
+        scale = 1.0 + 0.0 * float(x.flatten(1)[:1, :1].sum().item())
+        return self.linear(x.flatten(1)) * scale
+
+
+@_gpu
+def test_a_capture_that_fails_warns_once_and_samples_eagerly():
+    model, xs = _small_splitz("cuda")
+    model.right = _SyncsInForward().cuda().eval()
+    smoother = Smoother(model, 0.5, cuda_graphs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forced = [(r.prediction, r.count_a) for r in smoother.certify_many(xs, 10, 400, 0.01, batch_size=64,
+                                                                            seeds=range(5))]
+        again = [(r.prediction, r.count_a) for r in smoother.certify_many(xs, 10, 400, 0.01, batch_size=64,
+                                                                           seeds=range(5))]
+    messages = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
+    assert len(messages) == 1 and "sampling runs it eagerly" in messages[0]
+    decisions = list(smoother.engine().graph_decisions.values())
+    assert decisions and not any(d.used for d in decisions) and decisions[0].reason.startswith("capture failed")
+    eager = [(r.prediction, r.count_a) for r in Smoother(model, 0.5, cuda_graphs=False).certify_many(
+        xs, 10, 400, 0.01, batch_size=64, seeds=range(5))]
+    assert forced == again == eager
+
+
+@_gpu
+def test_the_default_decides_by_measurement_and_records_it():
+    model, xs = _small_splitz("cuda")
+    smoother = Smoother(model, 0.5)
+    list(smoother.certify_many(xs, 10, 400, 0.01, batch_size=64, seeds=range(5)))
+    (decision,) = smoother.engine().graph_decisions.values()
+    assert decision.eager_s > 0 and decision.graph_s > 0
+    assert decision.used == (decision.graph_s < decision.eager_s)
+    assert decision.reason.startswith("measured at batch 64: eager ")
+
+
+@_gpu
+def test_an_edited_f_r_is_captured_again():
+    """The graph holds the prepared copy's tensors: after ``f_R`` changes, the next call captures the new copy, and
+    its certificates are a fresh smoother's."""
+    model, xs = _small_splitz("cuda")
+    smoother = Smoother(model, 0.5, cuda_graphs=True)
+    before = [r.count_a for r in smoother.certify_many(xs, 10, 400, 0.01, batch_size=64, seeds=range(5))]
+    with torch.no_grad():
+        model.right[0].weight.mul_(-1.0)
+    after = [(r.prediction, r.count_a) for r in smoother.certify_many(xs, 10, 400, 0.01, batch_size=64,
+                                                                       seeds=range(5))]
+    fresh = [(r.prediction, r.count_a) for r in Smoother(model, 0.5, cuda_graphs=True).certify_many(
+        xs, 10, 400, 0.01, batch_size=64, seeds=range(5))]
+    assert after == fresh and [c for _, c in after] != before
