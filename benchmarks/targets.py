@@ -37,7 +37,9 @@ floor — each met or not in the table. And whether the timed run compiled anyth
 dynamo compiles, Triton JIT compiles, new Triton cache files, ``f_R`` batch shapes not seen in the warm-up, which
 would let cuDNN's benchmark mode autotune): ``compiled_in_timed_region``, marked in the table.
 
-``--part native`` (stage 2): first LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the
+``--part native`` (stage 2): first CERTIFY with ``f_R`` eager against replayed CUDA graphs (LeNet s = 0 and 1,
+ResNet-110 s = 0, bf16; :func:`run_graph_comparison`: what the default's run-time choice should agree with), then
+LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the
 pool run in f_R (tf32 and bf16; :func:`run_fused_pool`: what decides whether ``auto`` fuses on CUDA), then the CUDA
 kernels of csrc/noise_votes_cuda.cu against the Triton kernels (and eager PyTorch): the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet latents fp32/bf16,
 channels_last/contiguous; vote counts), then LeNet s = 1 CERTIFY end to end with ``SPLITZ_BACKEND=native`` against
@@ -209,11 +211,12 @@ def environment_record() -> dict:
 
 def measure_group(workload: Workload, split: int, images: int, device: torch.device, quick: bool,
                   precisions=PRECISIONS, naive: bool = True, bandwidth: float | None = None,
-                  rs_times: dict | None = None):
+                  rs_times: dict | None = None, cuda_graphs: bool | None = None):
     """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first), with
     ``f_R``'s counted cost per sample and the card's floors. ``bandwidth``: the copy bandwidth measured in this run
     (bytes/s; the card table's figure otherwise). ``rs_times``: precision → this model's s = 0 time, for the s = 1
-    target."""
+    target. ``cuda_graphs``: the Smoother's setting (default: decided by measurement); each row records what the
+    engine decided."""
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
@@ -271,7 +274,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
         smoother = None
         try:
             smoother = sz.Smoother(model, SIGMA, bound_options=bound_options, precision=precision,
-                                   max_batch_size=max_batch)
+                                   max_batch_size=max_batch, cuda_graphs=cuda_graphs)
             with BatchShapes(smoother.engine()) as shapes:  # every f_R batch from the batch measurement on
                 start = time.perf_counter()
                 (warmed,) = smoother.certify_many(warm, n0, n, ALPHA, seeds=[10_000])  # warm-up, batch measurement
@@ -297,6 +300,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                                                if certified else 0.0),
                        bound_kind=certified[0].bound_kind if certified else "none")
             row.update(timed_region_record(region, shapes))
+            row.update(cuda_graphs_setting=cuda_graphs, cuda_graphs=graph_record(smoother.engine()))
             row.update(assess(row))
         except Exception as exc:  # a failed row is recorded; the next one runs
             traceback.print_exc()
@@ -305,6 +309,25 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
         del smoother
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def graph_record(engine) -> list[dict]:
+    """What the engine decided about CUDA graphs, per static batch it sampled (empty off CUDA)."""
+    return [dict(channels_last=key[0], pooled=key[1], batch=key[2], used=d.used, reason=d.reason, eager_s=d.eager_s,
+                 graph_s=d.graph_s) for key, d in engine.graph_decisions.items()]
+
+
+def graph_cell(row: dict) -> str:
+    """The table's CUDA graph column: whether the full batches replayed a graph, and the measurement behind it."""
+    decisions = row.get("cuda_graphs") or []
+    if not decisions:
+        return "—"
+    cells = []
+    for d in decisions:
+        timing = (f" ({d['eager_s'] * 1e3:.2f} → {d['graph_s'] * 1e3:.2f} ms/batch)" if d.get("graph_s") is not None
+                  else f" ({d['reason']})")
+        cells.append(("yes" if d["used"] else "no") + timing)
+    return "; ".join(cells)
 
 
 def targets_for(workload: Workload, split: int, precision: str, rs_times: dict | None) -> dict:
@@ -395,21 +418,26 @@ def _met(value) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- native vs Triton
-def _lenet_s1_comparison(recorder: Recorder, what: str, settings: dict, speedup_key: str, images: int,
-                         device: torch.device, quick: bool, deadline: float, precision: str) -> None:
-    """One row: LeNet s = 1 CERTIFY timed under each of ``settings`` (label → a context manager factory that sets it
-    up), in order, and ``speedup_key`` = the first setting's time over the second's."""
-    lenet = (QUICK if quick else FULL)[0]
-    row = dict(what=f"LeNet s=1 CERTIFY n={lenet.n:,} {precision}: {what}", device=device_name(device), images=images)
+def _comparison(recorder: Recorder, what: str, settings: dict, speedup_key: str, images: int, device: torch.device,
+                quick: bool, deadline: float, precision: str, workload: int = 0, split: int = 1) -> None:
+    """One row: CERTIFY of ``(QUICK or FULL)[workload]`` at ``split`` timed under each of ``settings`` (label →
+    ``(context manager factory that sets it up, keyword arguments of measure_group)``), in order, and
+    ``speedup_key`` = the first setting's time over the second's."""
+    chosen = (QUICK if quick else FULL)[workload]
+    row = dict(what=f"{chosen.label} s={split} CERTIFY n={chosen.n:,} {precision}: {what}", device=device_name(device),
+               images=images)
     try:
-        for label, setting in settings.items():
+        for label, (setting, group_options) in settings.items():
             if time.monotonic() > deadline:
                 raise TimeoutError("the part's --budget was spent")
             with setting():
-                (measured,) = measure_group(lenet, 1, images, device, quick, precisions=(precision,), naive=False)
+                (measured,) = measure_group(chosen, split, images, device, quick, precisions=(precision,),
+                                            naive=False, **group_options)
             if measured.get("status") != "ok":
                 raise RuntimeError(measured.get("error"))
             row[f"{label}_s_per_image"] = measured["ours_s_per_image"]
+            if measured.get("cuda_graphs"):
+                row[f"{label}_cuda_graphs"] = measured["cuda_graphs"]
         first, second = settings
         row.update(status="ok", **{speedup_key: row[f"{first}_s_per_image"] / row[f"{second}_s_per_image"]})
     except Exception as exc:
@@ -447,15 +475,33 @@ def run_fused_pool(recorder: Recorder, images: int, device: torch.device, quick:
     (``noisy_latents_maxpool2`` added to ``AUTO_TRITON_OPS`` for the row) against the pool run in f_R (today's
     ``auto`` on CUDA): the measurement that decides whether ``auto`` fuses there. Same samples, same votes."""
     for precision in ("tf32", "bfloat16"):
-        _lenet_s1_comparison(recorder, "fused noise + max pool (Triton) vs pool in f_R",
-                             {"auto": contextlib.nullcontext, "fused": lambda: _auto_triton("noisy_latents_maxpool2")},
-                             "fused_speedup", images, device, quick, deadline, precision)
+        _comparison(recorder, "fused noise + max pool (Triton) vs pool in f_R",
+                    {"auto": (contextlib.nullcontext, {}),
+                     "fused": (lambda: _auto_triton("noisy_latents_maxpool2"), {})},
+                    "fused_speedup", images, device, quick, deadline, precision)
+
+
+# (workload index, split) of the CUDA graph comparison: the launch-bound LeNet at both splits, the deep ResNet-110.
+GRAPH_COMPARISONS = ((0, 0), (0, 1), (1, 0))
+
+
+def run_graph_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """CERTIFY with ``f_R`` eager (``cuda_graphs=False``) against replayed CUDA graphs (``cuda_graphs=True``) on the
+    workloads of :data:`GRAPH_COMPARISONS` with a bf16 ``f_R`` (the fastest, so the most launch-bound): what the
+    default's run-time measurement should agree with (the same votes either way)."""
+    for workload, split in GRAPH_COMPARISONS:
+        for precision in ("bfloat16",):
+            _comparison(recorder, "CUDA graph vs eager f_R",
+                        {"eager": (contextlib.nullcontext, {"cuda_graphs": False}),
+                         "graph": (contextlib.nullcontext, {"cuda_graphs": True})},
+                        "graph_speedup", images, device, quick, deadline, precision, workload, split)
 
 
 def run_native(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
     if device.type != "cuda":
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
+    run_graph_comparison(recorder, images, device, quick, deadline)
     run_fused_pool(recorder, images, device, quick, deadline)
     from splitz_fast.kernels.native_cuda import cuda_native_available
 
@@ -496,7 +542,8 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "compiled_in_timed_region", "naive_compiled_in_timed_region", "engine_batch", "setup_s", "certified",
               "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
               "reference_ms", "cuda_vs_triton", "auto_s_per_image", "native_s_per_image", "native_speedup",
-              "fused_s_per_image", "fused_speedup", "error")
+              "fused_s_per_image", "fused_speedup", "eager_s_per_image", "graph_s_per_image", "graph_speedup",
+              "cuda_graphs_setting", "error")
 
 
 def write_csv(data: dict, path: Path) -> None:
@@ -538,13 +585,13 @@ def markdown(data: dict) -> str:
                   "| memory floor (s/image; unfused / fused) | ours ÷ floor "
                   f"| ours ÷ fused floor (≤ {FUSED_FLOOR_TARGET:g}×) | time target (s/image) "
                   f"| met: time / ≥ {VS_LOOP_TARGET:g}× loop / ≤ {FUSED_FLOOR_TARGET:g}× fused floor "
-                  "| compiled in timed region |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| compiled in timed region | f_R as CUDA graph (eager → graph per batch) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in targets["rows"]:
             name = f"{r.get('label')}, {r.get('n', 0):,}"
             if r.get("status") != "ok":
                 lines.append(f"| {name} | s = {r.get('split')} | {r.get('precision', '—')} | {r.get('status')}: "
-                             f"{r.get('error', '')} |" + " |" * 12)
+                             f"{r.get('error', '')} |" + " |" * 13)
                 continue
             lines.append(
                 f"| {name} ({r['weights']} weights, {r['inputs']}) | s = {r['split']} | {r['precision']} | "
@@ -557,7 +604,7 @@ def markdown(data: dict) -> str:
                 f"{_fmt(r.get('ours_over_floor'), 1, '×')} | {_fmt(r.get('ours_over_fused_floor'), 1, '×')} | "
                 f"≤ {_fmt(r.get('target_s'), 4)} ({r.get('target_rule', '—')}) | "
                 f"{_verdict(r.get('target_met'))} / {_verdict(r.get('vs_loop_met'))} / "
-                f"{_verdict(r.get('fused_floor_met'))} | {compiled_cell(r)} |")
+                f"{_verdict(r.get('fused_floor_met'))} | {compiled_cell(r)} | {graph_cell(r)} |")
         rs_vs_splitz = splitz_over_rs(targets["rows"])
         if rs_vs_splitz:
             lines += ["", f"SPLITZ (s = 1) vs RS (s = 0) certification time, same model and device (target ≤ "
@@ -583,6 +630,10 @@ def markdown(data: dict) -> str:
             elif "fused_speedup" in r:  # the first column: the fused Triton kernel in place of the CUDA one
                 lines.append(f"| {r['what']} ({r['images']} images) | fused {r['fused_s_per_image']:.4f} s/image | "
                              f"{r['auto_s_per_image']:.4f} s/image | — | {r['fused_speedup']:.2f}× (fused vs auto) |")
+            elif "graph_speedup" in r:  # the first column: CUDA graph replay in place of the native kernels
+                lines.append(f"| {r['what']} ({r['images']} images) | graph {r['graph_s_per_image']:.4f} s/image | "
+                             f"eager {r['eager_s_per_image']:.4f} s/image | — | {r['graph_speedup']:.2f}× (graph vs "
+                             "eager) |")
             else:
                 lines.append(f"| {r['what']} | {r['status']} in {r.get('seconds', 0):.1f} s | | | |")
         lines.append("")

@@ -24,9 +24,11 @@
 #      and naive, the ratio, certified count, mean γ evaluations, engine batch, setup seconds, SPEC target and met;
 #      the table also gives SPLITZ (s = 1) / RS (s = 0) per model and f_R precision (target ≤ 1.2×). No new model
 #      starts after 280 s; a model stopped by the limit keeps the rows it finished.
-#   2. native CUDA vs Triton noise (≤ NATIVE_S = 150 s in all): 2a builds csrc/noise_votes_cuda.cu (`python -m
-#      splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 100 s); 2b `python -m benchmarks.targets --part native`: first
-#      LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the pool in f_R (tf32, bf16: decides
+#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 180 s in all): 2a builds
+#      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
+#      benchmarks.targets --part native`: first CERTIFY with f_R eager vs replayed as a CUDA graph (LeNet s = 0 and 1,
+#      ResNet-110 s = 0, bf16, 3 images each; stage 1's rows already use the default, which decides by measurement at
+#      run time, and record what it decided), then LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the pool in f_R (tf32, bf16: decides
 #      whether `auto` fuses on CUDA), then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 / bf16,
 #      channels_last / contiguous, and vote counts of 10 / 1000 classes: CUDA kernel vs Triton vs eager, CUDA events,
 #      median of 50), then LeNet s = 1 CERTIFY n = 10⁵ end to end with SPLITZ_BACKEND=native vs auto (Triton), fp32 and
@@ -38,14 +40,14 @@
 #      epochs each (default 40), then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the
 #      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
 #   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
-#      CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
+#      CUDA graph tests (tests/test_graphs.py, and the host-sync count with the default graphs), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
 #      pytest-timeout with a traceback of every thread where it is installed, so a test that hangs is named with its
 #      frame instead of stalling the stage), a one-epoch `torchrun --nproc_per_node=1` training (NCCL).
 #   6. waiting for the results runs, then packing.
 # Every stage is time-limited (`timeout`, capped by what is left of BUDGET) and independent: one that fails or runs out
 # of time is recorded in gpu.txt ("stage NAME: rc R after S s", rc 124 = its limit) and the next one runs. Each stage
 # prints a UTC timestamp. Worst case with the defaults: setup ≤ 150 s (typically 20), stage 1 ≤ 300 s, stage 2 ≤
-# 150 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
+# 180 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
 # 45 s after results runs, else 10 s). An estimate from the last H200 figures, not a measurement: stage 1 takes 2–3
 # minutes, leaving 2–4 for the tests.
 # Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
@@ -78,7 +80,7 @@ EPOCHS=${EPOCHS:-40}; SKIP=${SKIP:-20}; N=${N:-100000}
 RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-"0.25 0.5 0.75 1.0"}
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
 CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
-TARGETS_S=${TARGETS_S:-300}; NATIVE_S=${NATIVE_S:-150}; IMAGES=${IMAGES:-3}
+TARGETS_S=${TARGETS_S:-300}; NATIVE_S=${NATIVE_S:-180}; IMAGES=${IMAGES:-3}
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
@@ -151,6 +153,7 @@ if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share th
     PYTEST="$PY -m pytest -q $XDIST -p no:cacheprovider"
     # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
     if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
+    stage "5 CUDA graph tests" 90 $PYTEST tests/test_graphs.py tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches
     stage "5a CUDA kernel build" 120 env MAX_JOBS=2 $PY -m splitz_fast.kernels.native_cuda
     stage "5b CUDA kernel tests" 90 $PYTEST tests/test_native_cuda.py
     stage "5c noise/votes tests, native CUDA" 90 $PYTEST tests/test_kernels_noise_votes.py -k "native-cuda or philox"

@@ -214,11 +214,11 @@ class SamplingEngine:
         precision: a key of :data:`PRECISIONS` (the base classifier's precision, labelled in every result).
         compile: run ``f_R`` through ``torch.compile`` with static batch shapes (the last batch is padded and its
             padding not counted); where compiling fails the engine warns once and stays eager.
-        cuda_graphs: on CUDA, replay ``f_R``'s forward as a CUDA graph captured at the static batch
-            (:mod:`splitz_fast.graphs`; the last batch is padded as for ``compile``): ``None`` (default) where it
-            measures faster than eager on this device for this ``f_R`` and batch, ``True`` always, ``False`` never.
-            A capture that fails, or whose replay does not score like eager, warns once and samples eagerly. Every
-            choice is in :attr:`graph_decisions`. ``True`` needs a CUDA device.
+        cuda_graphs: on CUDA, replay ``f_R``'s forward as a CUDA graph captured at the batch size
+            (:mod:`splitz_fast.graphs`; a shorter batch, at the end of a group of inputs, runs eagerly): ``None``
+            (default) where it measures faster than eager on this device for this ``f_R`` and batch, ``True``
+            always, ``False`` never. A capture that fails, or whose replay does not score like eager, warns once and
+            samples eagerly. Every choice is in :attr:`graph_decisions`. ``True`` needs a CUDA device.
     """
 
     def __init__(self, right: nn.Module, num_classes: int, sigma: float, device: torch.device,
@@ -340,8 +340,8 @@ class SamplingEngine:
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
                  parallel: bool, graph: GraphedScores | None = None) -> None:
-        """Run the batches of ``plan`` (:func:`_plan`) and count their votes (through ``graph`` where one is given:
-        every batch is then padded to its static ``batch_size`` rows).
+        """Run the batches of ``plan`` (:func:`_plan`) and count their votes (the full ones through ``graph`` where one
+        is given).
 
         With ``parallel`` and more than one torch thread, on Philox streams (every segment's samples reserved, so
         any thread draws them), the batches run on ``torch.get_num_threads()`` worker threads, each batch on one
@@ -371,15 +371,16 @@ class SamplingEngine:
     def _count_segments(self, net, segments: list[tuple[SamplingJob, int, int | None]], channels_last: bool,
                         pooled: bool, batch_size: int, graph: GraphedScores | None = None) -> None:
         total = sum(take for _, take, _ in segments)
-        # Static shapes for a compiled f_R or a CUDA graph: pad to the full batch; padded rows belong to no segment
-        # (scored, never counted).
-        rows = batch_size if self.compile or graph is not None else total
+        if total < batch_size:
+            graph = None  # a short batch (the end of a window) runs eagerly: no padding rows to score
+        # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
+        rows = batch_size if self.compile else total
         if graph is None and len(segments) == 1 and rows == total:
             job, take, first = segments[0]
             batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, pool2=pooled, at=first)
         else:
             if graph is not None:
-                batch = graph.input  # its padding rows hold earlier noisy rows: finite, and never counted
+                batch = graph.input
             else:
                 fmt = torch.channels_last if channels_last else torch.contiguous_format
                 shape = segments[0][0].latent.shape

@@ -108,7 +108,7 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
     table = [line.split(" | ") for line in md.splitlines() if "| s = " in line]
     for cells, r in zip(table, rows):
         assert cells[FLOOR_COLUMNS] == ["—", "— / —", "—", "—"], cells
-        assert cells[-1] == "no |" and cells[7] == f"{r['flops_per_sample'] / 1e9:.3g}", cells
+        assert cells[-2:] == ["no", "— |"] and cells[7] == f"{r['flops_per_sample'] / 1e9:.3g}", cells
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_every_failed_row_is_recorded_and_the_next_one_runs(tmp_path: Path):
 
 
 def test_gpu_checks_runs_the_target_table_first():
-    """The header promises the order: stage 1 the target table, stage 2 native CUDA vs Triton, then the rest."""
+    """The header promises the order: stage 1 the target table, stage 2 graphs and native CUDA vs Triton, then the rest."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
     code = "\n".join(line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#"))
     first = code.index("benchmarks.targets --part targets")
@@ -143,7 +143,7 @@ def test_gpu_checks_runs_the_target_table_first():
     assert first < code.index("splitz_fast.kernels.native_cuda\n") < native < code.index("train mnist lenet")
     assert native < code.index("mnist_envelope.sh") and native < code.index("pytest")
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
-    for promise in ("1. SPEC §5's target table", "2. native CUDA vs Triton", "n0 = 100, α = 0.001", "warm-up",
+    for promise in ("1. SPEC §5's target table", "2. CUDA graphs, fused pool, native CUDA vs Triton", "n0 = 100, α = 0.001", "warm-up",
                     "random weights and synthetic", "targets.json", "targets.md", "CHECKS=0"):
         assert promise in header, promise
 
@@ -260,11 +260,16 @@ row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, 
            **cost.record(), **floor.floors(cost, "bfloat16", 100_100, floor.card_for("NVIDIA H100 80GB HBM3"), 3.1e12),
            compiled_in_timed_region=True, naive_compiled_in_timed_region=False,
            timed_region_compiles=dict(dynamo_frames=0, dynamo_graphs=0, triton_compiles=2, triton_cache_files=0,
-                                      warmup_batch_shapes=3, new_batch_shapes=[]))
+                                      warmup_batch_shapes=3, new_batch_shapes=[]),
+           cuda_graphs=[dict(channels_last=True, pooled=False, batch=4096, used=True, reason="measured", eager_s=0.0021,
+                             graph_s=0.0008)])
 row.update(targets.assess(row))
+graph_row = dict(what="MNIST LeNet s=0 CERTIFY n=100,000 bfloat16: CUDA graph vs eager", images=3, status="ok",
+                 eager_s_per_image=0.0045, graph_s_per_image=0.0030, graph_speedup=1.5)
 settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
                 copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
-data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row])))
+data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row]),
+                                                                      native=dict(rows=[graph_row])))
 print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
 '''
 
@@ -289,6 +294,8 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
                                     f"{row['memory_floor_s']:.3g} / {row['fused_memory_floor_s']:.3g}",
                                     f"{row['ours_over_floor']:.1f}×", f"{row['ours_over_fused_floor']:.1f}×"]
     assert cells[13] == "≤ 0.0080 (SPEC §5, one H100)" and cells[14] == "yes / yes / **no**"
-    assert cells[15] == "**yes** (triton compiles 2) |"
+    assert cells[15] == "**yes** (triton compiles 2)" and cells[16] == "yes (2.10 → 0.80 ms/batch) |"
+    assert ("| MNIST LeNet s=0 CERTIFY n=100,000 bfloat16: CUDA graph vs eager (3 images) | graph 0.0030 s/image | "
+            "eager 0.0045 s/image | — | 1.50× (graph vs eager) |") in md
     assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
