@@ -72,7 +72,6 @@ if str(HERE) not in sys.path:  # the benchmark modules import each other by bare
     sys.path.insert(0, str(HERE))
 
 import splitz_fast as sz  # noqa: E402
-from splitz_fast.smoothing import DEFAULT_MAX_BATCH  # noqa: E402
 from splitz_fast.windows import WINDOW_BATCHES  # noqa: E402
 from compile_watch import BatchShapes, CompileCounter, timed_region_record  # noqa: E402
 from conftest import environment  # noqa: E402
@@ -220,7 +219,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
-    max_batch = 32 if quick else DEFAULT_MAX_BATCH
+    max_batch = 32 if quick else None  # None: the Smoother's default for the device
     bound_options = sz.BoundOptions(**workload.options)
     reference = sz.Smoother(model, SIGMA, bound_options=bound_options)
 
@@ -281,7 +280,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                 if warmed.prediction == sz.ABSTAIN and split > 0:  # compile the radius search's kernels all the same
                     smoother.protocol.radii(smoother.radius_search, [warm[0]], [sz.latent_radius(SIGMA, 0.99)],
                                             [torch.Generator(device=device).manual_seed(0)])
-                batch = smoother.engine().batch_size(smoother.latent(warm[0]).shape, max_batch)
+                batch = smoother.engine().batch_size(smoother.latent(warm[0]).shape, smoother.max_batch_size)
                 if images > 1 and n0 + n < WINDOW_BATCHES * batch:
                     # a sampling window holds several inputs: the timed set's windows (and so the tail batches) differ
                     # from one input's, so warm up on the timed set itself (other seeds) to see its batch shapes

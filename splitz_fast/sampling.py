@@ -19,6 +19,7 @@ Selection and estimation draws are consecutive, disjoint index ranges of one str
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -60,6 +61,10 @@ TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can lo
 TUNE_MIN_TIME_S = 0.15
 TUNE_BUDGET_S = 8.0
 TUNE_RECHECK = 3  # the fastest sizes of the sweep, timed once more (the better of two rates counts)
+# On CUDA the tuner tries no batch whose working memory (the peak above what was allocated before, scaled from the
+# last size measured) would pass this share of the card: the radius search, a CUDA graph's own memory pool and the
+# user's other work need room beside it.
+TUNE_MEMORY_FRACTION = 0.25
 # Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
 # precision, compile) -> batch size.
 _TUNED_BATCH: dict[tuple, int] = {}
@@ -450,10 +455,12 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     best_rate, best, b, worse = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
     rates: dict[int, float] = {}
     deadline = time.perf_counter() + TUNE_BUDGET_S
-    while b <= cap and time.perf_counter() < deadline:
+    memory = _BatchMemory(engine.device)
+    while b <= cap and time.perf_counter() < deadline and memory.allows(b):
         try:
-            rate = _samples_per_second(engine, net, SamplingJob(latent, stream, b, counts), channels_last, pooled,
-                                            parallel)
+            with memory.measuring(b):
+                rate = _samples_per_second(engine, net, SamplingJob(latent, stream, b, counts), channels_last, pooled,
+                                           parallel)
         except torch.OutOfMemoryError:
             break
         rates[b] = rate
@@ -474,6 +481,33 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
         except torch.OutOfMemoryError:
             continue
     return max(rates, key=lambda b: (rates[b], -b)) if rates else best
+
+class _BatchMemory:
+    """The tuner's memory guard on CUDA (:data:`TUNE_MEMORY_FRACTION`): the working memory of each batch size it
+    measures (peak allocated during the measurement, above what was allocated before it), and whether a larger size,
+    scaled linearly from the last one, would stay within the share. Off CUDA every size is allowed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.limit = (TUNE_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+                      if self.cuda else float("inf"))
+        self.per_sample = 0.0  # bytes per sample at the last size measured
+
+    def allows(self, batch: int) -> bool:
+        return batch * self.per_sample <= self.limit
+
+    @contextlib.contextmanager
+    def measuring(self, batch: int):
+        if not self.cuda:
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        self.per_sample = (torch.cuda.max_memory_allocated(self.device) - before) / batch
+
 
 def _samples_per_second(engine: "SamplingEngine", net, job: SamplingJob, channels_last: bool, pooled: bool, parallel: bool) -> float:
     """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then

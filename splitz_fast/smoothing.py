@@ -24,8 +24,12 @@ from .radius import BoundOptions, RadiusSearch, check_bound_options
 from .sampling import PRECISIONS, SamplingEngine
 from .windows import certify_stream, predict_stream
 
-# Largest f_R batch the tuner tries (an explicit batch_size may be larger).
+# Largest f_R batch the tuner tries (an explicit batch_size may be larger), per device type. On a CPU the fastest
+# batches are cache-sized (64-256 samples for LeNet). On CUDA the tuner still gained at 4096 for LeNet and ResNet-110
+# on an H100 (it stopped at the cap), so it may go further there; it also stops where the batch's working memory would
+# pass a share of the card (sampling.TUNE_MEMORY_FRACTION).
 DEFAULT_MAX_BATCH = 4096
+DEFAULT_MAX_BATCH_CUDA = 32768
 
 
 class Smoother:
@@ -46,7 +50,8 @@ class Smoother:
             launch per batch instead of one per layer; the same kernels, checked at capture): ``None`` (default)
             where it measures faster than eager for this ``f_R``, device and batch, ``True`` always, ``False`` never
             (``True`` needs the model on a CUDA device). The choices are in ``smoother.engine().graph_decisions``.
-        max_batch_size: the largest ``f_R`` batch the tuner tries when ``batch_size`` is not given.
+        max_batch_size: the largest ``f_R`` batch the tuner tries when ``batch_size`` is not given (default:
+            ``DEFAULT_MAX_BATCH`` = 4096, on CUDA ``DEFAULT_MAX_BATCH_CUDA`` = 32768).
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
         protocol: ``"sound"`` (default: a certificate), or ``"paper"`` / ``"published-code"`` (or a
@@ -68,7 +73,7 @@ class Smoother:
         precision: str = "float32",
         compile: bool = False,
         cuda_graphs: bool | None = None,
-        max_batch_size: int = DEFAULT_MAX_BATCH,
+        max_batch_size: int | None = None,
         overlap_bounds: bool | None = None,
         protocol: str | CertificationProtocol = "sound",
         **deprecated_bound_keywords,
@@ -89,7 +94,7 @@ class Smoother:
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
         self.cuda_graphs = cuda_graphs
-        self.max_batch_size = check_count("max_batch_size", max_batch_size)
+        self._max_batch_size = None if max_batch_size is None else check_count("max_batch_size", max_batch_size)
         self.overlap_bounds = overlap_bounds
         self._engine: SamplingEngine | None = None
         model.check_structure()
@@ -104,6 +109,13 @@ class Smoother:
     bound = property(lambda self: self.options.bound)
     bound_method = property(lambda self: self.options.bound_method)
     gamma_search = property(lambda self: self.options.gamma_search)
+
+    @property
+    def max_batch_size(self) -> int:
+        """The largest ``f_R`` batch the tuner tries: the one given, or the default for the model's device."""
+        if self._max_batch_size is not None:
+            return self._max_batch_size
+        return DEFAULT_MAX_BATCH_CUDA if self.device.type == "cuda" else DEFAULT_MAX_BATCH
 
     @property
     def device(self) -> torch.device:

@@ -16,7 +16,8 @@ import torch.nn as nn
 import splitz_fast as sz
 from splitz_fast import LeftHalf, Smoother, SplitModel
 from splitz_fast.radius import BoundOptions, bisection_reference
-from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine, fold_batchnorm, unfolded_batchnorms
+from splitz_fast.sampling import (NOISE_BLOCK, TUNE_MIN_BATCH, NoiseStream, SamplingEngine, fold_batchnorm,
+                                  unfolded_batchnorms)
 
 
 CPU = torch.device("cpu")
@@ -583,6 +584,40 @@ def test_batch_size_is_measured_once_and_never_changes_results():
     engine = smoother.engine()
     chosen = engine.batch_size(torch.Size((3, 6, 6)), 256)
     assert 32 <= chosen <= 256 and chosen == engine.batch_size(torch.Size((3, 6, 6)), 256)
+
+
+def test_the_tuner_cap_is_the_given_one_or_the_default_of_the_device():
+    model, _ = _small_splitz(3)
+    assert Smoother(model, 0.4).max_batch_size == sz.smoothing.DEFAULT_MAX_BATCH == 4096
+    assert Smoother(model, 0.4, max_batch_size=100).max_batch_size == 100
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Smoother(model, 0.4, max_batch_size=0)
+    if torch.cuda.is_available():
+        assert Smoother(model.cuda(), 0.4).max_batch_size == sz.smoothing.DEFAULT_MAX_BATCH_CUDA == 32768
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_tuner_keeps_the_batch_working_memory_within_its_share_of_the_card(monkeypatch):
+    """With the share set to 64 MiB, LeNet's measured batch (whose throughput would still grow) stops where its
+    working memory would pass it, and a batch of that size indeed stays within it."""
+    import splitz_fast.sampling as sampling
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    limit = 64 * 2 ** 20
+    monkeypatch.setattr(sampling, "TUNE_MEMORY_FRACTION", limit / total)
+    model = sz.build_model("lenet", split_index=0).cuda().eval()
+    engine = Smoother(model, 0.25).engine()
+    shape = torch.Size((1, 28, 28))
+    chosen = engine.batch_size(shape, 1 << 20)
+    assert TUNE_MIN_BATCH <= chosen < 1 << 20
+    memory = sampling._BatchMemory(torch.device("cuda"))
+    job = sampling.SamplingJob(torch.zeros(shape, device="cuda"), NoiseStream(0, torch.device("cuda")), chosen,
+                               torch.zeros(10, dtype=torch.int64, device="cuda"))
+    net = engine.prepared.get(True, False)
+    with memory.measuring(chosen):
+        engine._execute(net, [[sampling._segment(job, chosen)]], True, False, chosen, False)
+    assert chosen * memory.per_sample <= limit
 
 
 # ---------------------------------------------------------------------------------------------------- γ search
