@@ -496,11 +496,71 @@ def run_graph_comparison(recorder: Recorder, images: int, device: torch.device, 
                         "graph_speedup", images, device, quick, deadline, precision, workload, split)
 
 
+@contextlib.contextmanager
+def _dense_estimator(name: str):
+    """``lipschitz.DEVICE_DENSE_ESTIMATOR = name`` for the block (what a GPU measurement would decide)."""
+    import splitz_fast.lipschitz as lipschitz
+
+    default = lipschitz.DEVICE_DENSE_ESTIMATOR
+    lipschitz.DEVICE_DENSE_ESTIMATOR = name
+    try:
+        yield
+    finally:
+        lipschitz.DEVICE_DENSE_ESTIMATOR = default
+
+
+def exact_bound_case(device: torch.device, repeats: int = 10) -> dict:
+    """One exact bound of LeNet's first layer on the device (the masked Gram of d = 784 at γ = 0.5 on an MNIST-sized
+    input): milliseconds of ``certified_lambda_max`` with each dense device estimate (median of ``repeats``), and how
+    far apart the two proven bounds are."""
+    from splitz_fast.lipschitz import masked_operators
+
+    torch.manual_seed(0)
+    left = sz.lenet(split_index=1).left.to(device)
+    x = torch.rand(1, 1, 28, 28, device=device)
+    bounds = sz.ball_bounds(left, x, 0.5)
+    gram, terms = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0, sparse=False)
+    row = dict(what=f"exact bound, LeNet conv1 Gram (d = {gram.shape[0]}): squaring vs eigvalsh estimate",
+               device=device_name(device))
+    values = {}
+    for estimator in ("eigvalsh", "squaring"):
+        with _dense_estimator(estimator):
+            times = []
+            for _ in range(repeats + 1):  # the first call loads the solver libraries and compiles nothing timed
+                synchronize(device)
+                start = time.perf_counter()
+                values[estimator] = sz.certified_lambda_max(gram, terms)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+            row[f"{estimator}_ms"] = 1e3 * sorted(times[1:])[repeats // 2]
+    row.update(status="ok", squaring_vs_eigvalsh=row["eigvalsh_ms"] / row["squaring_ms"],
+               bound_relative_difference=abs(values["squaring"] - values["eigvalsh"]) / values["eigvalsh"])
+    return row
+
+
+def run_estimator_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """The dense device estimate that places the exact bound's Cholesky shift on CUDA (``DEVICE_DENSE_ESTIMATOR``):
+    one bound timed with each, then LeNet s = 1 CERTIFY (bf16) with each — what decides the default."""
+    row = dict(what="exact bound: squaring vs eigvalsh estimate", device=device_name(device))
+    try:
+        row = exact_bound_case(device)
+    except Exception as exc:
+        traceback.print_exc()
+        row.update(status="error", error=error_text(exc))
+    print("  " + json.dumps(row, default=str), flush=True)
+    recorder.add(row)
+    _comparison(recorder, "radius search with the eigvalsh vs squaring estimate",
+                {"eigvalsh": (lambda: _dense_estimator("eigvalsh"), {}),
+                 "squaring": (lambda: _dense_estimator("squaring"), {})},
+                "squaring_speedup", images, device, quick, deadline, "bfloat16")
+
+
 def run_native(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
     if device.type != "cuda":
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
     run_graph_comparison(recorder, images, device, quick, deadline)
+    run_estimator_comparison(recorder, images, device, quick, deadline)
     run_fused_pool(recorder, images, device, quick, deadline)
     from splitz_fast.kernels.native_cuda import cuda_native_available
 
@@ -542,7 +602,9 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
               "reference_ms", "cuda_vs_triton", "auto_s_per_image", "native_s_per_image", "native_speedup",
               "fused_s_per_image", "fused_speedup", "eager_s_per_image", "graph_s_per_image", "graph_speedup",
-              "cuda_graphs_setting", "error")
+              "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms", "squaring_vs_eigvalsh",
+              "bound_relative_difference", "eigvalsh_s_per_image", "squaring_s_per_image", "squaring_speedup",
+              "error")
 
 
 def write_csv(data: dict, path: Path) -> None:
@@ -629,6 +691,14 @@ def markdown(data: dict) -> str:
             elif "fused_speedup" in r:  # the first column: the fused Triton kernel in place of the CUDA one
                 lines.append(f"| {r['what']} ({r['images']} images) | fused {r['fused_s_per_image']:.4f} s/image | "
                              f"{r['auto_s_per_image']:.4f} s/image | — | {r['fused_speedup']:.2f}× (fused vs auto) |")
+            elif "squaring_vs_eigvalsh" in r:  # the first column: the squaring estimate in place of the CUDA kernel
+                lines.append(f"| {r['what']} | squaring {r['squaring_ms']:.2f} ms | eigvalsh {r['eigvalsh_ms']:.2f} ms "
+                             f"| — | {r['squaring_vs_eigvalsh']:.2f}× (bounds {r['bound_relative_difference']:.1e} "
+                             "apart) |")
+            elif "squaring_speedup" in r:
+                lines.append(f"| {r['what']} ({r['images']} images) | squaring {r['squaring_s_per_image']:.4f} "
+                             f"s/image | eigvalsh {r['eigvalsh_s_per_image']:.4f} s/image | — | "
+                             f"{r['squaring_speedup']:.2f}× (squaring vs eigvalsh) |")
             elif "graph_speedup" in r:  # the first column: CUDA graph replay in place of the native kernels
                 lines.append(f"| {r['what']} ({r['images']} images) | graph {r['graph_s_per_image']:.4f} s/image | "
                              f"eager {r['eager_s_per_image']:.4f} s/image | — | {r['graph_speedup']:.2f}× (graph vs "

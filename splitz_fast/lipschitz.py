@@ -76,11 +76,17 @@ class LipschitzBound:
 
 LANCZOS_BLOCK = 16  # Lanczos steps between convergence checks (one host sync each)
 LANCZOS_MAX_STEPS = 96  # LeNet conv1's Gram (d = 784) converges to machine precision by ~64 steps
-SHIFT_ESTIMATORS = ("auto", "lanczos", "eigen")
-# On CUDA, "auto" takes a dense on-device eigvalsh up to this Gram dimension and device Lanczos above it. Measured on an
+SHIFT_ESTIMATORS = ("auto", "lanczos", "eigen", "squaring")
+# On CUDA, "auto" takes a dense on-device estimate up to this Gram dimension and device Lanczos above it. Measured on an
 # H200 (whole exact bound, benchmarks/test_bench_bounds.py): LeNet conv1 (d = 784) 14 ms with eigvalsh vs 25 ms with
 # Lanczos (launch-bound Python loop); CIFAR stem (d = 3072) 27 ms with Lanczos vs 145 ms with a host copy + ARPACK.
 DEVICE_DENSE_MAX_DIM = 1024
+# The dense on-device estimate of "auto" on CUDA: "eigvalsh" (measured above) or "squaring"
+# (:func:`squaring_top_eigenvalue`: float64 matrix products only, no eigensolver). Until a GPU measurement of both
+# (`python -m benchmarks.targets --part native`, the exact-bound rows) says otherwise, the measured one.
+DEVICE_DENSE_ESTIMATOR = "eigvalsh"
+# Squarings of squaring_top_eigenvalue: eigenvalue i keeps weight (λ_i/λ_1)^(2^steps) against the top one.
+SQUARING_STEPS = 32
 # A banded (convolution) Gram up to this dimension is certified densely: one LAPACK Cholesky beats the panel loop of
 # _BandedCholesky there (LeNet conv1 at split 1, d = 784: 0.20 s against 0.89 s per bound; d = 3,072: equal; 2-core
 # CPU, loaded). The dense certificate holds for any symmetric matrix, the densified one included.
@@ -134,6 +140,33 @@ def lanczos_top_eigenvalue(gram: torch.Tensor, max_steps: int = LANCZOS_MAX_STEP
         if off[-1] * abs(vectors[-1, -1]) <= rtol * max(abs(theta), np.finfo(np.float64).tiny) or off[-1] == 0:
             break
     return theta
+
+
+def squaring_top_eigenvalue(gram: torch.Tensor, steps: int = SQUARING_STEPS) -> float:
+    """Estimate of ``λ_max`` of a symmetric PSD ``gram`` by repeated squaring, on ``gram``'s device, with one host
+    synchronisation (the result): ``M₀ = G / tr G``, then ``M ← M² / tr(M²)`` ``steps`` times, so that
+    ``M = Σ_i w_i u_i u_iᵀ`` with ``w_i ∝ λ_i^p``, ``p = 2^steps`` — the top eigenvector's projector once the others'
+    weights ``(λ_i/λ_1)^p`` have vanished; then the Rayleigh quotient ``vᵀGv / vᵀv`` of ``M``'s column ``v`` with the
+    largest diagonal entry (the one most aligned with the top eigenvector). Dense float64 products only: on a GPU with
+    fast float64 matrix products, no eigensolver's sequential reduction.
+
+    Accuracy: the Rayleigh quotient of ``v = Σ a_i u_i`` is below ``λ_1`` by ``Σ a_i² (λ_1 − λ_i) / Σ a_i²``. Choosing the
+    column of the largest diagonal bounds ``a_i/a_1`` by ``√d (λ_i/λ_1)^p``, so the relative error is at most about
+    ``d · max_x x^(2p) (1 − x) ≤ d / (2e·p)`` (the worst case: an eigenvalue just below the top one; ≈ 9e-8 for
+    ``d = 784``, ``steps = 32``), and at rounding level where the spectrum has a gap. It never enters the proof: it only
+    places the Cholesky shift of :func:`certified_lambda_max`, which widens the shift where the estimate is low."""
+    d = gram.shape[0]
+    if d == 0:
+        return 0.0
+    trace = gram.diagonal().sum()
+    m = gram / trace.clamp_min(torch.finfo(gram.dtype).tiny)
+    for _ in range(steps):
+        m = m @ m
+        m = m / m.diagonal().sum().clamp_min(torch.finfo(gram.dtype).tiny)
+    v = m.index_select(1, m.diagonal().argmax().view(1)).squeeze(1)
+    norm2 = v @ v
+    quotient = (v @ (gram @ v)) / norm2.clamp_min(torch.finfo(gram.dtype).tiny)
+    return float(torch.where(norm2 > 0, quotient, torch.zeros_like(quotient)))
 
 
 def _eigen_estimate(gram: torch.Tensor) -> float:
@@ -235,10 +268,11 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     rounding: ``n = min(d, b + 2)``.
 
     ``estimator`` picks the estimate ``μ`` that places the shift ``s`` (it never enters the proof): ``"lanczos"``
-    (:func:`lanczos_top_eigenvalue`, on the Gram's device), ``"eigen"`` (host eigensolver), or ``"auto"`` (on CUDA:
-    dense ``eigvalsh`` on the device up to ``DEVICE_DENSE_MAX_DIM``, Lanczos above; elsewhere the host solver). If a
-    Lanczos estimate leaves the shift too low for a tight bound, the host solver's estimate is tried before the
-    shift is widened further. A sparse ``gram`` takes ARPACK's estimate on the host, its Cholesky on its device.
+    (:func:`lanczos_top_eigenvalue`, on the Gram's device), ``"squaring"`` (:func:`squaring_top_eigenvalue`, on the
+    Gram's device), ``"eigen"`` (host eigensolver), or ``"auto"`` (on CUDA: the dense on-device estimate
+    ``DEVICE_DENSE_ESTIMATOR`` up to ``DEVICE_DENSE_MAX_DIM``, Lanczos above; elsewhere the host solver). If a
+    Lanczos or squaring estimate leaves the shift too low for a tight bound, the host solver's estimate is tried before
+    the shift is widened further. A sparse ``gram`` takes ARPACK's estimate on the host, its Cholesky on its device.
     """
     if estimator not in SHIFT_ESTIMATORS:
         raise ValueError(f"estimator must be one of {SHIFT_ESTIMATORS}, got {estimator!r}")
@@ -309,9 +343,10 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     tight, wide = (1e-10, 1e-8, 1e-6), (1e-4, 1e-2, 1e-1)
     device_dense = not sparse and estimator == "auto" and gram.is_cuda and d <= DEVICE_DENSE_MAX_DIM
     use_lanczos = not sparse and (estimator == "lanczos" or (estimator == "auto" and gram.is_cuda and not device_dense))
-    if use_lanczos:
-        mu = max(lanczos_top_eigenvalue(gram), 0.0)
-        # A Ritz value above Gershgorin's bound on λ_max can only be a broken recurrence: it would still give a proven
+    use_squaring = not sparse and (estimator == "squaring" or (device_dense and DEVICE_DENSE_ESTIMATOR == "squaring"))
+    if use_lanczos or use_squaring:
+        mu = max(squaring_top_eigenvalue(gram) if use_squaring else lanczos_top_eigenvalue(gram), 0.0)
+        # An estimate above Gershgorin's bound on λ_max can only be a broken computation: it would still give a proven
         # bound, but a loose one. Then take the host solver's estimate instead.
         if mu <= float(gram.abs().sum(1).max()):
             bound = shifted_bound(mu, tight)

@@ -266,10 +266,12 @@ row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, 
 row.update(targets.assess(row))
 graph_row = dict(what="MNIST LeNet s=0 CERTIFY n=100,000 bfloat16: CUDA graph vs eager", images=3, status="ok",
                  eager_s_per_image=0.0045, graph_s_per_image=0.0030, graph_speedup=1.5)
+bound_row = dict(what="exact bound, LeNet conv1 Gram (d = 784): squaring vs eigvalsh estimate", status="ok",
+                 eigvalsh_ms=9.4, squaring_ms=1.2, squaring_vs_eigvalsh=9.4 / 1.2, bound_relative_difference=2e-16)
 settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
                 copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
 data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row]),
-                                                                      native=dict(rows=[graph_row])))
+                                                                      native=dict(rows=[graph_row, bound_row])))
 print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
 '''
 
@@ -297,5 +299,7 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
     assert cells[15] == "**yes** (triton compiles 2)" and cells[16] == "yes (2.10 → 0.80 ms/batch) |"
     assert ("| MNIST LeNet s=0 CERTIFY n=100,000 bfloat16: CUDA graph vs eager (3 images) | graph 0.0030 s/image | "
             "eager 0.0045 s/image | — | 1.50× (graph vs eager) |") in md
+    assert ("| exact bound, LeNet conv1 Gram (d = 784): squaring vs eigvalsh estimate | squaring 1.20 ms | eigvalsh "
+            "9.40 ms | — | 7.83× (bounds 2.0e-16 apart) |") in md
     assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
     assert "COMPILED IN THE TIMED REGION" in out["summary"]

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.lipschitz import lanczos_top_eigenvalue, masked_operators, probabilistic_norm_bound
+from splitz_fast.lipschitz import (lanczos_top_eigenvalue, masked_operators, probabilistic_norm_bound,
+                                   squaring_top_eigenvalue)
 from splitz_fast.operators import MaskedAffine
 
 
@@ -264,7 +265,7 @@ def test_training_estimate_gradient_matches_dense_svd_gradient():
 ESTIMATORS = ["eigen", "lanczos"]  # the host solver (CPU default) and device Lanczos (CUDA default), both on CPU here
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("estimator", [*ESTIMATORS, "squaring"])
 def test_certified_lambda_max_on_hard_spectra(estimator):
     gen = torch.Generator().manual_seed(8)
     for d in (1, 5, 64, 300):
@@ -296,6 +297,41 @@ def test_lanczos_estimate_matches_a_dense_solver_on_lenet_grams(seed):
     exact = float(torch.linalg.eigvalsh(gram)[-1])
     estimate = lanczos_top_eigenvalue(gram)
     assert exact * (1 - 1e-10) <= estimate <= exact * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_squaring_estimate_matches_a_dense_solver_on_lenet_grams(seed):
+    """LeNet conv1's masked Gram (d = 784): the repeated-squaring estimate is the dense solver's top eigenvalue to
+    rounding, and the certificate placed by it equals the host solver's to the last few ulps."""
+    torch.manual_seed(seed)
+    left = sz.lenet(split_index=1).left
+    x = torch.rand(1, 1, 28, 28)
+    bounds = sz.ball_bounds(left, x, 0.3 + 0.3 * seed)
+    gram, terms = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0, sparse=False)
+    exact = float(torch.linalg.eigvalsh(gram)[-1])
+    assert squaring_top_eigenvalue(gram) == pytest.approx(exact, rel=1e-13)
+    squared = sz.certified_lambda_max(gram, terms, "squaring")
+    assert exact <= squared and squared == pytest.approx(sz.certified_lambda_max(gram, terms, "eigen"), rel=1e-13)
+
+
+@pytest.mark.parametrize("below", [1e-3, 1e-8, 1e-10, 0.0])
+def test_squaring_estimate_with_eigenvalues_just_below_the_top(below):
+    """The estimate's hard case: half the spectrum at λ_1(1 − below), where ``(λ_i/λ_1)^(2^32)`` has not vanished
+    (below = 1e-10). The estimate is then low by about ``below`` at most (the documented ``d/(2e·p)`` bound); the
+    certificate stays a proven bound, as tight as the host solver's to the shift's slack."""
+    d = 200
+    gen = torch.Generator().manual_seed(5)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    values = 0.5 * torch.rand(d, generator=gen, dtype=torch.float64)
+    values[::2] = 1.0 - below
+    values[-1] = 1.0
+    gram = (q * values) @ q.T
+    gram = (gram + gram.T) / 2
+    exact = float(torch.linalg.eigvalsh(gram)[-1])
+    estimate = squaring_top_eigenvalue(gram)
+    assert exact * (1 - max(below, 1e-14)) <= estimate <= exact * (1 + 1e-14)
+    bound = sz.certified_lambda_max(gram, 10, "squaring")
+    assert exact <= bound <= exact * (1 + 1e-8)
 
 
 def test_a_poor_lanczos_estimate_falls_back_to_the_host_solver(monkeypatch):
@@ -347,11 +383,11 @@ def test_certified_lambda_max_on_sparse_banded_grams(d, estimator):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("estimator", ["auto", "lanczos"])
+@pytest.mark.parametrize("estimator", ["auto", "lanczos", "squaring"])
 @pytest.mark.parametrize("seed", range(3))
 def test_exact_bound_on_cuda_matches_the_cpu_certificate(seed, estimator, monkeypatch):
     """On CUDA the exact bound places its shift on the device (dense eigvalsh for this d = 784 Gram under auto, or
-    Lanczos); the CPU uses the host solver. Both are proven bounds of the same Gram, so they must agree to the
+    Lanczos, or repeated squaring); the CPU uses the host solver. Both are proven bounds of the same Gram, so they must agree to the
     shift's slack and sit above the dense solver's λ_max."""
     import splitz_fast.lipschitz as lipschitz
 
