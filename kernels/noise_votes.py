@@ -40,8 +40,12 @@ index ``offset + k``: start a seed at ``offset = 0`` and advance ``offset += num
   (float32 ulps);
 * ``(offset + num) * D`` must stay at most ``2**64`` (checked).
 
-The Triton kernel computes one element per lane and so runs each Philox call twice (once for ``z_2i``, once for
-``z_2i+1``), which keeps its stores coalesced in either memory format; the CPU kernel runs it once per pair.
+The Triton kernel computes each Philox call once, for both normals of its pair, where the pairs are whole: ``D`` even
+and, for channels_last outputs, an even ``H·W`` (then ``z_2i`` and ``z_2i+1`` are neighbouring pixels of one channel,
+one pixel apart in storage, and each of the two stores of a tile is contiguous). Elsewhere (odd sizes, where a pair
+may straddle two samples) it computes one element per lane and so runs each Philox call twice. The Philox rounds and
+the Box–Muller transcendentals, not memory, bound the one-element form on a GPU (measured on an H100: LeNet's split-1
+noise at about a sixth of the card's bandwidth). The CPU kernel runs it once per pair.
 
 Where the kernels run: CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before the first launch (the
 kernels are jitted lazily at their first launch, so importing this module never imports Triton and never fails
@@ -129,6 +133,41 @@ def _noisy_latents_kernel(
     _store_sample(out_ptr + (row + q[None, :]), value, mask, BF16)
 
 
+def _noisy_latent_pairs_kernel(
+    latent_ptr, out_ptr, num, numel, channels, spatial, sigma,
+    seed_lo, seed_hi, base_lo, base_hi,
+    CHANNELS_LAST: tl.constexpr, BF16: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """:func:`_noisy_latents_kernel`'s output from one Philox call per pair: a ``[BLOCK_S samples, BLOCK_P pairs]``
+    tile, pair ``m`` of a sample holding its logical elements ``j0 = 2m'`` and ``j0 + 1`` (both normals of the call at
+    counter ``t0 / 2``). Needs ``numel`` even (then ``t0`` is even: the launch's first index is a multiple of it) and,
+    for channels_last, an even ``spatial = H·W``: pair ``m`` is then the pixels ``2⌊m/C⌋`` and ``2⌊m/C⌋ + 1`` of
+    channel ``m mod C``, at storage positions ``q0`` and ``q0 + C``. The same values as the one-element kernel, bit
+    for bit (the same words, the same float32 operations)."""
+    m = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # pair index within a sample (int32)
+    k = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # sample index within the launch
+    pmask = m < numel // 2
+    mask = (k < num)[:, None] & pmask[None, :]
+    if CHANNELS_LAST:  # storage (H, W, C): the pair is two horizontally adjacent pixels of channel c
+        c = m % channels
+        pixel = (m // channels) * 2
+        j0 = c * spatial + pixel
+        q0 = pixel * channels + c
+        q1 = q0 + channels
+    else:
+        j0 = 2 * m
+        q0 = j0
+        q1 = j0 + 1
+    seed, base = _stream_base(seed_lo, seed_hi, base_lo, base_hi)
+    row = k.to(tl.int64)[:, None] * numel
+    t0 = base + (row + j0.to(tl.int64)[None, :]).to(tl.uint64)  # even: stream index of the pair's first element
+    even, odd = _philox_normals(seed, t0 >> 1)
+    lat0 = tl.load(latent_ptr + j0, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    lat1 = tl.load(latent_ptr + j0 + 1, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    _store_sample(out_ptr + (row + q0[None, :]), lat0 + sigma * even, mask, BF16)
+    _store_sample(out_ptr + (row + q1[None, :]), lat1 + sigma * odd, mask, BF16)
+
+
 def _max_nan(a, b):
     """Elementwise max where a NaN wins, as ``F.max_pool2d``."""
     return tl.where((a > b) | (a != a), a, b)
@@ -209,6 +248,7 @@ def _count_votes_kernel(
 class _Kernels(NamedTuple):
     triton: object
     noise: object
+    noise_pairs: object
     noise_maxpool2: object
     votes: object
 
@@ -230,9 +270,10 @@ def _kernels() -> _Kernels:
     _max_nan, _noisy_row_pair_max = triton.jit(_max_nan), triton.jit(_noisy_row_pair_max)
     stream_args = ["sigma", "seed_lo", "seed_hi", "base_lo", "base_hi"]
     noise = triton.jit(_noisy_latents_kernel, do_not_specialize=stream_args)
+    pairs = triton.jit(_noisy_latent_pairs_kernel, do_not_specialize=stream_args)
     pooled = triton.jit(_noisy_maxpool2_kernel, do_not_specialize=stream_args)
     votes = triton.jit(_count_votes_kernel)
-    return _Kernels(triton, noise, pooled, votes)
+    return _Kernels(triton, noise, pairs, pooled, votes)
 
 
 def _check_launch_device(name: str, t: torch.Tensor) -> None:
@@ -335,20 +376,24 @@ def noisy_latents_triton(
     out = _output(latent, num, out_dtype, channels_last, out)
     numel = latent.numel()
     _check_launch_device("latent", latent)
-    triton, kernel = _kernels().triton, _kernels().noise
+    triton = _kernels().triton
     source = latent.detach().contiguous()
     channels, spatial = (latent.shape[0], latent.shape[1] * latent.shape[2]) if channels_last else (1, numel)
     seed_lo, seed_hi = _split32(seed)
-    block_e = min(triton.next_power_of_2(numel), 1024)
-    block_s = max(1, 1024 // block_e)
+    pairs = numel % 2 == 0 and spatial % 2 == 0  # whole pairs in every sample (module docstring)
+    kernel = _kernels().noise_pairs if pairs else _kernels().noise
+    width = numel // 2 if pairs else numel  # pairs or elements per sample
+    block_e = min(triton.next_power_of_2(width), 1024 // (1 + pairs))  # 1024 output elements per program
+    block_s = max(1, 1024 // (1 + pairs) // block_e)
     chunk = block_s * _MAX_GRID_Y  # samples per launch (the grid's second axis is limited to 65535 blocks)
     flat = out.as_strided((num, numel), (numel, 1))  # the dense storage, one row per sample, whatever the layout
+    blocks = {"BLOCK_P" if pairs else "BLOCK_E": block_e, "BLOCK_S": block_s}
     for start in range(0, num, chunk):
         rows = min(chunk, num - start)
         base_lo, base_hi = _split32(((offset + start) * numel) % _U64)  # the stream index of the launch's first element
-        kernel[(triton.cdiv(numel, block_e), triton.cdiv(rows, block_s))](
+        kernel[(triton.cdiv(width, block_e), triton.cdiv(rows, block_s))](
             source, flat[start:], rows, numel, channels, spatial, sigma, seed_lo, seed_hi, base_lo, base_hi,
-            CHANNELS_LAST=channels_last, BF16=out_dtype == torch.bfloat16, BLOCK_S=block_s, BLOCK_E=block_e,
+            CHANNELS_LAST=channels_last, BF16=out_dtype == torch.bfloat16, **blocks,
         )
     return out
 

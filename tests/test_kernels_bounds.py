@@ -553,12 +553,15 @@ for dt in ("fp32", "fp64"):
     types = lambda n: "*" + pointers[n] if n in pointers else "fp32" if n == "rel_rounding" else "i32"
     build(first_layer_kernel(), types, dict(HAS_BIAS=True, STANDARDIZE=True, HAS_MARGIN=True, THETA_MODE=1,
                                             NEED_NEXT=True, NEED_LATENT=True, BLOCK_M=32, BLOCK_N=16))
-# The sampling engine's noise kernels: the plain draw and the draw through a 2x2 max pool (float32 and bfloat16 out).
+# The sampling engine's noise kernels: the plain draw (one element or one pair per lane) and the draw through a 2x2 max
+# pool (float32 and bfloat16 out).
 from splitz_fast.kernels.noise_votes import _kernels as noise_kernels
 kernels = noise_kernels()
 for out in ("fp32", "bf16"):
     types = lambda n: {"latent_ptr": "*fp32", "out_ptr": "*" + out, "sigma": "fp32"}.get(n, "i32")
     build(kernels.noise, types, dict(CHANNELS_LAST=True, BF16=out == "bf16", BLOCK_S=1, BLOCK_E=1024))
+    for channels_last in (True, False):
+        build(kernels.noise_pairs, types, dict(CHANNELS_LAST=channels_last, BF16=out == "bf16", BLOCK_S=1, BLOCK_P=512))
     build(kernels.noise_maxpool2, types, dict(BF16=out == "bf16", BLOCK_S=1, BLOCK_E=512))
 print(f"compiled; slowest specialisation {slowest[0]:.2f} s: {slowest[1]}")
 """

@@ -191,10 +191,40 @@ def test_draws_do_not_depend_on_batching_or_layout(noise, monkeypatch):
     assert torch.equal(noisy_latents_triton(odd, 5, 0.5, 31, 1), torch.cat([noisy_latents_triton(odd, 2, 0.5, 31, 1),
                                                                     noisy_latents_triton(odd, 3, 0.5, 31, 3)]))
     assert torch.equal(noisy_latents_triton(odd, 5, 0.5, 31, 1), noisy_latents_triton(odd, 5, 0.5, 31, 1, channels_last=True))
+    even = _latent((4, 6, 6), device)  # even D and H W: pairs never straddle a sample or a channel
+    even_whole = noisy_latents_triton(even, 7, 0.5, 31, 2)
+    assert torch.equal(even_whole, torch.cat([noisy_latents_triton(even, 3, 0.5, 31, 2),
+                                              noisy_latents_triton(even, 4, 0.5, 31, 5)]))
+    assert torch.equal(even_whole, noisy_latents_triton(even, 7, 0.5, 31, 2, channels_last=True))
     if noise.name.startswith("triton"):
         monkeypatch.setattr(noise_votes, "_MAX_GRID_Y", 2)  # several launches of 2 samples
         assert torch.equal(whole, noisy_latents_triton(latent, 7, 0.5, 31, 2))
         assert torch.equal(whole, noisy_latents_triton(latent, 7, 0.5, 31, 2, channels_last=True))
+        assert torch.equal(even_whole, noisy_latents_triton(even, 7, 0.5, 31, 2, channels_last=True))
+
+
+@pytest.mark.skipif(CUDA, reason="CPU tensors need TRITON_INTERPRET=1")
+def test_triton_draws_whole_pairs_with_one_philox_call_each(monkeypatch):
+    """The pair kernel serves every latent whose pairs are whole (D even; H W even for channels_last), the one-element
+    kernel the rest."""
+    kernels = noise_votes._kernels()
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel, self.launches = kernel, 0
+
+        def __getitem__(self, grid):
+            self.launches += 1
+            return self.kernel[grid]
+
+    pairs, single = Counting(kernels.noise_pairs), Counting(kernels.noise)
+    monkeypatch.setattr(noise_votes, "_kernels", lambda: kernels._replace(noise_pairs=pairs, noise=single))
+    for shape, channels_last, paired in [((4, 6, 6), True, True), ((4, 6, 6), False, True), ((10,), False, True),
+                                         ((2, 3, 4), True, True), ((2, 3, 3), True, False), ((2, 3, 3), False, True),
+                                         ((3, 5, 7), True, False), ((9,), False, False)]:
+        before = pairs.launches, single.launches
+        noisy_latents_triton(_latent(shape, "cpu"), 3, 0.5, 1, 0, channels_last=channels_last)
+        assert (pairs.launches - before[0], single.launches - before[1]) == ((1, 0) if paired else (0, 1)), shape
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -246,13 +276,16 @@ def test_noise_input_validation(noise):
 
 
 @pytest.mark.parametrize("shape,channels_last", [((3, 5, 7), False), ((3, 5, 7), True), ((4, 6, 6), True), ((9,), False),
-                                                 ((16, 4, 6), True), ((1, 6, 6), True)])
+                                                 ((16, 4, 6), True), ((1, 6, 6), True), ((4, 6, 6), False),
+                                                 ((10,), False), ((2, 3, 4), True), ((2, 3, 3), False)])
 @pytest.mark.parametrize("offset", [0, 3, 2**40 + 1, 2**64 // 400 - 9])  # the last: near the stream's end
 def test_every_backend_draws_the_reference_stream(noise, shape, channels_last, offset):
     """Element j of sample k is z_t, t = (offset + k) D + j, of the documented stream (stream_normals_reference):
     equal up to the float32 rounding of ln / cos / sin (|Δz| <= 2e-6 (1 + |z|)), in either layout, for even and odd D
     and at offsets whose Philox counters use the high counter word. The channels_last shapes cover the native
-    kernel's three store paths: pair rows (C >= 16, H W even), permuted (few channels or H W odd), and C = 1."""
+    kernel's three store paths: pair rows (C >= 16, H W even), permuted (few channels or H W odd), and C = 1; the
+    Triton kernel's pair form (D even, and H W even for channels_last) and its one-element form (the rest, e.g.
+    (2, 3, 3) with D even but H W odd)."""
     noisy_latents_triton, device = noise.fn, noise.device
     latent = _latent(shape, device)
     num = 9
