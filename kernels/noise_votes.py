@@ -277,7 +277,7 @@ def _kernels() -> _Kernels:
 
 
 def _check_launch_device(name: str, t: torch.Tensor) -> None:
-    interpreted = type(_kernels().noise).__name__ == "InterpretedFunction"
+    interpreted = type(_kernels().votes).__name__ == "InterpretedFunction"  # one kernel stands for all
     if t.device.type != "cuda" and not interpreted:
         raise ValueError(f"{name} is on {t.device}: the Triton kernels run on CUDA tensors (or on CPU tensors when "
                          "TRITON_INTERPRET=1 is set before the first launch); use the *_reference function elsewhere")
