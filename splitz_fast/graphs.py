@@ -23,11 +23,13 @@ import torch
 
 # Eager calls on a side stream before the capture: cuDNN's benchmark mode picks its algorithms, lazy initialisation
 # (cuBLAS workspaces, autocast, compiled code) happens outside the graph.
-WARMUP_CALLS = 3
-# The timing that decides between the graph and eager (:func:`graph_is_faster`): passes of each until this much time
-# has elapsed, the better of TIMING_ROUNDS rounds.
+WARMUP_CALLS = 2
+# The timing that decides between the graph and eager (:func:`graph_is_faster`): calls of each until this much time
+# has elapsed, the better of up to TIMING_ROUNDS rounds (one round where a round already takes TIMING_LONG_S: a batch
+# that slow is not launch-bound, and the choice is not worth seconds of a run).
 TIMING_MIN_S = 0.02
 TIMING_ROUNDS = 3
+TIMING_LONG_S = 0.1
 
 
 class GraphCaptureError(RuntimeError):
@@ -84,8 +86,8 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
 
 def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor], graphed: GraphedScores) -> tuple[bool, float, float]:
     """Whether replaying ``graphed`` scores its static batch faster than the eager ``scores``, measured here:
-    ``(faster, eager seconds per batch, graph seconds per batch)``, each the better of :data:`TIMING_ROUNDS` rounds of
-    at least :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the host's or the
+    ``(faster, eager seconds per batch, graph seconds per batch)``, each the better of up to :data:`TIMING_ROUNDS`
+    rounds of at least :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the host's or the
     GPU's, whichever is slower). Noise and vote counting are the same either way and are not timed."""
     batch = graphed.input
 
@@ -98,7 +100,10 @@ def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor], graphed: Gra
                 call()
                 calls += 1
             torch.cuda.synchronize(batch.device)
-            best = min(best, (time.perf_counter() - start) / calls)
+            elapsed = time.perf_counter() - start
+            best = min(best, elapsed / calls)
+            if elapsed >= TIMING_LONG_S:
+                break
         return best
 
     eager = seconds_per_call(lambda: scores(batch))
