@@ -84,11 +84,12 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
     return GraphedScores(graph, static_input, output)
 
 
-def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor], graphed: GraphedScores) -> tuple[bool, float, float]:
+def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
+                    graphed: GraphedScores) -> tuple[bool, float, float]:
     """Whether replaying ``graphed`` scores its static batch faster than the eager ``scores``, measured here:
     ``(faster, eager seconds per batch, graph seconds per batch)``, each the better of up to :data:`TIMING_ROUNDS`
-    rounds of at least :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the host's or the
-    GPU's, whichever is slower). Noise and vote counting are the same either way and are not timed."""
+    rounds of at least :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the
+    host's or the GPU's, whichever is slower). Noise and vote counting are the same either way and are not timed."""
     batch = graphed.input
 
     def seconds_per_call(call: Callable[[], object]) -> float:

@@ -554,5 +554,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "GraphDecision", "PRECISIONS", "NOISE_BLOCK", "fold_batchnorm",
-           "unfolded_batchnorms"]
+__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "GraphDecision", "PRECISIONS", "NOISE_BLOCK",
+           "fold_batchnorm", "unfolded_batchnorms"]
