@@ -313,7 +313,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
 def graph_record(engine) -> list[dict]:
     """What the engine decided about CUDA graphs, per static batch it sampled (empty off CUDA)."""
     return [dict(channels_last=key[0], pooled=key[1], batch=key[2], used=d.used, reason=d.reason, eager_s=d.eager_s,
-                 graph_s=d.graph_s) for key, d in engine.graph_decisions.items()]
+                 graph_s=d.graph_s) for key, d in engine.graphs.decisions.items()]
 
 
 def graph_cell(row: dict) -> str:

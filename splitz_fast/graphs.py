@@ -16,6 +16,7 @@ samples eagerly.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -112,4 +113,50 @@ def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
     return graph < eager, eager, graph
 
 
-__all__ = ["GraphCaptureError", "GraphedScores", "capture_scores", "graph_is_faster"]
+@dataclass
+class GraphDecision:
+    """Whether the engine scores one static batch through a CUDA graph (``used``) and why: ``cuda_graphs=True``, the
+    measurement (``eager_s`` / ``graph_s``: seconds per batch of each), or the capture's failure."""
+
+    used: bool
+    reason: str
+    eager_s: float | None = None
+    graph_s: float | None = None
+
+
+class GraphChoice:
+    """A sampling engine's use of CUDA graphs: its ``cuda_graphs`` setting (``None``: measure, ``True``, ``False``),
+    and :attr:`decisions`, keyed by the engine's ``(channels_last, pooled, rows)``. One warning for a capture that
+    fails, however many batch shapes fail."""
+
+    def __init__(self, setting: bool | None, device: torch.device):
+        if setting and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs f_R on a CUDA device (it is on {device}); move the model with "
+                             ".cuda(), or leave cuda_graphs unset")
+        self.setting, self.device = setting, device
+        self.decisions: dict[tuple, GraphDecision] = {}
+
+    def choose(self, key: tuple, scores: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
+               tolerance: float) -> GraphedScores | None:
+        """A checked graph of ``scores`` at the shape of ``example()`` (a batch of noisy rows), or ``None`` where the
+        engine should stay eager: off CUDA, ``cuda_graphs=False``, a failed capture, or (by default) eager measured
+        faster. Records the decision under ``key``."""
+        if self.device.type != "cuda" or self.setting is False:
+            return None
+        try:
+            graphed = capture_scores(scores, example(), tolerance)
+        except GraphCaptureError as err:
+            if not any(d.reason.startswith("capture failed") for d in self.decisions.values()):
+                warnings.warn(f"f_R could not run as a CUDA graph ({err}); sampling runs it eagerly", stacklevel=2)
+            self.decisions[key] = GraphDecision(False, f"capture failed: {err}")
+            return None
+        if self.setting:
+            self.decisions[key] = GraphDecision(True, "cuda_graphs=True")
+            return graphed
+        faster, eager_s, graph_s = graph_is_faster(scores, graphed)
+        self.decisions[key] = GraphDecision(faster, f"measured at batch {key[-1]}: eager {eager_s * 1e3:.3f} ms, "
+                                                    f"graph {graph_s * 1e3:.3f} ms", eager_s, graph_s)
+        return graphed if faster else None
+
+
+__all__ = ["GraphCaptureError", "GraphChoice", "GraphDecision", "GraphedScores", "capture_scores", "graph_is_faster"]

@@ -23,7 +23,6 @@ import contextlib
 import copy
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from .kernels.noise_votes import (
     noisy_latents_maxpool2_triton,
     noisy_latents_native,
 )
-from .graphs import GraphCaptureError, GraphedScores, capture_scores, graph_is_faster
+from .graphs import GraphChoice, GraphedScores
 from .prepared import (PROBE_TOLERANCE, CompiledOrEager, PreparedClassifier, check_batch_independent, noisy_rows,
                        starts_with_maxpool2)
 
@@ -65,9 +64,27 @@ TUNE_RECHECK = 3  # the fastest sizes of the sweep, timed once more (the better 
 # last size measured) would pass this share of the card: the radius search, a CUDA graph's own memory pool and the
 # user's other work need room beside it.
 TUNE_MEMORY_FRACTION = 0.25
+# Largest f_R batch the tuner tries by default (default_max_batch; an explicit batch size may be larger). On a CPU the
+# fastest batches are cache-sized (64-256 samples for LeNet). On CUDA the tuner still gained at 4096 for LeNet and
+# ResNet-110 on an H100 (it stopped at that cap), so it may go further there, within TUNE_MEMORY_FRACTION of the card.
+DEFAULT_MAX_BATCH = 4096
+DEFAULT_MAX_BATCH_CUDA = 32768
 # Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
 # precision, compile) -> batch size.
 _TUNED_BATCH: dict[tuple, int] = {}
+
+
+def default_max_batch(device: torch.device) -> int:
+    """The largest batch the tuner tries on ``device`` unless told otherwise."""
+    return DEFAULT_MAX_BATCH_CUDA if torch.device(device).type == "cuda" else DEFAULT_MAX_BATCH
+
+
+def check_engine_settings(precision: str, cuda_graphs: bool | None) -> None:
+    """Refuse a precision that is not a key of :data:`PRECISIONS` and a ``cuda_graphs`` other than None/True/False."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    if cuda_graphs not in (None, True, False):
+        raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
 
 
 def pooled_noise_kernel(device: torch.device):
@@ -186,17 +203,6 @@ def _draw_shape(shape: torch.Size, channels_last: bool) -> tuple[int, ...]:
 
 
 @dataclass
-class GraphDecision:
-    """Whether the engine scores one static batch through a CUDA graph (``used``) and why: ``cuda_graphs=True``, the
-    measurement (``eager_s`` / ``graph_s``: seconds per batch of each), or the capture's failure."""
-
-    used: bool
-    reason: str
-    eager_s: float | None = None
-    graph_s: float | None = None
-
-
-@dataclass
 class SamplingJob:
     """``num`` noise samples of one latent through ``f_R``; their class votes are added to ``counts`` (``[C]`` int64
     on the device)."""
@@ -219,31 +225,21 @@ class SamplingEngine:
         precision: a key of :data:`PRECISIONS` (the base classifier's precision, labelled in every result).
         compile: run ``f_R`` through ``torch.compile`` with static batch shapes (the last batch is padded and its
             padding not counted); where compiling fails the engine warns once and stays eager.
-        cuda_graphs: on CUDA, replay ``f_R``'s forward as a CUDA graph captured at the batch size
-            (:mod:`splitz_fast.graphs`; a shorter batch, at the end of a group of inputs, runs eagerly): ``None``
-            (default) where it measures faster than eager on this device for this ``f_R`` and batch, ``True``
-            always, ``False`` never. A capture that fails, or whose replay does not score like eager, warns once and
-            samples eagerly. Every choice is in :attr:`graph_decisions`. ``True`` needs a CUDA device.
+        cuda_graphs: on CUDA, replay ``f_R`` as a CUDA graph captured at the batch size (shorter batches run eagerly):
+            ``None`` (default) where measured faster than eager, ``True`` (needs CUDA), ``False``; a failed capture
+            warns once and stays eager (:class:`~splitz_fast.graphs.GraphChoice`; its choices: ``graphs.decisions``).
     """
 
     def __init__(self, right: nn.Module, num_classes: int, sigma: float, device: torch.device,
                  precision: str = "float32", compile: bool = False, cuda_graphs: bool | None = None):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-        if cuda_graphs not in (None, True, False):
-            raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
-        if cuda_graphs and torch.device(device).type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs f_R on a CUDA device (it is on {torch.device(device)}); move the "
-                             "model with .cuda(), or leave cuda_graphs unset")
+        check_engine_settings(precision, cuda_graphs)
         self.num_classes = num_classes
         self.sigma = sigma
         self.device = torch.device(device)
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.compile = compile
-        self.cuda_graphs = cuda_graphs
-        # (channels_last, pooled, rows) -> what was decided for that static batch and why (see GraphDecision)
-        self.graph_decisions: dict[tuple[bool, bool, int], GraphDecision] = {}
+        self.graphs = GraphChoice(cuda_graphs, self.device)
         self.prepared = PreparedClassifier(right, self.device, compile)
         self._count_lock = threading.Lock()
 
@@ -308,34 +304,11 @@ class SamplingEngine:
 
     def _graph(self, net: nn.Module, layout: tuple[bool, bool], rows: int,
                latent: torch.Tensor) -> GraphedScores | None:
-        """The CUDA graph that scores the static batches of ``rows`` samples, or ``None`` to run ``net`` eagerly
-        (:attr:`cuda_graphs`); captured, checked and (by default) timed against eager once per prepared copy."""
-        if self.device.type != "cuda" or self.cuda_graphs is False:
-            return None
-
-        def capture() -> GraphedScores | None:
-            def scores(batch: torch.Tensor) -> torch.Tensor:
-                return self._scores(net, batch)
-
-            example = noisy_rows(latent, self.sigma, self.dtype, rows, *layout)
-            try:
-                graphed = capture_scores(scores, example, PROBE_TOLERANCE[self.dtype])
-            except GraphCaptureError as err:
-                decision = GraphDecision(False, f"capture failed: {err}")
-                if not any(d.reason.startswith("capture failed") for d in self.graph_decisions.values()):
-                    warnings.warn(f"f_R could not run as a CUDA graph ({err}); sampling runs it eagerly", stacklevel=6)
-                self.graph_decisions[(*layout, rows)] = decision
-                return None
-            if self.cuda_graphs:
-                self.graph_decisions[(*layout, rows)] = GraphDecision(True, "cuda_graphs=True")
-                return graphed
-            faster, eager_s, graph_s = graph_is_faster(scores, graphed)
-            self.graph_decisions[(*layout, rows)] = GraphDecision(
-                faster, f"measured at batch {rows}: eager {eager_s * 1e3:.3f} ms, graph {graph_s * 1e3:.3f} ms",
-                eager_s, graph_s)
-            return graphed if faster else None
-
-        return self.prepared.graphed(layout, rows, capture)
+        """The CUDA graph that scores full batches of ``rows`` samples, or ``None`` (eager): decided by
+        :attr:`graphs` once per prepared copy of ``f_R``."""
+        return self.prepared.graphed(layout, rows, lambda: self.graphs.choose(
+            (*layout, rows), lambda batch: self._scores(net, batch),
+            lambda: noisy_rows(latent, self.sigma, self.dtype, rows, *layout), PROBE_TOLERANCE[self.dtype]))
 
     def _may_run_parallel(self, net: nn.Module) -> bool:
         """Whether batches may run on several worker threads (:meth:`_execute`): on the CPU, through an eager
@@ -380,25 +353,8 @@ class SamplingEngine:
             graph = None  # a short batch (the end of a window) runs eagerly: no padding rows to score
         # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
         rows = batch_size if self.compile else total
-        if graph is None and len(segments) == 1 and rows == total:
-            job, take, first = segments[0]
-            batch = job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last, pool2=pooled, at=first)
-        else:
-            if graph is not None:
-                batch = graph.input
-            else:
-                fmt = torch.channels_last if channels_last else torch.contiguous_format
-                shape = segments[0][0].latent.shape
-                if pooled:
-                    shape = (shape[0], shape[1] // 2, shape[2] // 2)
-                batch = torch.empty((rows, *shape), dtype=self.dtype, device=self.device, memory_format=fmt)
-                if rows > total:
-                    batch[total:].zero_()
-            start = 0
-            for job, take, first in segments:
-                job.stream.noisy(job.latent, take, self.sigma, self.dtype, channels_last,
-                                 out=batch[start:start + take], pool2=pooled, at=first)
-                start += take
+        batch = _noisy_batch(segments, rows, self.sigma, self.dtype, channels_last, pooled,
+                             None if graph is None else graph.input)
         logits = self._scores(net, batch) if graph is None else graph.replay()
         count = {"triton": count_votes_triton, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
                                                                        count_votes_reference)
@@ -407,6 +363,30 @@ class SamplingEngine:
             for job, take, _ in segments:
                 count(logits[start:start + take], job.counts)
                 start += take
+
+
+def _noisy_batch(segments: list[tuple[SamplingJob, int, int | None]], rows: int, sigma: float, dtype: torch.dtype,
+                 channels_last: bool, pooled: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """One ``f_R`` batch of ``rows`` rows: the segments' noisy samples in order, then zero padding rows; written into
+    ``out`` when given (a CUDA graph's input: then exactly the segments' rows), else into a fresh tensor, or drawn
+    directly by the stream where one segment fills the batch."""
+    total = sum(take for _, take, _ in segments)
+    if out is None and len(segments) == 1 and rows == total:
+        job, take, first = segments[0]
+        return job.stream.noisy(job.latent, take, sigma, dtype, channels_last, pool2=pooled, at=first)
+    if out is None:
+        shape = segments[0][0].latent.shape
+        if pooled:
+            shape = (shape[0], shape[1] // 2, shape[2] // 2)
+        out = torch.empty((rows, *shape), dtype=dtype, device=segments[0][0].latent.device,
+                          memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        out[total:].zero_()
+    start = 0
+    for job, take, first in segments:
+        job.stream.noisy(job.latent, take, sigma, dtype, channels_last, out=out[start:start + take], pool2=pooled,
+                         at=first)
+        start += take
+    return out
 
 
 def _segment(job: SamplingJob, take: int) -> tuple[SamplingJob, int, int | None]:
@@ -554,5 +534,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "GraphDecision", "PRECISIONS", "NOISE_BLOCK",
+__all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK",
            "fold_batchnorm", "unfolded_batchnorms"]

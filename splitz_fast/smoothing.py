@@ -21,15 +21,8 @@ from .modules import SplitModel
 from .outcomes import ABSTAIN, CertifyResult, PredictResult, about_given_input
 from .protocols import CertificationProtocol, get_protocol
 from .radius import BoundOptions, RadiusSearch, check_bound_options
-from .sampling import PRECISIONS, SamplingEngine
+from .sampling import PRECISIONS, SamplingEngine, check_engine_settings, default_max_batch
 from .windows import certify_stream, predict_stream
-
-# Largest f_R batch the tuner tries (an explicit batch_size may be larger), per device type. On a CPU the fastest
-# batches are cache-sized (64-256 samples for LeNet). On CUDA the tuner still gained at 4096 for LeNet and ResNet-110
-# on an H100 (it stopped at the cap), so it may go further there; it also stops where the batch's working memory would
-# pass a share of the card (sampling.TUNE_MEMORY_FRACTION).
-DEFAULT_MAX_BATCH = 4096
-DEFAULT_MAX_BATCH_CUDA = 32768
 
 
 class Smoother:
@@ -40,18 +33,11 @@ class Smoother:
         sigma: noise level σ > 0, in latent units.
         bound_options: the Lipschitz bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (``None``: its
             defaults); kept as :attr:`options`.
-        precision: ``"float32"`` (default: IEEE float32, also on CUDA, where cuDNN's default TF32 convolutions are
-            switched off while sampling), ``"tf32"`` (float32 with TF32 tensor-core convolutions and matmuls on CUDA;
-            float32 elsewhere), ``"bfloat16"`` or ``"float16"``: how ``f_R`` computes while sampling (noise and the
-            noisy latent are float32 until the cast). Lower precision changes the base classifier, not the validity of
-            its certificates; compare runs only at the same precision.
-        compile: sample through ``torch.compile(f_R)`` with static batch shapes (falls back to eager with a warning).
-        cuda_graphs: on CUDA, score each batch by replaying a CUDA graph of ``f_R`` captured at the static batch (one
-            launch per batch instead of one per layer; the same kernels, checked at capture): ``None`` (default)
-            where it measures faster than eager for this ``f_R``, device and batch, ``True`` always, ``False`` never
-            (``True`` needs the model on a CUDA device). The choices are in ``smoother.engine().graph_decisions``.
-        max_batch_size: the largest ``f_R`` batch the tuner tries when ``batch_size`` is not given (default:
-            ``DEFAULT_MAX_BATCH`` = 4096, on CUDA ``DEFAULT_MAX_BATCH_CUDA`` = 32768).
+        precision: how ``f_R`` computes while sampling, a key of ``sampling.PRECISIONS`` (``"float32"``,
+            IEEE also on CUDA, the default): the base classifier, not the validity of its certificates, changes.
+        compile, cuda_graphs: how the engine runs ``f_R`` (:class:`~splitz_fast.sampling.SamplingEngine`):
+            ``torch.compile``\ d, and on CUDA replayed as a CUDA graph (``None``, the default: where measured faster).
+        max_batch_size: the largest batch the tuner tries (default 4096; on CUDA 32768: ``sampling.default_max_batch``).
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
         protocol: ``"sound"`` (default: a certificate), or ``"paper"`` / ``"published-code"`` (or a
@@ -81,19 +67,14 @@ class Smoother:
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
                             "build one with split_sequential() or SplitModel(left, right, num_classes)")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        check_engine_settings(precision, cuda_graphs)
         self._model = model
         self.sigma = check_positive("sigma", sigma)
         self.options = check_bound_options(bound_options, deprecated_bound_keywords, "Smoother")
         self.radius_search = RadiusSearch(model, self.options)
         self.protocol = get_protocol(protocol)
         self.protocol.check(model)
-        self.precision = precision
-        self.compile = bool(compile)
-        if cuda_graphs not in (None, True, False):
-            raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
-        self.cuda_graphs = cuda_graphs
+        self.precision, self.compile, self.cuda_graphs = precision, bool(compile), cuda_graphs
         self._max_batch_size = None if max_batch_size is None else check_count("max_batch_size", max_batch_size)
         self.overlap_bounds = overlap_bounds
         self._engine: SamplingEngine | None = None
@@ -110,12 +91,8 @@ class Smoother:
     bound_method = property(lambda self: self.options.bound_method)
     gamma_search = property(lambda self: self.options.gamma_search)
 
-    @property
-    def max_batch_size(self) -> int:
-        """The largest ``f_R`` batch the tuner tries: the one given, or the default for the model's device."""
-        if self._max_batch_size is not None:
-            return self._max_batch_size
-        return DEFAULT_MAX_BATCH_CUDA if self.device.type == "cuda" else DEFAULT_MAX_BATCH
+    max_batch_size = property(lambda self: self._max_batch_size or default_max_batch(self.device),
+                              doc="The largest ``f_R`` batch the tuner tries: the one given, or the device's default.")
 
     @property
     def device(self) -> torch.device:
@@ -129,9 +106,8 @@ class Smoother:
         engine = self._engine
         if engine is None or engine.device != device or engine.source is not model.right \
                 or engine.num_classes != model.num_classes:
-            engine = self._engine = SamplingEngine(model.right, model.num_classes, self.sigma, device,
-                                                   precision=self.precision, compile=self.compile,
-                                                   cuda_graphs=self.cuda_graphs)
+            engine = self._engine = SamplingEngine(model.right, model.num_classes, self.sigma, device, self.precision,
+                                                   self.compile, self.cuda_graphs)
         engine.prepared.check_current()
         return engine
 

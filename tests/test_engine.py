@@ -588,12 +588,12 @@ def test_batch_size_is_measured_once_and_never_changes_results():
 
 def test_the_tuner_cap_is_the_given_one_or_the_default_of_the_device():
     model, _ = _small_splitz(3)
-    assert Smoother(model, 0.4).max_batch_size == sz.smoothing.DEFAULT_MAX_BATCH == 4096
+    assert Smoother(model, 0.4).max_batch_size == sz.sampling.DEFAULT_MAX_BATCH == 4096
     assert Smoother(model, 0.4, max_batch_size=100).max_batch_size == 100
     with pytest.raises(ValueError, match="max_batch_size"):
         Smoother(model, 0.4, max_batch_size=0)
     if torch.cuda.is_available():
-        assert Smoother(model.cuda(), 0.4).max_batch_size == sz.smoothing.DEFAULT_MAX_BATCH_CUDA == 32768
+        assert Smoother(model.cuda(), 0.4).max_batch_size == sz.sampling.DEFAULT_MAX_BATCH_CUDA == 32768
 
 
 @pytest.mark.gpu

@@ -55,7 +55,7 @@ def test_on_a_cpu_the_default_samples_eagerly_and_decides_nothing():
     off = [r.count_a for r in Smoother(model, 0.5, cuda_graphs=False).certify_many(xs, 10, 300, 0.01, batch_size=64,
                                                                                      seeds=range(5))]
     assert default == off
-    assert smoother.engine().graph_decisions == {}
+    assert smoother.engine().graphs.decisions == {}
 
 
 def test_capture_refuses_a_cpu_batch():
@@ -94,7 +94,7 @@ def test_certificates_through_graphs_are_those_of_the_eager_path(split, precisio
     def run(graphs):
         smoother = Smoother(model, 0.5, precision=precision, cuda_graphs=graphs)
         out = list(smoother.certify_many(xs, 50, 3000, 0.01, batch_size=512, seeds=range(4)))
-        return out, smoother.engine().graph_decisions
+        return out, smoother.engine().graphs.decisions
 
     graphed, decisions = run(True)
     eager, none = run(False)
@@ -128,7 +128,7 @@ def test_a_capture_that_fails_warns_once_and_samples_eagerly():
                                                                            seeds=range(5))]
     messages = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
     assert len(messages) == 1 and "sampling runs it eagerly" in messages[0]
-    decisions = list(smoother.engine().graph_decisions.values())
+    decisions = list(smoother.engine().graphs.decisions.values())
     assert decisions and not any(d.used for d in decisions) and decisions[0].reason.startswith("capture failed")
     eager = [(r.prediction, r.count_a) for r in Smoother(model, 0.5, cuda_graphs=False).certify_many(
         xs, 10, 400, 0.01, batch_size=64, seeds=range(5))]
@@ -140,7 +140,7 @@ def test_the_default_decides_by_measurement_and_records_it():
     model, xs = _small_splitz("cuda")
     smoother = Smoother(model, 0.5)
     list(smoother.certify_many(xs, 10, 400, 0.01, batch_size=64, seeds=range(5)))
-    (decision,) = smoother.engine().graph_decisions.values()
+    (decision,) = smoother.engine().graphs.decisions.values()
     assert decision.eager_s > 0 and decision.graph_s > 0
     assert decision.used == (decision.graph_s < decision.eager_s)
     assert decision.reason.startswith("measured at batch 64: eager ")
