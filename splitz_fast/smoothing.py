@@ -36,7 +36,7 @@ class Smoother:
         precision: how ``f_R`` computes while sampling, a key of ``sampling.PRECISIONS`` (``"float32"``,
             IEEE also on CUDA, the default): the base classifier, not the validity of its certificates, changes.
         compile, cuda_graphs: how the engine runs ``f_R`` (:class:`~splitz_fast.sampling.SamplingEngine`):
-            ``torch.compile``\ d, and on CUDA replayed as a CUDA graph (``None``, the default: where measured faster).
+            through ``torch.compile``; on CUDA replayed as a CUDA graph (``None``, the default: where measured faster).
         max_batch_size: the largest batch the tuner tries (default 4096; on CUDA 32768: ``sampling.default_max_batch``).
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
