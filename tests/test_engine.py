@@ -359,13 +359,72 @@ def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
     on_cpu = preparing._cheaper_chain(copy.deepcopy(right), True, device=cpu)
     on_cuda = preparing._cheaper_chain(copy.deepcopy(right), True, device=cuda)
     assert [type(m).__name__ for m in on_cpu][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "_MaxPool2x2", "ReLU"]
-    assert [type(m).__name__ for m in on_cuda][:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    assert [type(m).__name__ for m in on_cuda][:8] == ["Conv2d", "MaxPool2d", "_ChannelBias", "ReLU", "Conv2d",
+                                                       "MaxPool2d", "_ChannelBias", "ReLU"]
     # the engine passes its own device: with moves to the device stubbed out, a CUDA engine prepares MaxPool2d
     monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
     engine = SamplingEngine(right, 10, 0.25, cuda)
     prepared = engine.prepared.get(channels_last=True)
     assert sum(type(m) is nn.MaxPool2d for m in prepared) == 2
     assert not any(isinstance(m, preparing._MaxPool2x2) for m in prepared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.MaxPool2d(3, 2, padding=1), nn.MaxPool2d(2, ceil_mode=True)])
+def test_a_per_channel_bias_added_after_a_max_pool_is_bitwise_the_same(dtype, pool):
+    """The identity behind adding a convolution's bias after its pool on CUDA: rounding fl(v + b) is monotone in v,
+    so maxpool(v + b) equals maxpool(v) + b bit for bit in every float type, with padding (-inf) and NaN."""
+    from splitz_fast.prepared import _ChannelBias
+
+    gen = _gen(21)
+    v = (torch.randn(3, 4, 7, 7, generator=gen) * 100).to(dtype)
+    v[0, 1, 2, 3] = float("nan")
+    v[1, 2] = v[1, 2, 0, 0]  # ties across a whole channel
+    bias = nn.Parameter(torch.randn(4, generator=gen) * 50)
+    want = pool(v + bias.to(dtype).view(1, -1, 1, 1))
+    with torch.no_grad():
+        got = _ChannelBias(bias)(pool(v))
+    assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_conv_bias_moves_after_its_max_pool_on_cuda_only():
+    """A CUDA chain adds a convolution's bias after the max pool that follows it (the same parameter, shared); a CPU
+    chain keeps it in the convolution (oneDNN adds it there). Convolutions not followed by a pool keep theirs. The
+    function is the same (float64, where only the summation order of the bias differs)."""
+    from splitz_fast import prepared as preparing
+
+    right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 2 * 2, 3)).double().eval()
+    source = copy.deepcopy(right)
+    on_cuda = preparing._cheaper_chain(source, device=torch.device("cuda"))
+    assert [type(m).__name__ for m in on_cuda] == ["Conv2d", "MaxPool2d", "_ChannelBias", "ReLU", "Conv2d", "ReLU",
+                                                   "Flatten", "Linear"]
+    assert on_cuda[0].bias is None and on_cuda[4].bias is source[3].bias
+    assert on_cuda[2].bias is source[0].bias and on_cuda[0].weight is source[0].weight
+    on_cpu = preparing._cheaper_chain(copy.deepcopy(right), device=CPU)
+    assert not any(type(m).__name__ == "_ChannelBias" for m in on_cpu) and on_cpu[0].bias is not None
+    x = torch.randn(5, 2, 8, 8, generator=_gen(22), dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(on_cuda(x), right(x), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_prepared_lenet_on_cuda_scores_like_the_users_f_r(precision):
+    """On CUDA the prepared LeNet (bias after the pools, ReLU after the pools, channels_last) scores a noisy batch
+    as the user's module does under the engine's precision (float32: to 1e-5 of the largest score; bf16: to its
+    rounding)."""
+    model = sz.build_model("lenet", split_index=0).cuda().eval()
+    engine = SamplingEngine(model.right, 10, 0.25, torch.device("cuda"), precision=precision, cuda_graphs=False)
+    prepared = engine.prepared.get(channels_last=True)
+    assert sum(type(m).__name__ == "_ChannelBias" for m in prepared) == 2
+    x = torch.rand(256, 1, 28, 28, device="cuda")
+    got = engine._scores(prepared, x.to(engine.dtype).contiguous(memory_format=torch.channels_last)).float()
+    want = engine._scores(model.right, x.to(engine.dtype)).float()
+    scale = float(want.abs().max()) + 1
+    assert float((got - want).abs().max()) <= (1e-5 if precision == "float32" else 5e-2) * scale
 
 
 def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_path):
