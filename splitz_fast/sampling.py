@@ -462,6 +462,7 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
             continue
     return max(rates, key=lambda b: (rates[b], -b)) if rates else best
 
+
 class _BatchMemory:
     """The tuner's memory guard on CUDA (:data:`TUNE_MEMORY_FRACTION`): the working memory of each batch size it
     measures (peak allocated during the measurement, above what was allocated before it), and whether a larger size,
