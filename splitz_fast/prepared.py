@@ -264,7 +264,7 @@ def _move_biases_after_pools(layers: list[nn.Module]) -> list[nn.Module]:
         previous = layers[i - 1] if i else None
         if (type(layer) is nn.MaxPool2d and not layer.return_indices and type(previous) is nn.Conv2d
                 and previous.bias is not None):
-            conv = copy.copy(previous)  # a shallow copy: the same weight, its own parameter table
+            conv = copy.copy(previous)  # the same weight, its own parameter table (a chain may use a layer twice)
             conv._parameters = dict(previous._parameters, bias=None)
             out[-2] = conv
             out.append(_ChannelBias(previous.bias))

@@ -380,7 +380,8 @@ def _noisy_batch(segments: list[tuple[SamplingJob, int, int | None]], rows: int,
             shape = (shape[0], shape[1] // 2, shape[2] // 2)
         out = torch.empty((rows, *shape), dtype=dtype, device=segments[0][0].latent.device,
                           memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        out[total:].zero_()
+        if rows > total:
+            out[total:].zero_()
     start = 0
     for job, take, first in segments:
         job.stream.noisy(job.latent, take, sigma, dtype, channels_last, out=out[start:start + take], pool2=pooled,

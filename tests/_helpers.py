@@ -64,3 +64,21 @@ def finish_torchrun(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
         out, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-3000:]}")
     return proc.returncode, out
+
+
+def small_splitz(seed: int = 0):
+    """Conv f_L (1→3 channels on 6×6) and a small conv f_R with BatchNorm, and 7 inputs: every engine path, in
+    milliseconds. Returns ``(SplitModel, inputs [7, 1, 6, 6])``."""
+    import torch
+    import torch.nn as nn
+
+    import splitz_fast as sz
+
+    torch.manual_seed(seed)
+    left = sz.LeftHalf([nn.Conv2d(1, 3, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 6, 6))
+    right = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+    with torch.no_grad():
+        right[1].running_mean.uniform_(-0.2, 0.2)
+        right[1].running_var.uniform_(0.5, 2.0)
+    xs = torch.rand(7, 1, 6, 6, generator=torch.Generator().manual_seed(seed + 100))
+    return sz.SplitModel(left, right, 5), xs

@@ -16,6 +16,7 @@ import torch.nn as nn
 import splitz_fast as sz
 from splitz_fast import LeftHalf, Smoother, SplitModel
 from splitz_fast.radius import BoundOptions, bisection_reference
+from _helpers import small_splitz as _small_splitz
 from splitz_fast.sampling import (NOISE_BLOCK, TUNE_MIN_BATCH, NoiseStream, SamplingEngine, fold_batchnorm,
                                   unfolded_batchnorms)
 
@@ -25,18 +26,6 @@ CPU = torch.device("cpu")
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _small_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:
-    """Conv f_L (1→3 channels on 6×6) and a small conv f_R with BatchNorm: every engine path, in milliseconds."""
-    torch.manual_seed(seed)
-    left = LeftHalf([nn.Conv2d(1, 3, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 6, 6))
-    right = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
-    with torch.no_grad():
-        right[1].running_mean.uniform_(-0.2, 0.2)
-        right[1].running_var.uniform_(0.5, 2.0)
-    xs = torch.rand(7, 1, 6, 6, generator=_gen(seed + 100))
-    return SplitModel(left, right, 5), xs
 
 
 # ---------------------------------------------------------------------------------------------------- noise streams

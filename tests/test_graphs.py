@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast import LeftHalf, Smoother, SplitModel
+from splitz_fast import Smoother, SplitModel
 from splitz_fast.graphs import GraphCaptureError, capture_scores
 from splitz_fast.sampling import SamplingEngine
+from _helpers import small_splitz
 
 
 
@@ -24,16 +25,9 @@ def _gpu(test):
 
 
 def _small_splitz(device: str = "cpu") -> tuple[SplitModel, torch.Tensor]:
-    """A conv f_L and a conv f_R with BatchNorm (folded in the prepared copy), on ``device``."""
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    left = LeftHalf([nn.Conv2d(1, 3, 3, padding=1)], [sz.ClippedReLU(1.0)], input_shape=(1, 6, 6))
-    right = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
-    with torch.no_grad():
-        right[1].running_mean.uniform_(-0.2, 0.2, generator=gen)
-        right[1].running_var.uniform_(0.5, 2.0, generator=gen)
-    xs = torch.rand(5, 1, 6, 6, generator=gen)
-    return SplitModel(left, right, 5).to(device).eval(), xs.to(device)
+    """The engine tests' small conv model (BatchNorm in f_R, folded in the prepared copy) and 5 inputs, on ``device``."""
+    model, xs = small_splitz()
+    return model.to(device).eval(), xs[:5].to(device)
 
 
 # ---------------------------------------------------------------------------------------------------- every machine
