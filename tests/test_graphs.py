@@ -52,6 +52,38 @@ def test_on_a_cpu_the_default_samples_eagerly_and_decides_nothing():
     assert smoother.engine().graphs.decisions == {}
 
 
+def test_graphs_are_dropped_with_the_prepared_copy_when_f_r_changes():
+    """A graph holds the addresses of the prepared copy's tensors: the cache asks for a new capture after any edit of
+    the user's f_R (weights in place, a replaced layer), and never between calls on an unchanged f_R."""
+    from splitz_fast.prepared import PreparedClassifier
+
+    model, _ = small_splitz()
+    prepared = PreparedClassifier(model.right, torch.device("cpu"))
+    captures = []
+
+    def capture():
+        captures.append(len(captures))
+        return None  # "run eagerly": also a cached decision
+
+    def ask():
+        prepared.check_current()
+        prepared.get(channels_last=True)
+        prepared.graphed((True, False), 64, capture)
+
+    ask()
+    ask()
+    assert len(captures) == 1
+    with torch.no_grad():
+        model.right[0].weight.mul_(2.0)
+    ask()
+    assert len(captures) == 2
+    model.right[4] = nn.Linear(64, 5)
+    ask()
+    assert len(captures) == 3
+    prepared.graphed((True, False), 128, capture)  # another batch size: its own capture
+    assert len(captures) == 4
+
+
 def test_capture_refuses_a_cpu_batch():
     with pytest.raises(GraphCaptureError, match="CUDA graphs need a CUDA device, f_R samples on cpu"):
         capture_scores(nn.Linear(3, 2), torch.zeros(4, 3), 1e-2)
