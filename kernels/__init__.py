@@ -51,13 +51,13 @@ TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "noisy_latents_maxpool2
 # Ops that ``auto`` sends to Triton on CUDA: the ones measured faster than their reference there
 # (benchmarks/test_bench_kernels.py, H200, batch 256). masked_conv2d is not: its implicit GEMM ran at 0.04–0.39x
 # cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
-# noisy_latents_maxpool2 (the noise and f_R's leading 2x2 max pool in one pass) writes a quarter of the unfused
-# draw's bytes and runs half its Philox calls, but is not measured on a GPU yet: forced only (SPLITZ_BACKEND=triton),
-# until benchmarks/targets.py's LeNet s = 1 rows compare the two there.
-AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d", "noisy_latents_maxpool2"}
+# noisy_latents_maxpool2 (the noise and f_R's leading 2x2 max pool in one pass) is: LeNet s = 1 CERTIFY on an H100
+# (benchmarks/targets.py --part native, n = 10⁵) 0.104 vs 0.117 s per image (tf32), 0.101 vs 0.112 (bf16).
+AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
 # Ops that ``auto`` sends to the CUDA kernels of csrc/ (kernels/native_cuda.py: CUDA_OPS) on CUDA instead of Triton:
-# none until benchmarks/test_bench_kernels.py measures them faster than Triton on a GPU (not yet run). Until then
-# ``SPLITZ_BACKEND=native`` reaches them on CUDA tensors.
+# none. On an H100 (benchmarks/test_bench_kernels.py cases, 10,000 LeNet latents) the CUDA noise kernel ran at
+# 0.82–0.88x the Triton one; its vote count was 2x faster, but 0.02 ms per batch does not pay for building the
+# extension at run time. ``SPLITZ_BACKEND=native`` reaches them on CUDA tensors.
 AUTO_CUDA_NATIVE_OPS: frozenset[str] = frozenset()
 
 

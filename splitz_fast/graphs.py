@@ -76,6 +76,7 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
             output = scores(static_input)
         graph.replay()
     except Exception as err:  # noqa: BLE001 — any failure to capture means: sample eagerly
+        _release_default_generator(example.device)
         raise GraphCaptureError(f"{type(err).__name__}: {err}") from err
     scale = float(expected.abs().max()) + 1.0
     gap = float((output.float() - expected.float()).abs().max())
@@ -83,6 +84,17 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
         raise GraphCaptureError(f"the replayed graph's scores differ from the eager forward's by {gap:.3g} (scores up "
                                 f"to {scale - 1:.3g})")
     return GraphedScores(graph, static_input, output)
+
+
+def _release_default_generator(device: torch.device) -> None:
+    """After a capture that failed part-way: the device's default generator, which the capture registered, set back
+    to its own seed and offset outside any capture. PyTorch (2.11 measured on an H100) takes a generator out of
+    capture mode only when the capture ends cleanly; left in it, every later random op of the process on that device
+    (``torch.rand(..., device="cuda")``) raised "Offset increment outside graph capture". The generator is pointed at
+    a copy of its state (same seed and offset, so the same draws follow)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],

@@ -380,7 +380,7 @@ def test_a_nearly_constant_classifier_is_flagged_in_tables_envelopes_and_diagnos
     """A smoothed classifier that answers one class for (nearly) every input is certifiably robust everywhere: its
     certified accuracy is that class's share of the data. analyze's run names, the envelope's cells and diagnose
     say so."""
-    from splitz_fast.analysis import CertificationTable, constant_prediction, labelled, markdown_table
+    from splitz_fast.analysis import CertificationTable, constant_prediction, labelled
     from splitz_fast.envelope import envelope_report
 
     def table(predict, label, radius):

@@ -17,6 +17,7 @@ import splitz_fast as sz
 from splitz_fast import LeftHalf, Smoother, SplitModel
 from splitz_fast.radius import BoundOptions, bisection_reference
 from _helpers import small_splitz as _small_splitz
+from splitz_fast.windows import WINDOW_BATCHES
 from splitz_fast.sampling import (NOISE_BLOCK, TUNE_MIN_BATCH, NoiseStream, SamplingEngine, fold_batchnorm,
                                   unfolded_batchnorms)
 
@@ -663,7 +664,7 @@ def test_the_tuner_keeps_the_batch_working_memory_within_its_share_of_the_card(m
     job = sampling.SamplingJob(torch.zeros(shape, device="cuda"), NoiseStream(0, torch.device("cuda")), chosen,
                                torch.zeros(10, dtype=torch.int64, device="cuda"))
     net = engine.prepared.get(True, False)
-    with memory.measuring(chosen):
+    with memory.measuring(chosen), torch.inference_mode():  # as the engine samples (its prepared copy's tensors)
         engine._execute(net, [[sampling._segment(job, chosen)]], True, False, chosen, False)
     assert chosen * memory.per_sample <= limit
 
@@ -780,8 +781,12 @@ def test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches():
     """RS (s = 0, no radius search) over a stream of images on CUDA: after a warm-up call, the host synchronisations
     counted by torch's sync debug mode stay a few per image — the votes read once per window, the edit guard one
     comparison per dtype group of each half — whatever the number of layers of f_R and the number of f_R batches
-    per image (no sync per batch, none per tensor)."""
+    per image (no sync per batch, none per tensor). n0 + n is above WINDOW_BATCHES batches at both batch sizes, so
+    every image is a window of its own either way (a window's syncs are per window, and smaller batches would
+    otherwise mean more, smaller windows)."""
     import warnings
+
+    n = 5000
 
     def syncs(depth: int, batch_size: int) -> float:
         torch.manual_seed(0)
@@ -792,13 +797,14 @@ def test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches():
                                     input_shape=(1, 8, 8)).cuda()
         smoother = Smoother(model, 0.25)
         xs = torch.rand(8, 1, 8, 8, device="cuda")
-        list(smoother.certify_many(xs[:2], 10, 2000, 0.01, batch_size=batch_size, seeds=range(2)))  # warm-up
+        assert 10 + n >= WINDOW_BATCHES * batch_size  # one window per image
+        list(smoother.certify_many(xs[:2], 10, n, 0.01, batch_size=batch_size, seeds=range(2)))  # warm-up
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                list(smoother.certify_many(xs, 10, 2000, 0.01, batch_size=batch_size, seeds=range(8)))
+                list(smoother.certify_many(xs, 10, n, 0.01, batch_size=batch_size, seeds=range(8)))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught) / len(xs)

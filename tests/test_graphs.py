@@ -162,6 +162,20 @@ def test_a_capture_that_fails_warns_once_and_samples_eagerly():
 
 
 @_gpu
+def test_a_failed_capture_leaves_the_default_generator_usable_where_it_was():
+    """A capture that fails part-way must not leave the device's default generator marked as capturing (the user's
+    next ``torch.rand(..., device="cuda")`` would raise), nor move it: the draws after it are those without it."""
+    net = _SyncsInForward().cuda()
+    example = torch.rand(8, 3, 6, 6, device="cuda")
+    torch.cuda.manual_seed(123)
+    expected = torch.rand(5, device="cuda")
+    torch.cuda.manual_seed(123)
+    with pytest.raises(GraphCaptureError):
+        capture_scores(net, example, 1e-3)
+    assert torch.equal(torch.rand(5, device="cuda"), expected)
+
+
+@_gpu
 def test_the_default_decides_by_measurement_and_records_it():
     model, xs = _small_splitz("cuda")
     smoother = Smoother(model, 0.5)

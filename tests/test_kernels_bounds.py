@@ -574,10 +574,7 @@ COMPILE_LIMIT_S = 30.0
 @pytest.mark.slow  # ~1 min on 2 CPU cores
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernels_compile_for_sm90_quickly_without_fma_in_the_float64_interval_step(tmp_path):
-    try:
-        from triton.backends.nvidia import compiler  # noqa: F401
-    except ImportError:
-        pytest.skip("triton has no NVIDIA backend here")
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(COMPILE_LIMIT_S)], env=env,
