@@ -33,7 +33,7 @@ the reference elsewhere; ``SPLITZ_BACKEND`` (``auto`` | ``reference`` | ``triton
 Triton for an op without a Triton kernel is an error, never a silent fallback; ``native`` runs the native kernel of the
 ops that have one (an error where it cannot be built) and the reference of the others — on CUDA tensors the CUDA
 kernels of ``csrc/noise_votes_cuda.cu`` (``noisy_latents``, ``count_votes``; :mod:`splitz_fast.kernels.native_cuda`),
-which ``auto`` leaves to Triton until a GPU measurement puts them in ``AUTO_CUDA_NATIVE_OPS``. On a machine without a
+which ``auto`` leaves to Triton (measured on an H100: ``AUTO_CUDA_NATIVE_OPS``). On a machine without a
 GPU, ``SPLITZ_BACKEND=triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter on CPU tensors
 (slow; for tests).
 """

@@ -432,7 +432,7 @@ def noisy_latents_cuda(
     """:func:`noisy_latents_triton` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, same
     stream, same output contract (``out=``, float32/bfloat16/float16, channels_last). One thread per Philox call (both
     normals of the pair used, where the Triton kernel runs each call twice). Selected by ``SPLITZ_BACKEND=native`` on
-    CUDA tensors; ``auto`` keeps the Triton kernel until a GPU measurement says otherwise. Raises ``RuntimeError``
+    CUDA tensors; ``auto`` keeps the Triton kernel (faster on an H100, ``AUTO_CUDA_NATIVE_OPS``). Raises ``RuntimeError``
     where the extension could not be built (see :mod:`splitz_fast.kernels.native_cuda`)."""
     from .native_cuda import cuda_module
 
