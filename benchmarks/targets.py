@@ -210,17 +210,19 @@ def environment_record() -> dict:
 
 def measure_group(workload: Workload, split: int, images: int, device: torch.device, quick: bool,
                   precisions=PRECISIONS, naive: bool = True, bandwidth: float | None = None,
-                  rs_times: dict | None = None, cuda_graphs: bool | None = None):
+                  rs_times: dict | None = None, cuda_graphs: bool | None = None, compile: bool = False,
+                  bound_options: dict | None = None):
     """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first), with
     ``f_R``'s counted cost per sample and the card's floors. ``bandwidth``: the copy bandwidth measured in this run
     (bytes/s; the card table's figure otherwise). ``rs_times``: precision → this model's s = 0 time, for the s = 1
     target. ``cuda_graphs``: the Smoother's setting (default: decided by measurement); each row records what the
-    engine decided."""
+    engine decided. ``compile``: the Smoother's ``torch.compile`` of ``f_R``. ``bound_options``: BoundOptions fields
+    set on top of the workload's (for A/B rows)."""
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
     max_batch = 32 if quick else None  # None: the Smoother's default for the device
-    bound_options = sz.BoundOptions(**workload.options)
+    bound_options = sz.BoundOptions(**{**workload.options, **(bound_options or {})})
     reference = sz.Smoother(model, SIGMA, bound_options=bound_options)
 
     def radius(x, p_lower):  # the same sound radius search as ours, for every input the loop certifies
@@ -273,7 +275,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
         smoother = None
         try:
             smoother = sz.Smoother(model, SIGMA, bound_options=bound_options, precision=precision,
-                                   max_batch_size=max_batch, cuda_graphs=cuda_graphs)
+                                   max_batch_size=max_batch, cuda_graphs=cuda_graphs, compile=compile)
             with BatchShapes(smoother.engine()) as shapes:  # every f_R batch from the batch measurement on
                 start = time.perf_counter()
                 (warmed,) = smoother.certify_many(warm, n0, n, ALPHA, seeds=[10_000])  # warm-up, batch measurement
@@ -369,7 +371,7 @@ def device_name(device: torch.device) -> str:
 
 
 def run_targets(recorder: Recorder, workloads, images: int, device: torch.device, quick: bool, deadline: float,
-                bandwidth: float | None = None):
+                bandwidth: float | None = None, precisions=PRECISIONS):
     for workload in workloads:
         rs_times: dict[str, float] = {}  # precision → this model's s = 0 time (the s = 1 rows' target)
         for split in (0, 1):
@@ -379,7 +381,7 @@ def run_targets(recorder: Recorder, workloads, images: int, device: torch.device
                 continue
             print(f"[{now()}] {workload.label}, s = {split}, n = {workload.n:,}", flush=True)
             try:
-                for row in measure_group(workload, split, images, device, quick, bandwidth=bandwidth,
+                for row in measure_group(workload, split, images, device, quick, precisions, bandwidth=bandwidth,
                                          rs_times=rs_times if split else None):
                     print("  " + summary(row), flush=True)
                     recorder.add(row)
@@ -447,16 +449,6 @@ def _comparison(recorder: Recorder, what: str, settings: dict, speedup_key: str,
 
 
 @contextlib.contextmanager
-def _backend(name: str):
-    """``SPLITZ_BACKEND=name`` for the block."""
-    os.environ["SPLITZ_BACKEND"] = name
-    try:
-        yield
-    finally:
-        os.environ.pop("SPLITZ_BACKEND", None)
-
-
-@contextlib.contextmanager
 def _without_auto_triton(op: str):
     """``op`` out of ``AUTO_TRITON_OPS`` for the block (``auto`` runs its reference on CUDA)."""
     import splitz_fast.kernels as kernels
@@ -494,6 +486,25 @@ def run_graph_comparison(recorder: Recorder, images: int, device: torch.device, 
                         {"eager": (contextlib.nullcontext, {"cuda_graphs": False}),
                          "graph": (contextlib.nullcontext, {"cuda_graphs": True})},
                         "graph_speedup", images, device, quick, deadline, precision, workload, split)
+
+
+def run_compile_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """LeNet s = 0 CERTIFY (bf16) with ``f_R`` through ``torch.compile`` (static batch shapes; compilation in the
+    warm-up, excluded) against eager: whether Inductor's fused pointwise and pool kernels close part of the gap to the
+    fused memory floor, which eager cuDNN leaves (28x it on an H100)."""
+    _comparison(recorder, "torch.compile vs eager f_R",
+                {"eager": (contextlib.nullcontext, {}), "compiled": (contextlib.nullcontext, {"compile": True})},
+                "compile_speedup", images, device, quick, deadline, "bfloat16", 0, 0)
+
+
+def run_gamma_batch_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """LeNet s = 1 CERTIFY (bf16) with the classic bisection (``gamma_batch = 2``: one bound per pass, 5 passes)
+    against ``gamma_batch = 4`` (three bounds per batched pass, 3 passes; never a smaller radius): fewer sequential
+    passes and host synchronisations of the radius search against more bounds per pass."""
+    _comparison(recorder, "gamma_batch 4 vs 2 (bisection)",
+                {"bisection": (contextlib.nullcontext, {}),
+                 "gamma_batch_4": (contextlib.nullcontext, {"bound_options": {"gamma_batch": 4}})},
+                "gamma_batch_speedup", images, device, quick, deadline, "bfloat16")
 
 
 @contextlib.contextmanager
@@ -560,6 +571,8 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
     run_graph_comparison(recorder, images, device, quick, deadline)
+    run_gamma_batch_comparison(recorder, images, device, quick, deadline)
+    run_compile_comparison(recorder, images, device, quick, deadline)
     run_estimator_comparison(recorder, images, device, quick, deadline)
     run_fused_pool(recorder, images, device, quick, deadline)
     from splitz_fast.kernels.native_cuda import cuda_native_available
@@ -583,10 +596,6 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
             row.update(status="error", error=error_text(exc))
         print("  " + json.dumps(row, default=str), flush=True)
         recorder.add(row)
-    for precision in PRECISIONS:
-        _comparison(recorder, "SPLITZ_BACKEND=native vs auto (Triton)",
-                    {"auto": (lambda: _backend("auto"), {}), "native": (lambda: _backend("native"), {})},
-                    "native_speedup", images, device, quick, deadline, precision)
 
 
 # ----------------------------------------------------------------------------------------------------- outputs
@@ -600,9 +609,10 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "fused_memory_floor_s", "floor_s", "fused_floor_s", "ours_over_floor", "ours_over_fused_floor",
               "compiled_in_timed_region", "naive_compiled_in_timed_region", "engine_batch", "setup_s", "certified",
               "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
-              "reference_ms", "cuda_vs_triton", "auto_s_per_image", "native_s_per_image", "native_speedup",
+              "reference_ms", "cuda_vs_triton",
               "unfused_s_per_image", "fused_s_per_image", "fused_speedup", "eager_s_per_image", "graph_s_per_image",
-              "graph_speedup", "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms", "squaring_vs_eigvalsh",
+              "graph_speedup", "compiled_s_per_image", "compile_speedup", "bisection_s_per_image",
+              "gamma_batch_4_s_per_image", "gamma_batch_speedup", "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms", "squaring_vs_eigvalsh",
               "bound_relative_difference", "eigvalsh_s_per_image", "squaring_s_per_image", "squaring_speedup",
               "error")
 
@@ -685,9 +695,6 @@ def markdown(data: dict) -> str:
             elif "cuda_ms" in r:
                 lines.append(f"| {r['what']} | {r['cuda_ms']:.3f} ms | {r['triton_ms']:.3f} ms | "
                              f"{r['reference_ms']:.3f} ms | {r['cuda_vs_triton']:.2f}× |")
-            elif "native_speedup" in r:
-                lines.append(f"| {r['what']} ({r['images']} images) | {r['native_s_per_image']:.4f} s/image | "
-                             f"{r['auto_s_per_image']:.4f} s/image | — | {r['native_speedup']:.2f}× |")
             elif "fused_speedup" in r:  # the first column: the fused Triton kernel in place of the CUDA one
                 lines.append(f"| {r['what']} ({r['images']} images) | fused {r['fused_s_per_image']:.4f} s/image | "
                              f"pool in f_R {r['unfused_s_per_image']:.4f} s/image | — | {r['fused_speedup']:.2f}× "
@@ -700,6 +707,14 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {r['what']} ({r['images']} images) | squaring {r['squaring_s_per_image']:.4f} "
                              f"s/image | eigvalsh {r['eigvalsh_s_per_image']:.4f} s/image | — | "
                              f"{r['squaring_speedup']:.2f}× (squaring vs eigvalsh) |")
+            elif "compile_speedup" in r:
+                lines.append(f"| {r['what']} ({r['images']} images) | compiled {r['compiled_s_per_image']:.4f} s/image "
+                             f"| eager {r['eager_s_per_image']:.4f} s/image | — | {r['compile_speedup']:.2f}× "
+                             "(compiled vs eager) |")
+            elif "gamma_batch_speedup" in r:
+                lines.append(f"| {r['what']} ({r['images']} images) | gamma_batch 4 "
+                             f"{r['gamma_batch_4_s_per_image']:.4f} s/image | bisection {r['bisection_s_per_image']:.4f}"
+                             f" s/image | — | {r['gamma_batch_speedup']:.2f}× (gamma_batch 4 vs 2) |")
             elif "graph_speedup" in r:  # the first column: CUDA graph replay in place of the native kernels
                 lines.append(f"| {r['what']} ({r['images']} images) | graph {r['graph_s_per_image']:.4f} s/image | "
                              f"eager {r['eager_s_per_image']:.4f} s/image | — | {r['graph_speedup']:.2f}× (graph vs "
@@ -757,6 +772,16 @@ def splitz_over_rs(rows) -> list[tuple[str, str, float, float]]:
             for (label, precision, split), rs in times.items() if split == 0 and (label, precision, 1) in times]
 
 
+def _select(workloads, keys: str, parser) -> list:
+    """The workloads named by ``keys`` (comma-separated), in that order; a parser error names the known keys."""
+    by_key = {w.key: w for w in workloads}
+    chosen = [k for k in keys.split(",") if k]
+    unknown = [k for k in chosen if k not in by_key]
+    if unknown or not chosen:
+        parser.error(f"--workloads must name some of {', '.join(by_key)}, got {keys!r}")
+    return [by_key[k] for k in chosen]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.targets", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-out", help="folder for targets.json, targets.csv, targets.md")
@@ -766,7 +791,15 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=1e9,
                         help="seconds after which a part starts no new model (the shell's timeout is the hard limit)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workloads", default=",".join(w.key for w in FULL),
+                        help="comma-separated workload keys of the targets part, in the order to run them")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help="comma-separated f_R precisions of the targets part")
     args = parser.parse_args(argv)
+    workloads = _select(QUICK if args.quick else FULL, args.workloads, parser)
+    precisions = tuple(p for p in args.precisions.split(",") if p)
+    if not precisions or any(p not in PRECISIONS for p in precisions):
+        parser.error(f"--precisions must name some of {', '.join(PRECISIONS)}, got {args.precisions!r}")
     device = torch.device(args.device)
     images = args.images or (1 if args.quick else 3)
     out = Path(args.out)
@@ -776,6 +809,7 @@ def main(argv=None) -> int:
                         budget_s=args.budget)
         bandwidth = None
         if part == "targets":
+            settings.update(workloads=[w.key for w in workloads], precisions=list(precisions))
             card = card_for(device_name(device)) if device.type == "cuda" else None
             bandwidth = measure_copy_bandwidth(device)  # None off CUDA
             settings.update(card=asdict(card) if card else None, copy_bandwidth_Bps=bandwidth,
@@ -785,8 +819,7 @@ def main(argv=None) -> int:
         print(f"[{now()}] part {part} on {device_name(device)}, torch {torch.__version__}"
               + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)
         if part == "targets":
-            run_targets(recorder, QUICK if args.quick else FULL, images, device, args.quick, start + args.budget,
-                        bandwidth)
+            run_targets(recorder, workloads, images, device, args.quick, start + args.budget, bandwidth, precisions)
         else:
             run_native(recorder, images, device, args.quick, start + args.budget)
         recorder.finish(time.monotonic() - start)

@@ -26,13 +26,14 @@
 #      starts after 280 s; a model stopped by the limit keeps the rows it finished.
 #   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a builds
 #      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
-#      benchmarks.targets --part native`: first CERTIFY with f_R eager vs replayed as a CUDA graph (LeNet s = 0 and 1,
-#      ResNet-110 s = 0, bf16, 3 images each; stage 1's rows already use the default, which decides by measurement at
-#      run time, and record what it decided), then LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the pool in f_R (tf32, bf16: decides
-#      whether `auto` fuses on CUDA), then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 / bf16,
-#      channels_last / contiguous, and vote counts of 10 / 1000 classes: CUDA kernel vs Triton vs eager, CUDA events,
-#      median of 50), then LeNet s = 1 CERTIFY n = 10⁵ end to end with SPLITZ_BACKEND=native vs auto (Triton), fp32 and
-#      bf16, 3 images each.
+#      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said): f_R eager vs
+#      replayed as a CUDA graph (LeNet s = 0 and 1, ResNet-110 s = 0; stage 1's rows already use the default, which
+#      decides by measurement at run time, and record what it decided), LeNet s = 1 with gamma_batch 4 vs the
+#      bisection, LeNet s = 0 with f_R through torch.compile vs eager, the exact bound's squaring vs eigvalsh estimate
+#      (one bound, then LeNet s = 1), LeNet s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32,
+#      bf16); then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 /
+#      bf16, channels_last / contiguous, and vote counts of 10 / 1000 classes: CUDA kernel vs Triton vs eager, CUDA
+#      events, median of 50).
 #   3. training speed on the still quiet GPU (≤ 90 s): 2 epochs of the SPLITZ paper recipe in one
 #      process (the second epoch's seconds count; the first compiles the Triton kernels).
 #   4. the results runs in the background (only with ENVELOPE=1, the default when CHECKS=0):
@@ -48,9 +49,11 @@
 # of time is recorded in gpu.txt ("stage NAME: rc R after S s", rc 124 = its limit) and the next one runs. Each stage
 # prints a UTC timestamp. Worst case with the defaults: setup ≤ 150 s (typically 20), stage 1 ≤ 320 s, stage 2 ≤
 # 170 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
-# 45 s after results runs, else 10 s). Measured on the H100 (2026-11-27): stage 1 took 188 s for 12 rows of 3 images;
-# it now has 18 rows (tf32 added) of 2 images and a batch tuner that goes 8x further on CUDA, so it may fill its
-# limit and leave little for the tests: then run them in a second call, `SPEED=0 bash scripts/gpu_checks.sh`.
+# 45 s after results runs, else 10 s). Measured on the H100 (2026-11-27, benchmarks/records/h100-2026-11-27/): stage 1
+# filled its 320 s with LeNet's 6 rows (90 s) and an unfinished ResNet-110 s = 0 group (IEEE fp32 first: the slowest),
+# stage 2b took 83 s, and 60 s were left for the tests: name the rows that matter with WORKLOADS / PRECISIONS (e.g.
+# `WORKLOADS=cifar10-resnet110,imagenet-resnet50 PRECISIONS=tf32,bfloat16`), and run the tests in a second call on
+# the warm machine, `SPEED=0 bash scripts/gpu_checks.sh`.
 # Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
 # runs were over): stage 1 measures the same table first. The results runs no longer start in the first call (they
 # would get two minutes of a GPU shared with the tests; the 40-epoch run is in docs/results/mnist-envelope-e40/): a
@@ -60,7 +63,8 @@
 # Knobs: CHECKS=0 skips stages 1, 2, 3 and 5 and runs the results runs (stage 4) with the whole budget; SPEED=0 skips
 # stages 1–2 alone; ENVELOPE=1/0 forces stage 4 on/off; INSTALL=0 skips the install; QUICK=1 runs stages 1–2 in the
 # quick mode (a CPU smoke test, not results: `QUICK=1 INSTALL=0 PYTHON=.venv/bin/python bash scripts/gpu_checks.sh`
-# on a machine without a GPU); TARGETS_S, NATIVE_S, IMAGES; EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
+# on a machine without a GPU); TARGETS_S, NATIVE_S, IMAGES; WORKLOADS and PRECISIONS (comma-separated, stage 1's
+# groups in that order and its f_R precisions); EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
 # What comes back ($OUT, 8 files, the device tool's limit): gpu.txt (summary: versions, stage timestamps and rcs, the
 # tables), stages.log (every stage's full output), targets.json (machine-readable: environment, settings and every
 # row), targets.csv, targets.md (the tables ready to paste into benchmarks/RESULTS.md, the card named); after stage 4
@@ -82,6 +86,7 @@ RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
 CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
 TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-2}
+WORKLOADS=${WORKLOADS:-mnist-lenet,cifar10-resnet110,imagenet-resnet50}; PRECISIONS=${PRECISIONS:-float32,tf32,bfloat16}
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
@@ -114,7 +119,8 @@ echo "device $DEVICE; budget ${BUDGET}s; results runs: $EPOCHS epochs, every ${S
 
 if [ "$SPEED" = 1 ]; then
     stage "1 SPEC §5 targets vs the naive loop" "$TARGETS_S" \
-        $PY -m benchmarks.targets --part targets --out "$OUT" --images "$IMAGES" --budget $((TARGETS_S - 20)) $QUICK_FLAG
+        $PY -m benchmarks.targets --part targets --out "$OUT" --images "$IMAGES" --budget $((TARGETS_S - 20)) $QUICK_FLAG \
+        --workloads "$WORKLOADS" --precisions "$PRECISIONS"
     NATIVE_START=$SECONDS
     if [ "$DEVICE" = cuda ]; then
         stage "2a build csrc/noise_votes_cuda.cu" $((NATIVE_S * 2 / 3)) env MAX_JOBS=4 $PY -m splitz_fast.kernels.native_cuda

@@ -60,6 +60,10 @@ TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can lo
 TUNE_MIN_TIME_S = 0.15
 TUNE_BUDGET_S = 8.0
 TUNE_RECHECK = 3  # the fastest sizes of the sweep, timed once more (the better of two rates counts)
+# Past TUNE_MIN_SEARCH the sweep also stops after two sizes in a row that beat the best rate by less than this: a
+# doubling that gains under 5 % costs twice the working memory, a longer tail batch and, on CUDA, another round of
+# cuDNN autotuning (seconds per size for a deep network at tens of thousands of samples) for nothing measurable.
+TUNE_MIN_GAIN = 0.05
 # On CUDA the tuner tries no batch whose working memory (the peak above what was allocated before, scaled from the
 # last size measured) would pass this share of the card: the radius search, a CUDA graph's own memory pool and the
 # user's other work need room beside it.
@@ -273,8 +277,8 @@ class SamplingEngine:
     # ------------------------------------------------------------------ batch size
     def batch_size(self, latent_shape: torch.Size, cap: int) -> int:
         """The batch size with the most samples/s for latents of this shape, at most ``cap``: measured once per
-        process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when throughput falls
-        twice in a row, memory runs out or the time budget is spent)."""
+        process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when two sizes in a row
+        gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent)."""
         key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile,
                self.pools_in_noise(latent_shape))
         if key not in _TUNED_BATCH:
@@ -433,7 +437,7 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     latent = torch.zeros(shape, device=engine.device)
     stream = NoiseStream(0, engine.device)
     counts = torch.zeros(engine.num_classes, dtype=torch.int64, device=engine.device)
-    best_rate, best, b, worse = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
+    best_rate, best, b, flat = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
     rates: dict[int, float] = {}
     deadline = time.perf_counter() + TUNE_BUDGET_S
     memory = _BatchMemory(engine.device)
@@ -445,11 +449,12 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
         except torch.OutOfMemoryError:
             break
         rates[b] = rate
+        # Once past the cache-sized batches, stop after two sizes in a row that do not beat the best by
+        # TUNE_MIN_GAIN: past the optimum (slower) or on a plateau.
+        flat = flat + 1 if rate < (1 + TUNE_MIN_GAIN) * best_rate else 0
         if rate > best_rate:
             best_rate, best = rate, b
-        # Stop after two sizes clearly (> 10 %) slower than the best, once past the cache-sized batches.
-        worse = worse + 1 if rate < 0.9 * best_rate else 0
-        if worse == 2 and b >= TUNE_MIN_SEARCH:
+        if flat == 2 and b >= TUNE_MIN_SEARCH:
             break
         b = cap if b < cap < 2 * b else 2 * b
     # A second look at the leaders: on a shared machine one measurement of a size can be slowed by other jobs

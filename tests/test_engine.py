@@ -645,6 +645,35 @@ def test_the_tuner_cap_is_the_given_one_or_the_default_of_the_device():
         assert Smoother(model.cuda(), 0.4).max_batch_size == sz.sampling.DEFAULT_MAX_BATCH_CUDA == 32768
 
 
+@pytest.mark.parametrize("rates, tried, chosen", [
+    # a plateau from 1024 on: 2048 and 4096 gain < 5 % each, so 8192 and up are never tried
+    ({32: 1, 64: 2, 128: 4, 256: 8, 512: 12, 1024: 15, 2048: 15.5, 4096: 15.6}, 8, 4096),
+    # throughput still growing by >= 5 % per doubling: every size up to the cap
+    ({b: 1.1 ** i for i, b in enumerate(2 ** k for k in range(5, 16))}, 11, 32768),
+    # cache-sized optimum, then slower: two sizes below the best after it, and the sweep ends
+    ({32: 5, 64: 9, 128: 10, 256: 11, 512: 8, 1024: 6, 2048: 20}, 6, 256),
+    # below TUNE_MIN_SEARCH a dip does not end the sweep
+    ({32: 5, 64: 4, 128: 4.5, 256: 9, 512: 12, 1024: 11, 2048: 10, 4096: 30}, 7, 512),
+])
+def test_the_tuner_stops_where_throughput_levels_off_or_falls(monkeypatch, rates, tried, chosen):
+    """The batch sweep (scripted rates per size): stops after two sizes in a row that gain under TUNE_MIN_GAIN over
+    the best (a plateau or past the optimum), once past TUNE_MIN_SEARCH; returns the fastest size it measured."""
+    import splitz_fast.sampling as sampling
+
+    calls = []
+
+    def scripted(engine, net, job, *args):
+        calls.append(job.num)
+        return rates[job.num]
+
+    monkeypatch.setattr(sampling, "_samples_per_second", scripted)
+    model, _ = _small_splitz()
+    engine = SamplingEngine(model.right, model.num_classes, 0.25, torch.device("cpu"))
+    assert sampling._measure_batch_size(engine, (3, 6, 6), 32768) == chosen
+    sweep = sorted(set(calls))
+    assert len(sweep) == tried and sweep == sorted(rates)[:tried]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_tuner_keeps_the_batch_working_memory_within_its_share_of_the_card(monkeypatch):

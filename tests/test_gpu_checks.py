@@ -134,6 +134,26 @@ def test_every_failed_row_is_recorded_and_the_next_one_runs(tmp_path: Path):
     assert data["parts"]["native"]["rows"][0]["status"] == "skipped"  # the other part's rows are kept
 
 
+def test_the_targets_part_runs_the_named_workloads_and_precisions_in_order(tmp_path: Path):
+    """--workloads and --precisions (what gpu_checks.sh's WORKLOADS and PRECISIONS pass): the named groups in the given
+    order, only the named precisions, recorded in the settings; an unknown name is a usage error that lists the known
+    ones. (On the meta device every row fails at once: the selection is what is checked.)"""
+    done = run_targets(tmp_path, "--device", "meta", "--part", "targets", "--workloads",
+                       "imagenet-resnet50,mnist-lenet", "--precisions", "bfloat16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    data, _, _ = outputs(tmp_path)
+    rows = data["parts"]["targets"]["rows"]
+    groups = [(r["workload"], r["split"]) for r in rows]
+    assert sorted(set(groups), key=groups.index) == [("imagenet-resnet50", 0), ("imagenet-resnet50", 1),
+                                                     ("mnist-lenet", 0), ("mnist-lenet", 1)]
+    assert {r["precision"] for r in rows if "precision" in r} == {"bfloat16"}
+    settings = data["parts"]["targets"]["settings"]
+    assert settings["workloads"] == ["imagenet-resnet50", "mnist-lenet"] and settings["precisions"] == ["bfloat16"]
+    for bad, known in ((("--workloads", "lenet"), "mnist-lenet"), (("--precisions", "fp64"), "bfloat16")):
+        done = run_targets(tmp_path, *bad)
+        assert done.returncode == 2 and known in done.stderr, done.stderr[-2000:]
+
+
 def test_gpu_checks_runs_the_target_table_first():
     """The header promises the order: stage 1 the target table, stage 2 graphs and native CUDA vs Triton, then the rest."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
@@ -268,10 +288,16 @@ graph_row = dict(what="MNIST LeNet s=0 CERTIFY n=100,000 bfloat16: CUDA graph vs
                  eager_s_per_image=0.0045, graph_s_per_image=0.0030, graph_speedup=1.5)
 bound_row = dict(what="exact bound, LeNet conv1 Gram (d = 784): squaring vs eigvalsh estimate", status="ok",
                  eigvalsh_ms=9.4, squaring_ms=1.2, squaring_vs_eigvalsh=9.4 / 1.2, bound_relative_difference=2e-16)
+ab_rows = [dict(what="fused noise + max pool", images=2, status="ok", unfused_s_per_image=0.112, fused_s_per_image=0.101,
+                fused_speedup=0.112 / 0.101),
+           dict(what="torch.compile vs eager f_R", images=2, status="ok", eager_s_per_image=0.036,
+                compiled_s_per_image=0.018, compile_speedup=2.0),
+           dict(what="gamma_batch 4 vs 2 (bisection)", images=2, status="ok", bisection_s_per_image=0.08,
+                gamma_batch_4_s_per_image=0.064, gamma_batch_speedup=1.25)]
 settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
                 copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
 data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row]),
-                                                                      native=dict(rows=[graph_row, bound_row])))
+                                                                      native=dict(rows=[graph_row, bound_row, *ab_rows])))
 print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
 '''
 
@@ -301,5 +327,11 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
             "eager 0.0045 s/image | — | 1.50× (graph vs eager) |") in md
     assert ("| exact bound, LeNet conv1 Gram (d = 784): squaring vs eigvalsh estimate | squaring 1.20 ms | eigvalsh "
             "9.40 ms | — | 7.83× (bounds 2.0e-16 apart) |") in md
+    assert ("| fused noise + max pool (2 images) | fused 0.1010 s/image | pool in f_R 0.1120 s/image | — | 1.11× (fused "
+            "vs pool in f_R) |") in md
+    assert ("| torch.compile vs eager f_R (2 images) | compiled 0.0180 s/image | eager 0.0360 s/image | — | 2.00× "
+            "(compiled vs eager) |") in md
+    assert ("| gamma_batch 4 vs 2 (bisection) (2 images) | gamma_batch 4 0.0640 s/image | bisection 0.0800 s/image | — "
+            "| 1.25× (gamma_batch 4 vs 2) |") in md
     assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
