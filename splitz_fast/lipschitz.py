@@ -246,6 +246,47 @@ class _BandedCholesky:
         return True
 
 
+def _gamma_n(n: int) -> float:
+    """Higham's ``γ_n = n·u / (1 − n·u)`` in float64."""
+    return n * UNIT_ROUNDOFF_64 / (1 - n * UNIT_ROUNDOFF_64)
+
+
+def _sum_upper(float_sum: float, count: int) -> float:
+    """An upper bound on the exact sum of ``count`` non-negative float64 values whose float64 sum is ``float_sum``: the
+    float64 sum of ``m`` terms (any order, pairwise included) is within ``γ_{m−1}`` times the exact sum (Higham,
+    Thm 4.1), so scaling it by ``1 + γ_m`` covers the rounding with room for the scaling's own rounding."""
+    return float_sum * (1 + _gamma_n(count))
+
+
+def _dense_gram(gram: torch.Tensor) -> torch.Tensor:
+    """A sparse CSR Gram up to :data:`DENSE_CHOLESKY_MAX_DIM` as the dense symmetric matrix its upper triangle
+    defines (exactly); any other Gram unchanged."""
+    if gram.layout == torch.sparse_csr and gram.shape[0] <= DENSE_CHOLESKY_MAX_DIM:
+        upper = gram.to_dense()
+        return upper + torch.triu(upper, 1).mT
+    return gram
+
+
+def _takes_squaring(gram: torch.Tensor, estimator: str) -> bool:
+    """Whether the shift of a dense ``gram`` is placed by :func:`squaring_top_eigenvalue` under ``estimator``."""
+    if gram.layout == torch.sparse_csr:
+        return False
+    device_dense = estimator == "auto" and gram.is_cuda and gram.shape[0] <= DEVICE_DENSE_MAX_DIM
+    return estimator == "squaring" or (device_dense and DEVICE_DENSE_ESTIMATOR == "squaring")
+
+
+def _certified_value(s: float, trace_h: float, max_h: float, chol_terms: int, gram_error: float) -> float:
+    """The bound of :func:`certified_lambda_max` once Cholesky of ``fl(sI − G)`` has completed: ``trace_h`` an upper
+    bound on ``Σ|h_ii|``, ``max_h = max|h_ii|``, ``chol_terms`` the operation count of Higham's Thm 10.3."""
+    chol_error = _gamma_n(chol_terms) * trace_h / (1 - _gamma_n(chol_terms))
+    return (s + chol_error + UNIT_ROUNDOFF_64 * max_h + gram_error) * (1 + 8 * UNIT_ROUNDOFF_64)
+
+
+# The relative shifts above the estimate that certified_lambda_max tries first (then WIDE_SHIFTS with the host estimate).
+TIGHT_SHIFTS = (1e-10, 1e-8, 1e-6)
+WIDE_SHIFTS = (1e-4, 1e-2, 1e-1)
+
+
 def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto") -> float:
     """A proven upper bound on ``λ_max`` of the *exact* Gram matrix whose float64 rounding is ``gram``.
 
@@ -280,10 +321,8 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     d = gram.shape[0]
     if d == 0:
         return 0.0
+    gram = _dense_gram(gram)
     sparse = gram.layout == torch.sparse_csr
-    if sparse and d <= DENSE_CHOLESKY_MAX_DIM:
-        upper = gram.to_dense()  # the upper triangle; the symmetric matrix it defines, exactly
-        gram, sparse = upper + torch.triu(upper, 1).mT, False
     u = UNIT_ROUNDOFF_64
     if sparse:
         host = scipy.sparse.csr_matrix(tuple(t.cpu().numpy() for t in (gram.values(), gram.col_indices(),
@@ -291,14 +330,8 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
         diagonal = torch.from_numpy(host.diagonal()).to(gram.device)
     else:
         diagonal = torch.diagonal(gram)
-    def gamma_n(n: int) -> float:
-        return n * u / (1 - n * u)
-
     def sum_upper(values: torch.Tensor) -> float:
-        """An upper bound on the exact sum of the non-negative float64 ``values``: the float64 sum of ``m`` terms
-        (any order, pairwise included) is within ``γ_{m−1}`` times the exact sum (Higham, Thm 4.1), so scaling it by
-        ``1 + γ_m`` covers the rounding with room for the scaling's own rounding."""
-        return float(values.sum()) * (1 + gamma_n(values.numel()))
+        return _sum_upper(float(values.sum()), values.numel())
 
     # The diagonal of the rounded Gram is non-negative (sums of squares, rounded), its float64 sum a lower estimate
     # of the exact trace only up to rounding: every use below takes the upper bound.
@@ -306,7 +339,7 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     if trace == 0.0:
         return 0.0
     # tr(|A|ᵀ|A|) = Σ_i (exact Gram)_ii ≤ Σ_i g_ii / (1 − γ_{terms+2}): each diagonal entry is a float64 sum of squares.
-    gram_error = gamma_n(terms + 2) * trace / (1 - gamma_n(terms + 2))
+    gram_error = _gamma_n(terms + 2) * trace / (1 - _gamma_n(terms + 2))
 
     if sparse:
         banded = _BandedCholesky(gram)
@@ -335,16 +368,13 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
             s = mu * (1 + eta) + eta * trace / d
             done = factorize(s)
             if done is not None:
-                trace_h, max_h = done
-                chol_error = gamma_n(chol_terms) * trace_h / (1 - gamma_n(chol_terms))
-                diag_error = u * max_h
-                return (s + chol_error + diag_error + gram_error) * (1 + 8 * u)
+                return _certified_value(s, *done, chol_terms, gram_error)
         return None
 
-    tight, wide = (1e-10, 1e-8, 1e-6), (1e-4, 1e-2, 1e-1)
+    tight, wide = TIGHT_SHIFTS, WIDE_SHIFTS
     device_dense = not sparse and estimator == "auto" and gram.is_cuda and d <= DEVICE_DENSE_MAX_DIM
     use_lanczos = not sparse and (estimator == "lanczos" or (estimator == "auto" and gram.is_cuda and not device_dense))
-    use_squaring = not sparse and (estimator == "squaring" or (device_dense and DEVICE_DENSE_ESTIMATOR == "squaring"))
+    use_squaring = _takes_squaring(gram, estimator)
     if use_lanczos or use_squaring:
         mu = max(squaring_top_eigenvalue(gram) if use_squaring else lanczos_top_eigenvalue(gram), 0.0)
         # An estimate above Gershgorin's bound on λ_max can only be a broken computation: it would still give a proven
@@ -363,6 +393,85 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     # λ_max ≤ trace for the exact Gram (PSD): tr(exact) ≤ tr(gram) + |tr(E)| ≤ trace + gram_error, with `trace`
     # already an upper bound on the float64 diagonal's exact sum. Always valid, rarely needed.
     return (trace + gram_error) * (1 + 8 * u)
+
+
+def certified_lambda_max_many(grams: list[torch.Tensor], terms: list[int], estimator: str = "auto") -> list[float]:
+    """:func:`certified_lambda_max` of each of ``grams`` (with its ``terms``), the ones whose shift is placed by
+    repeated squaring (on CUDA under ``"auto"``: :data:`DEVICE_DENSE_ESTIMATOR`) together: one batched squaring and
+    one batched Cholesky per shift for all of them, a host synchronisation per step instead of several per Gram — the
+    radius search bounds a Gram per γ and per input of a window at each pass. A Gram the batched step does not settle
+    (an estimate above Gershgorin's bound, a Cholesky that fails at every tight shift) and every other Gram takes
+    :func:`certified_lambda_max` itself.
+
+    Proof: the same certificate. The Grams are stacked zero-padded to the largest dimension ``D``; for a Gram ``G`` of
+    dimension ``d`` the factored matrix is ``fl(sI − G) ⊕ sI_{D−d}`` (block diagonal: the padding sits after ``G``'s
+    rows and columns, and ``s·0 − 0`` is an exact zero). Cholesky of a block-diagonal matrix computes exact zeros in
+    its off-diagonal blocks (every product there has an exact zero factor), and each entry of the leading block is
+    formed from that block's entries alone (its indices ``k < i ≤ d``), by the same equations as for ``fl(sI − G)`` on
+    its own; so its completion proves ``λ_max(G) ≤ s + ‖ΔH‖₂ + u·max|h_ii|`` with Higham's Thm 10.3 for ``n = d``,
+    with the traces and maxima taken over the first ``d`` diagonal entries, exactly as :func:`certified_lambda_max`
+    does. The estimate ``μ`` only places ``s``."""
+    if len(grams) != len(terms):
+        raise ValueError(f"one terms count per Gram: {len(grams)} Grams, {len(terms)} counts")
+    grams = [_dense_gram(gram) for gram in grams]
+    together = [i for i, gram in enumerate(grams) if gram.shape[0] > 0 and _takes_squaring(gram, estimator)]
+    values: list[float | None] = [None] * len(grams)
+    if len(together) > 1 and len({grams[i].device for i in together}) == 1:
+        settled = _squared_certificates([grams[i] for i in together], [terms[i] for i in together])
+        for i, value in zip(together, settled):
+            values[i] = value
+    return [value if value is not None else certified_lambda_max(gram, count, estimator)
+            for value, gram, count in zip(values, grams, terms)]
+
+
+def _squared_certificates(grams: list[torch.Tensor], terms: list[int]) -> list[float | None]:
+    """The batched step of :func:`certified_lambda_max_many` for dense float64 Grams on one device: the bound of each,
+    or ``None`` where it is left to :func:`certified_lambda_max`."""
+    dims = [gram.shape[0] for gram in grams]
+    size, device = max(dims), grams[0].device
+    padded = torch.zeros(len(grams), size, size, dtype=torch.float64, device=device)
+    for k, gram in enumerate(grams):
+        padded[k, :gram.shape[0], :gram.shape[0]] = gram
+    inside = torch.arange(size, device=device) < torch.tensor(dims, device=device)[:, None]  # [B, D]: not padding
+    tiny = torch.finfo(torch.float64).tiny
+    diagonal = padded.diagonal(dim1=1, dim2=2)
+    # The squaring estimate of each (squaring_top_eigenvalue, batched): the padding's zero rows stay zero.
+    m = padded / diagonal.sum(1).clamp_min(tiny)[:, None, None]
+    for _ in range(SQUARING_STEPS):
+        m = m @ m
+        m = m / m.diagonal(dim1=1, dim2=2).sum(1).clamp_min(tiny)[:, None, None]
+    column = m.diagonal(dim1=1, dim2=2).argmax(1)
+    v = m.gather(2, column[:, None, None].expand(-1, size, 1))  # [B, D, 1]
+    norm2 = (v * v).sum((1, 2))
+    quotient = (v * (padded @ v)).sum((1, 2)) / norm2.clamp_min(tiny)
+    estimate = torch.where(norm2 > 0, quotient, torch.zeros_like(quotient)).clamp_min(0.0)
+    stats = torch.stack([diagonal.clamp_min(0).sum(1), estimate, padded.abs().sum(2).amax(1)]).cpu().tolist()
+    results: list[float | None] = [None] * len(grams)
+    pending, shared = [], {}
+    for k, (diagonal_sum, mu, gershgorin) in enumerate(zip(*stats)):
+        trace = _sum_upper(diagonal_sum, dims[k])
+        if trace == 0.0:
+            results[k] = 0.0
+        elif mu <= gershgorin:  # else (a broken estimate, NaN included) certified_lambda_max takes it over
+            pending.append(k)
+            shared[k] = (mu, trace, _gamma_n(terms[k] + 2) * trace / (1 - _gamma_n(terms[k] + 2)))
+    eye = torch.eye(size, dtype=torch.float64, device=device)
+    for eta in TIGHT_SHIFTS:
+        if not pending:
+            break
+        shifts = [shared[k][0] * (1 + eta) + eta * shared[k][1] / dims[k] for k in pending]
+        h = torch.tensor(shifts, dtype=torch.float64, device=device)[:, None, None] * eye - padded[pending]
+        _, info = torch.linalg.cholesky_ex(h)
+        h_diagonal = h.diagonal(dim1=1, dim2=2).abs() * inside[pending]
+        done = torch.stack([info.to(torch.float64), h_diagonal.sum(1), h_diagonal.amax(1)]).cpu().tolist()
+        still = []
+        for k, s, failed, diagonal_sum, max_h in zip(pending, shifts, *done):
+            if failed:
+                still.append(k)
+                continue
+            results[k] = _certified_value(s, _sum_upper(diagonal_sum, dims[k]), max_h, dims[k] + 1, shared[k][2])
+        pending = still
+    return results
 
 
 def probabilistic_norm_bound(
@@ -431,24 +540,39 @@ def _bound_factors(
     ops: list[MaskedAffine], batch: int, *, method: str, delta: float, power_iters: int, exact_max_dim: int,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, list[str], list[float]]:
-    value = torch.ones(batch, dtype=torch.float64)
-    n_prob = [0] * batch
-    for op in ops:
-        use_exact = method == "exact"
-        if method == "auto":
-            dim, flops = op.exact_cost()
-            use_exact = dim <= exact_max_dim or flops <= EXACT_MAX_FLOPS
-        if use_exact:
-            for b in range(batch):
-                gram, terms = op.gram(b)
-                value[b] *= math.sqrt(certified_lambda_max(gram, terms))
-        else:
-            norms = probabilistic_norm_bound(op, power_iters, delta, generator).cpu()
-            value *= norms
-            n_prob = [n + 1 for n in n_prob]
-    kind = ["exact" if n == 0 else "probabilistic" for n in n_prob]
-    failure = [n * delta for n in n_prob]
-    return value * (1 + 1e-12), kind, failure
+    return _bound_factors_many([(ops, batch, generator)], method=method, delta=delta, power_iters=power_iters,
+                               exact_max_dim=exact_max_dim)[0]
+
+
+def _bound_factors_many(
+    groups: list[tuple[list[MaskedAffine], int, torch.Generator | None]], *, method: str, delta: float,
+    power_iters: int, exact_max_dim: int,
+) -> list[tuple[torch.Tensor, list[str], list[float]]]:
+    """The product of factor bounds of each group ``(ops, batch, generator)`` (groups: inputs of a radius-search
+    round, each with its own generator; every group has one operator per layer of ``f_L``). Per layer, the exact
+    factors of all groups are certified together (:func:`certified_lambda_max_many`); a probabilistic factor draws
+    from its own group's generator, in layer order, as it would alone."""
+    values = [torch.ones(batch, dtype=torch.float64) for _, batch, _ in groups]
+    n_prob = [[0] * batch for _, batch, _ in groups]
+    for k in range(len(groups[0][0]) if groups else 0):
+        grams, owners = [], []
+        for g, (ops, batch, generator) in enumerate(groups):
+            op = ops[k]
+            use_exact = method == "exact"
+            if method == "auto":
+                dim, flops = op.exact_cost()
+                use_exact = dim <= exact_max_dim or flops <= EXACT_MAX_FLOPS
+            if use_exact:
+                grams += [op.gram(b) for b in range(batch)]
+                owners += [(g, b) for b in range(batch)]
+            else:
+                values[g] *= probabilistic_norm_bound(op, power_iters, delta, generator).cpu()
+                n_prob[g] = [n + 1 for n in n_prob[g]]
+        for (g, b), top in zip(owners, certified_lambda_max_many([gram for gram, _ in grams],
+                                                                 [terms for _, terms in grams])):
+            values[g][b] *= math.sqrt(top)
+    return [(value * (1 + 1e-12), ["exact" if n == 0 else "probabilistic" for n in counts], [n * delta for n in counts])
+            for value, counts in zip(values, n_prob)]
 
 
 def lipschitz_bound(
@@ -493,13 +617,34 @@ def bound_from_ball(
 ) -> LipschitzBound:
     """:func:`lipschitz_bound` from ball bounds already computed (:func:`~splitz_fast.bounds.ball_bounds`, or a
     :meth:`~splitz_fast.bounds.BallBounds.rows` slice of a larger batch's): the same factors and the same value."""
+    return bounds_from_balls(left, [bounds], input_shape, method=method, delta=delta, power_iters=power_iters,
+                             exact_max_dim=exact_max_dim, generators=[generator])[0]
+
+
+def bounds_from_balls(
+    left: LeftHalf,
+    balls: list[BallBounds],
+    input_shape: tuple[int, ...],
+    *,
+    method: str = "auto",
+    delta: float = 1e-6,
+    power_iters: int = DEFAULT_PROBABILISTIC_ITERS,
+    exact_max_dim: int = DEFAULT_EXACT_MAX_DIM,
+    generators: list[torch.Generator | None] | None = None,
+) -> list[LipschitzBound]:
+    """:func:`bound_from_ball` of each of ``balls`` (each with its own generator), each equal to its own call; their
+    exact factors are certified together, layer by layer (:func:`certified_lambda_max_many`: on CUDA one batched
+    squaring and Cholesky for all of them)."""
     _check_method(method)
-    batch = bounds.gamma.shape[0]
-    ops = masked_operators(left, bounds, input_shape, batch, bounds.input_scale)
-    value, kind, failure = _bound_factors(
-        ops, batch, method=method, delta=delta, power_iters=power_iters, exact_max_dim=exact_max_dim, generator=generator
-    )
-    return LipschitzBound(value, kind, failure, True, bounds.gamma.cpu())
+    generators = generators if generators is not None else [None] * len(balls)
+    if len(generators) != len(balls):
+        raise ValueError(f"one generator per ball: {len(balls)} balls, {len(generators)} generators")
+    groups = [(masked_operators(left, ball, input_shape, ball.gamma.shape[0], ball.input_scale), ball.gamma.shape[0],
+               generator) for ball, generator in zip(balls, generators)]
+    factors = _bound_factors_many(groups, method=method, delta=delta, power_iters=power_iters,
+                                  exact_max_dim=exact_max_dim)
+    return [LipschitzBound(value, kind, failure, True, ball.gamma.cpu())
+            for (value, kind, failure), ball in zip(factors, balls)]
 
 
 def global_lipschitz_bound(

@@ -31,7 +31,7 @@ from .lipschitz import (
     DEFAULT_EXACT_MAX_DIM,
     DEFAULT_PROBABILISTIC_ITERS,
     LipschitzBound,
-    bound_from_ball,
+    bounds_from_balls,
     global_lipschitz_bound,
     lipschitz_bound,
 )
@@ -214,7 +214,10 @@ class RadiusSearch:
         """:meth:`search` for several inputs at once (one generator each): their searches advance in lockstep, and
         each round's new γ's — of every input — get their ball bounds in **one** batched pass
         (:func:`~splitz_fast.bounds.ball_bounds`); each input's factors are then certified from its own rows with its
-        own generator, so every result equals :meth:`search` of that input alone."""
+        own generator, so every result equals :meth:`search` of that input alone — exactly on a CPU; on CUDA the exact
+        factors of all inputs are certified together (:func:`~splitz_fast.lipschitz.bounds_from_balls`), and a bound
+        may differ from the lone search's in its last bits (the batched estimate that places each Cholesky shift
+        rounds differently; both are proven bounds)."""
         opts = self.options
         left = self.left
         if left.depth == 0:
@@ -268,20 +271,24 @@ def bisection_reference(left: LeftHalf, x: torch.Tensor, radius_latent: float, o
 
 def _bound_rounds(left: LeftHalf, opts: BoundOptions, rounds: dict) -> dict[int, LipschitzBound]:
     """``{i: L(x_i, γ) for each of its γ's}`` for ``rounds = {i: (search_i, γ's)}``: one ball-bound pass over every
-    (input, γ) row, then each input's factors from its own rows, delta and generator."""
+    (input, γ) row, then each input's factors from its own rows and generator, the exact ones of all inputs
+    certified together (:func:`~splitz_fast.lipschitz.bounds_from_balls`)."""
     if not rounds:
         return {}
     rows = torch.cat([search.x.unsqueeze(0).expand(len(gammas), *search.x.shape) for search, gammas in rounds.values()])
     gammas = torch.tensor([g for _, round_gammas in rounds.values() for g in round_gammas], dtype=torch.float64)
     ball = ball_bounds(left, rows, gammas)
-    bounded, start = {}, 0
-    for i, (search, round_gammas) in rounds.items():
-        stop = start + len(round_gammas)
-        bounded[i] = bound_from_ball(left, ball.rows(start, stop), tuple(search.x.shape), method=opts.bound_method,
-                                     delta=search.delta_eval, power_iters=opts.power_iters,
-                                     exact_max_dim=opts.exact_max_dim, generator=search.generator)
-        start = stop
-    return bounded
+    slices, start = [], 0
+    for _, round_gammas in rounds.values():
+        slices.append(ball.rows(start, start + len(round_gammas)))
+        start += len(round_gammas)
+    searches = list(rounds.values())
+    if len({search.delta_eval for search, _ in searches}) != 1:
+        raise ValueError("the searches of one round must share their probabilistic budget per evaluation")
+    bounded = bounds_from_balls(left, slices, tuple(searches[0][0].x.shape), method=opts.bound_method,
+                                delta=searches[0][0].delta_eval, power_iters=opts.power_iters,
+                                exact_max_dim=opts.exact_max_dim, generators=[search.generator for search, _ in searches])
+    return dict(zip(rounds, bounded))
 
 
 class _LocalSearch:

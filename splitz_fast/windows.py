@@ -114,7 +114,8 @@ def finish_on_side_stream(smoother: "Smoother", guard, window, counts, seconds, 
 def finish_window(smoother: "Smoother", guard: CallGuard, window, counts, seconds, n, alpha) -> Iterator[CertifyResult]:
     """The window's results in order. The radius searches of its non-abstaining inputs run together
     (:meth:`~splitz_fast.protocols.CertificationProtocol.radii`: one batched ball-bound pass per round of all of
-    them), each equal to its own search; each input's ``seconds`` adds an equal share of that time."""
+    them), each equal to its own search (on CUDA up to the last bits of the certified bounds:
+    :meth:`~splitz_fast.radius.RadiusSearch.search_many`); each input's ``seconds`` adds an equal share of that time."""
     guard.check()  # the caller's code ran since the previous window: the bounds must be of the sampled f_L
     start = time.perf_counter()
     decided = []

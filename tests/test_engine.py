@@ -887,6 +887,33 @@ def test_batched_searches_of_a_window_equal_each_inputs_own_search(method, searc
     assert together == alone
 
 
+def test_batched_certificates_of_a_window_match_each_inputs_own_search(monkeypatch):
+    """Where the shift is placed by squaring (CUDA's default, forced here on CPU tensors), the exact factors of all the
+    inputs of a round are certified in one batch (several Grams per batched step): every result matches the input's
+    own search up to the last bits of its bound, and the radius is min(R/L, γ) with L the host solver's certificate at
+    that γ (to the shift's slack)."""
+    import splitz_fast.lipschitz as lipschitz
+
+    monkeypatch.setattr(lipschitz, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
+    batch_sizes = []
+    squared = lipschitz._squared_certificates
+    monkeypatch.setattr(lipschitz, "_squared_certificates",
+                        lambda grams, terms: batch_sizes.append(len(grams)) or squared(grams, terms))
+    model, xs = _small_splitz()
+    xs, radii = list(xs[:4]), [0.2, 0.5, 0.9, 1.6]
+    search = Smoother(model, 0.5, bound_options=BoundOptions(bound_method="exact")).radius_search
+    together = search.search_many(xs, radii, [None] * len(xs))
+    assert batch_sizes and max(batch_sizes) >= 2
+    alone = [search.search(x, r, None) for x, r in zip(xs, radii)]
+    for t, a, x, r in zip(together, alone, xs, radii):
+        # (γ itself may be another point of the same radius: where R/L(γ) < γ, last-bit ties pick among them)
+        assert (t.evaluations, t.kind) == (a.evaluations, a.kind) and t.radius == pytest.approx(a.radius, rel=1e-12)
+        monkeypatch.undo()  # the host solver's certificate at the same γ: both are proven bounds
+        host = float(sz.lipschitz_bound(model.left, x.unsqueeze(0), t.gamma, method="exact").value[0])
+        assert t.lipschitz == pytest.approx(host, rel=1e-8) and t.radius == pytest.approx(min(r / t.lipschitz, t.gamma))
+        monkeypatch.setattr(lipschitz, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
+
+
 def test_tf32_is_a_labelled_precision_and_float32_is_ieee_on_cuda():
     """On CUDA the engine runs f_R with TF32 convolutions and matmuls exactly when the precision is ``tf32`` (PyTorch
     enables cuDNN TF32 by default: "float32" must switch it off), and restores the user's flags; on the CPU ``tf32``

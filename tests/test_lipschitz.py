@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.lipschitz import (lanczos_top_eigenvalue, masked_operators, probabilistic_norm_bound,
-                                   squaring_top_eigenvalue)
+from splitz_fast.lipschitz import (certified_lambda_max_many, lanczos_top_eigenvalue, masked_operators,
+                                   probabilistic_norm_bound, squaring_top_eigenvalue)
 from splitz_fast.operators import MaskedAffine
 
 
@@ -334,6 +334,78 @@ def test_squaring_estimate_with_eigenvalues_just_below_the_top(below):
     assert exact <= bound <= exact * (1 + 1e-8)
 
 
+def _hard_grams(gen: torch.Generator) -> list[torch.Tensor]:
+    """Grams of several dimensions (so the batch is padded): random PSD ones, a clustered top (half the spectrum at
+    λ_1(1 − 1e-10)), rank one, a multiple of the identity, zero, empty, and LeNet conv1's masked Gram as sparse CSR."""
+    grams = []
+    for d in (1, 5, 64, 130):
+        a = torch.randn(d + 3, d, generator=gen, dtype=torch.float64)
+        grams.append(a.T @ a)
+    q, _ = torch.linalg.qr(torch.randn(90, 90, generator=gen, dtype=torch.float64))
+    values = 0.5 * torch.rand(90, generator=gen, dtype=torch.float64)
+    values[::2], values[-1] = 1.0 - 1e-10, 1.0
+    clustered = (q * values) @ q.T
+    grams.append((clustered + clustered.T) / 2)
+    v = torch.randn(40, generator=gen, dtype=torch.float64)
+    grams += [torch.outer(v, v), 4.0 * torch.eye(50, dtype=torch.float64), torch.zeros(7, 7, dtype=torch.float64),
+              torch.zeros(0, 0, dtype=torch.float64)]
+    left = sz.lenet(split_index=1).left
+    bounds = sz.ball_bounds(left, torch.rand(1, 1, 28, 28, generator=gen), 0.4)
+    grams.append(masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0)[0])
+    return grams
+
+
+def test_batched_certificates_are_proven_bounds_equal_to_one_by_one(monkeypatch):
+    """certified_lambda_max_many with the squaring estimate (what CUDA takes; forced here on CPU tensors): the Grams
+    are bounded together, zero-padded to the largest, and each result is a proven upper bound on λ_max (above the
+    dense solver's eigenvalue) equal to certified_lambda_max of that Gram alone up to the estimate's rounding; the
+    batched step settles every Gram here except the empty one (no per-Gram fallback)."""
+    import splitz_fast.lipschitz as lipschitz
+
+    grams = _hard_grams(torch.Generator().manual_seed(11))
+    terms = [g.shape[0] + 3 for g in grams]
+    alone = [sz.certified_lambda_max(g, t, "squaring") for g, t in zip(grams, terms)]
+    fallbacks = []
+    single = lipschitz.certified_lambda_max
+    monkeypatch.setattr(lipschitz, "certified_lambda_max",
+                        lambda g, t, e="auto": fallbacks.append(g.shape[0]) or single(g, t, e))
+    together = certified_lambda_max_many(grams, terms, "squaring")
+    assert fallbacks == [0]
+    for gram, bound, reference in zip(grams, together, alone):
+        dense = gram.to_dense() if gram.layout == torch.sparse_csr else gram
+        if dense.shape[0] == 0 or not dense.any():
+            assert bound == reference == 0.0
+            continue
+        if gram.layout == torch.sparse_csr:  # the stored upper triangle defines the symmetric matrix
+            dense = dense + torch.triu(dense, 1).mT
+        assert float(torch.linalg.eigvalsh(dense)[-1]) <= bound
+        assert bound == pytest.approx(reference, rel=1e-12)
+
+
+def test_batched_certificates_hand_unsettled_grams_to_the_single_path(monkeypatch):
+    """A Gram whose batched estimate is too low for every tight shift (here: no squaring at all, so the estimate is a
+    column's Rayleigh quotient) is bounded by certified_lambda_max on its own — the host solver's shift — and the
+    result is still a proven bound; other estimators never batch."""
+    import splitz_fast.lipschitz as lipschitz
+
+    gen = torch.Generator().manual_seed(12)
+    grams = [(lambda a: a.T @ a)(torch.randn(d + 2, d, generator=gen, dtype=torch.float64)) for d in (6, 30, 17)]
+    monkeypatch.setattr(lipschitz, "SQUARING_STEPS", 0)
+    calls = []
+    single = lipschitz.certified_lambda_max
+    monkeypatch.setattr(lipschitz, "certified_lambda_max",
+                        lambda g, t, e="auto": calls.append(e) or single(g, t, "eigen"))
+    bounds = certified_lambda_max_many(grams, [9, 9, 9], "squaring")
+    assert calls == ["squaring"] * 3
+    for gram, bound in zip(grams, bounds):
+        assert float(torch.linalg.eigvalsh(gram)[-1]) <= bound == single(gram, 9, "eigen")
+    calls.clear()
+    certified_lambda_max_many(grams, [9, 9, 9], "eigen")
+    assert calls == ["eigen"] * 3
+    with pytest.raises(ValueError, match="one terms count per Gram"):
+        certified_lambda_max_many(grams, [9], "squaring")
+
+
 def test_a_poor_lanczos_estimate_falls_back_to_the_host_solver(monkeypatch):
     """A Lanczos estimate far below λ_max fails every tight shift; the host solver's estimate must then keep the
     bound tight (and it is a proven bound either way)."""
@@ -386,14 +458,15 @@ def test_certified_lambda_max_on_sparse_banded_grams(d, estimator):
 @pytest.mark.parametrize("estimator", ["auto", "lanczos", "squaring"])
 @pytest.mark.parametrize("seed", range(3))
 def test_exact_bound_on_cuda_matches_the_cpu_certificate(seed, estimator, monkeypatch):
-    """On CUDA the exact bound places its shift on the device (dense eigvalsh for this d = 784 Gram under auto, or
-    Lanczos, or repeated squaring); the CPU uses the host solver. Both are proven bounds of the same Gram, so they must agree to the
-    shift's slack and sit above the dense solver's λ_max."""
+    """On CUDA the exact bound places its shift on the device (for these d = 784 Grams of two inputs: repeated
+    squaring, both Grams in one batch, under auto and squaring; Lanczos one by one); the CPU uses the host solver.
+    Both are proven bounds of the same Gram, so they must agree to the shift's slack and sit above the dense solver's
+    λ_max."""
     import splitz_fast.lipschitz as lipschitz
 
-    certify = lipschitz.certified_lambda_max
-    monkeypatch.setattr(lipschitz, "certified_lambda_max", lambda g, t: certify(g, t, "eigen" if not g.is_cuda
-                                                                                 else estimator))
+    certify = lipschitz.certified_lambda_max_many
+    monkeypatch.setattr(lipschitz, "certified_lambda_max_many",
+                        lambda grams, terms: certify(grams, terms, "eigen" if not grams[0].is_cuda else estimator))
     torch.manual_seed(seed)
     left = sz.lenet(split_index=1).left
     x = torch.rand(2, 1, 28, 28)
