@@ -127,14 +127,15 @@ class BallBounds:
 
 
 def _as_gamma(gamma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
-    g = torch.as_tensor(gamma, dtype=torch.float64, device=device).flatten()
+    # Checked where γ is given (the radius search's are host tensors): no device sync for it.
+    g = torch.as_tensor(gamma, dtype=torch.float64).flatten()
     if g.numel() == 1:
         g = g.expand(batch)
     if g.numel() != batch:
         raise ValueError(f"gamma must be a scalar or have one value per input ({batch}), got {g.numel()} values")
-    if not torch.isfinite(g).all() or (g < 0).any():
+    if not bool((torch.isfinite(g) & (g >= 0)).all()):
         raise ValueError("gamma must be finite and >= 0")
-    return g.clone()
+    return g.to(device, copy=True)
 
 
 def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch.Tensor, theta, rigorous: bool,
