@@ -61,7 +61,8 @@ from .bounds import (BallBounds, ball_bounds, first_layer_row_norms, input_scale
                      masked_frobenius_sq, squared_row_norms)
 # Checkpoint I/O lives in checkpoints.py; these names stay importable from here for existing callers.
 from .distributed import SINGLE_PROCESS, BatchRows, DataParallelGroup  # also importable from here
-from .checkpoints import CHECKPOINT_FORMAT, load_checkpoint_file, load_state_into, save_checkpoint
+from .checkpoints import (CHECKPOINT_DIGEST_COVERS, CHECKPOINT_FORMAT, checkpoint_digest,  # noqa: F401 (re-exported)
+                          load_checkpoint_file, load_state_into, save_checkpoint)
 from .kernels import clip_mask, select_composite, train_noise
 from .kernels.noise_votes import standard_normal
 
