@@ -549,21 +549,69 @@ def exact_bound_case(device: torch.device, repeats: int = 10) -> dict:
     return row
 
 
-def run_estimator_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
-    """The dense device estimate that places the exact bound's Cholesky shift on CUDA (``DEVICE_DENSE_ESTIMATOR``):
-    one bound timed with each, then LeNet s = 1 CERTIFY (bf16) with each — what decides the default."""
-    row = dict(what="exact bound: squaring vs eigvalsh estimate", device=device_name(device))
+def batched_bound_case(device: torch.device, repeats: int = 10) -> dict:
+    """The Grams of one radius-search round (LeNet conv1 for 2 inputs at 3 γ's each): milliseconds of certifying them
+    together (``certified_lambda_max_many``) and one by one (``certified_lambda_max`` each), median of ``repeats``,
+    and how far apart the two sets of proven bounds are."""
+    from splitz_fast.lipschitz import certified_lambda_max_many, masked_operators
+
+    torch.manual_seed(0)
+    left = sz.lenet(split_index=1).left.to(device)
+    xs = torch.rand(2, 1, 28, 28, device=device)
+    grams = []
+    for gamma in (0.2, 0.4, 0.6):
+        bounds = sz.ball_bounds(left, xs, gamma)
+        op = masked_operators(left, bounds, (1, 28, 28), 2, bounds.input_scale)[0]
+        grams += [op.gram(b) for b in range(2)]
+    row = dict(what=f"exact bounds of one search round ({len(grams)} LeNet conv1 Grams): batched vs one by one",
+               device=device_name(device))
+    ways = {"batched": lambda: certified_lambda_max_many([g for g, _ in grams], [t for _, t in grams]),
+            "one_by_one": lambda: [sz.certified_lambda_max(g, t) for g, t in grams]}
+    values = {}
+    for name, certify in ways.items():
+        times = []
+        for _ in range(repeats + 1):  # the first call loads the solver libraries
+            synchronize(device)
+            start = time.perf_counter()
+            values[name] = certify()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        row[f"{name}_ms"] = 1e3 * sorted(times[1:])[repeats // 2]
+    row.update(status="ok", batched_vs_one_by_one=row["one_by_one_ms"] / row["batched_ms"],
+               bound_relative_difference=max(abs(a - b) / b for a, b in zip(values["batched"], values["one_by_one"])))
+    return row
+
+
+@contextlib.contextmanager
+def _certificates_one_by_one():
+    """The radius search's exact factors certified one Gram at a time (as before they were batched)."""
+    import splitz_fast.lipschitz as lipschitz
+
+    batched = lipschitz.certified_lambda_max_many
+    lipschitz.certified_lambda_max_many = lambda grams, terms, estimator="auto": [
+        lipschitz.certified_lambda_max(g, t, estimator) for g, t in zip(grams, terms)]
     try:
-        row = exact_bound_case(device)
-    except Exception as exc:
-        traceback.print_exc()
-        row.update(status="error", error=error_text(exc))
-    print("  " + json.dumps(row, default=str), flush=True)
-    recorder.add(row)
-    _comparison(recorder, "radius search with the eigvalsh vs squaring estimate",
-                {"eigvalsh": (lambda: _dense_estimator("eigvalsh"), {}),
-                 "squaring": (lambda: _dense_estimator("squaring"), {})},
-                "squaring_speedup", images, device, quick, deadline, "bfloat16")
+        yield
+    finally:
+        lipschitz.certified_lambda_max_many = batched
+
+
+def run_bound_comparisons(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """The exact bound on CUDA: one bound with the squaring vs the eigvalsh estimate (``DEVICE_DENSE_ESTIMATOR``), a
+    round's Grams certified together vs one by one, then LeNet s = 1 CERTIFY (bf16) with batched vs one-by-one
+    certificates."""
+    for case in (exact_bound_case, batched_bound_case):
+        row = dict(what=case.__name__, device=device_name(device))
+        try:
+            row = case(device)
+        except Exception as exc:
+            traceback.print_exc()
+            row.update(status="error", error=error_text(exc))
+        print("  " + json.dumps(row, default=str), flush=True)
+        recorder.add(row)
+    _comparison(recorder, "exact bounds of a round one by one vs batched",
+                {"one_by_one": (_certificates_one_by_one, {}), "batched": (contextlib.nullcontext, {})},
+                "batched_speedup", images, device, quick, deadline, "bfloat16")
 
 
 def run_native(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
@@ -573,7 +621,7 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
     run_graph_comparison(recorder, images, device, quick, deadline)
     run_gamma_batch_comparison(recorder, images, device, quick, deadline)
     run_compile_comparison(recorder, images, device, quick, deadline)
-    run_estimator_comparison(recorder, images, device, quick, deadline)
+    run_bound_comparisons(recorder, images, device, quick, deadline)
     run_fused_pool(recorder, images, device, quick, deadline)
     from splitz_fast.kernels.native_cuda import cuda_native_available
 
@@ -613,7 +661,8 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "unfused_s_per_image", "fused_s_per_image", "fused_speedup", "eager_s_per_image", "graph_s_per_image",
               "graph_speedup", "compiled_s_per_image", "compile_speedup", "bisection_s_per_image",
               "gamma_batch_4_s_per_image", "gamma_batch_speedup", "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms", "squaring_vs_eigvalsh",
-              "bound_relative_difference", "eigvalsh_s_per_image", "squaring_s_per_image", "squaring_speedup",
+              "bound_relative_difference", "batched_ms", "one_by_one_ms", "batched_vs_one_by_one",
+              "one_by_one_s_per_image", "batched_s_per_image", "batched_speedup",
               "error")
 
 
@@ -703,10 +752,14 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {r['what']} | squaring {r['squaring_ms']:.2f} ms | eigvalsh {r['eigvalsh_ms']:.2f} ms "
                              f"| — | {r['squaring_vs_eigvalsh']:.2f}× (bounds {r['bound_relative_difference']:.1e} "
                              "apart) |")
-            elif "squaring_speedup" in r:
-                lines.append(f"| {r['what']} ({r['images']} images) | squaring {r['squaring_s_per_image']:.4f} "
-                             f"s/image | eigvalsh {r['eigvalsh_s_per_image']:.4f} s/image | — | "
-                             f"{r['squaring_speedup']:.2f}× (squaring vs eigvalsh) |")
+            elif "batched_vs_one_by_one" in r:
+                lines.append(f"| {r['what']} | batched {r['batched_ms']:.2f} ms | one by one {r['one_by_one_ms']:.2f} "
+                             f"ms | — | {r['batched_vs_one_by_one']:.2f}× (bounds {r['bound_relative_difference']:.1e} "
+                             "apart) |")
+            elif "batched_speedup" in r:
+                lines.append(f"| {r['what']} ({r['images']} images) | batched {r['batched_s_per_image']:.4f} s/image | "
+                             f"one by one {r['one_by_one_s_per_image']:.4f} s/image | — | {r['batched_speedup']:.2f}× "
+                             "(batched vs one by one) |")
             elif "compile_speedup" in r:
                 lines.append(f"| {r['what']} ({r['images']} images) | compiled {r['compiled_s_per_image']:.4f} s/image "
                              f"| eager {r['eager_s_per_image']:.4f} s/image | — | {r['compile_speedup']:.2f}× "

@@ -29,8 +29,9 @@
 #      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said): f_R eager vs
 #      replayed as a CUDA graph (LeNet s = 0 and 1, ResNet-110 s = 0; stage 1's rows already use the default, which
 #      decides by measurement at run time, and record what it decided), LeNet s = 1 with gamma_batch 4 vs the
-#      bisection, LeNet s = 0 with f_R through torch.compile vs eager, the exact bound's squaring vs eigvalsh estimate
-#      (one bound, then LeNet s = 1), LeNet s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32,
+#      bisection, LeNet s = 0 with f_R through torch.compile vs eager, the exact bound (one bound with the squaring vs
+#      the eigvalsh estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY),
+#      LeNet s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32,
 #      bf16); then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 /
 #      bf16, channels_last / contiguous, and vote counts of 10 / 1000 classes: CUDA kernel vs Triton vs eager, CUDA
 #      events, median of 50).

@@ -293,7 +293,11 @@ ab_rows = [dict(what="fused noise + max pool", images=2, status="ok", unfused_s_
            dict(what="torch.compile vs eager f_R", images=2, status="ok", eager_s_per_image=0.036,
                 compiled_s_per_image=0.018, compile_speedup=2.0),
            dict(what="gamma_batch 4 vs 2 (bisection)", images=2, status="ok", bisection_s_per_image=0.08,
-                gamma_batch_4_s_per_image=0.064, gamma_batch_speedup=1.25)]
+                gamma_batch_4_s_per_image=0.064, gamma_batch_speedup=1.25),
+           dict(what="exact bounds of one search round (6 Grams): batched vs one by one", status="ok", batched_ms=4.0,
+                one_by_one_ms=16.0, batched_vs_one_by_one=4.0, bound_relative_difference=3e-16),
+           dict(what="exact bounds of a round one by one vs batched", images=2, status="ok",
+                one_by_one_s_per_image=0.07, batched_s_per_image=0.05, batched_speedup=1.4)]
 settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
                 copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
 data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row]),
@@ -333,5 +337,9 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
             "(compiled vs eager) |") in md
     assert ("| gamma_batch 4 vs 2 (bisection) (2 images) | gamma_batch 4 0.0640 s/image | bisection 0.0800 s/image | — "
             "| 1.25× (gamma_batch 4 vs 2) |") in md
+    assert ("| exact bounds of one search round (6 Grams): batched vs one by one | batched 4.00 ms | one by one 16.00 ms "
+            "| — | 4.00× (bounds 3.0e-16 apart) |") in md
+    assert ("| exact bounds of a round one by one vs batched (2 images) | batched 0.0500 s/image | one by one 0.0700 "
+            "s/image | — | 1.40× (batched vs one by one) |") in md
     assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
