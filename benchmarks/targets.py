@@ -440,7 +440,8 @@ def _comparison(recorder: Recorder, what: str, settings: dict, speedup_key: str,
             if measured.get("cuda_graphs"):
                 row[f"{label}_cuda_graphs"] = measured["cuda_graphs"]
         first, second = settings
-        row.update(status="ok", **{speedup_key: row[f"{first}_s_per_image"] / row[f"{second}_s_per_image"]})
+        row.update(status="ok", compared=[first, second], speedup_key=speedup_key,
+                   **{speedup_key: row[f"{first}_s_per_image"] / row[f"{second}_s_per_image"]})
     except Exception as exc:
         traceback.print_exc()
         row.update(status="error", error=error_text(exc))
@@ -544,7 +545,8 @@ def exact_bound_case(device: torch.device, repeats: int = 10) -> dict:
                 synchronize(device)
                 times.append(time.perf_counter() - start)
             row[f"{estimator}_ms"] = 1e3 * sorted(times[1:])[repeats // 2]
-    row.update(status="ok", squaring_vs_eigvalsh=row["eigvalsh_ms"] / row["squaring_ms"],
+    row.update(status="ok", compared=["eigvalsh", "squaring"], speedup_key="squaring_vs_eigvalsh",
+               squaring_vs_eigvalsh=row["eigvalsh_ms"] / row["squaring_ms"],
                bound_relative_difference=abs(values["squaring"] - values["eigvalsh"]) / values["eigvalsh"])
     return row
 
@@ -577,7 +579,8 @@ def batched_bound_case(device: torch.device, repeats: int = 10) -> dict:
             synchronize(device)
             times.append(time.perf_counter() - start)
         row[f"{name}_ms"] = 1e3 * sorted(times[1:])[repeats // 2]
-    row.update(status="ok", batched_vs_one_by_one=row["one_by_one_ms"] / row["batched_ms"],
+    row.update(status="ok", compared=["one_by_one", "batched"], speedup_key="batched_vs_one_by_one",
+               batched_vs_one_by_one=row["one_by_one_ms"] / row["batched_ms"],
                bound_relative_difference=max(abs(a - b) / b for a, b in zip(values["batched"], values["one_by_one"])))
     return row
 
@@ -660,7 +663,8 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "reference_ms", "cuda_vs_triton",
               "unfused_s_per_image", "fused_s_per_image", "fused_speedup", "eager_s_per_image", "graph_s_per_image",
               "graph_speedup", "compiled_s_per_image", "compile_speedup", "bisection_s_per_image",
-              "gamma_batch_4_s_per_image", "gamma_batch_speedup", "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms", "squaring_vs_eigvalsh",
+              "gamma_batch_4_s_per_image", "gamma_batch_speedup", "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms",
+              "squaring_vs_eigvalsh",
               "bound_relative_difference", "batched_ms", "one_by_one_ms", "batched_vs_one_by_one",
               "one_by_one_s_per_image", "batched_s_per_image", "batched_speedup",
               "error")
@@ -735,8 +739,10 @@ def markdown(data: dict) -> str:
         lines.append("")
     native = data.get("parts", {}).get("native")
     if native:
-        lines += [f"### Native CUDA kernels (csrc/noise_votes_cuda.cu) vs Triton ({native.get('started')})", "",
-                  "| what | CUDA / native | Triton / auto | eager reference | native speedup vs Triton |",
+        lines += [f"### Settings and kernels compared on the device (`--part native`, {native.get('started')})", "",
+                  "A/B rows: the setting under test, then the baseline; kernel rows: the CUDA kernel of csrc/, then "
+                  "Triton, then eager PyTorch.", "",
+                  "| what | setting under test / CUDA kernel | baseline / Triton | eager reference | speedup |",
                   "|---|---|---|---|---|"]
         for r in native["rows"]:
             if r.get("status") != "ok":
@@ -744,38 +750,28 @@ def markdown(data: dict) -> str:
             elif "cuda_ms" in r:
                 lines.append(f"| {r['what']} | {r['cuda_ms']:.3f} ms | {r['triton_ms']:.3f} ms | "
                              f"{r['reference_ms']:.3f} ms | {r['cuda_vs_triton']:.2f}× |")
-            elif "fused_speedup" in r:  # the first column: the fused Triton kernel in place of the CUDA one
-                lines.append(f"| {r['what']} ({r['images']} images) | fused {r['fused_s_per_image']:.4f} s/image | "
-                             f"pool in f_R {r['unfused_s_per_image']:.4f} s/image | — | {r['fused_speedup']:.2f}× "
-                             "(fused vs pool in f_R) |")
-            elif "squaring_vs_eigvalsh" in r:  # the first column: the squaring estimate in place of the CUDA kernel
-                lines.append(f"| {r['what']} | squaring {r['squaring_ms']:.2f} ms | eigvalsh {r['eigvalsh_ms']:.2f} ms "
-                             f"| — | {r['squaring_vs_eigvalsh']:.2f}× (bounds {r['bound_relative_difference']:.1e} "
-                             "apart) |")
-            elif "batched_vs_one_by_one" in r:
-                lines.append(f"| {r['what']} | batched {r['batched_ms']:.2f} ms | one by one {r['one_by_one_ms']:.2f} "
-                             f"ms | — | {r['batched_vs_one_by_one']:.2f}× (bounds {r['bound_relative_difference']:.1e} "
-                             "apart) |")
-            elif "batched_speedup" in r:
-                lines.append(f"| {r['what']} ({r['images']} images) | batched {r['batched_s_per_image']:.4f} s/image | "
-                             f"one by one {r['one_by_one_s_per_image']:.4f} s/image | — | {r['batched_speedup']:.2f}× "
-                             "(batched vs one by one) |")
-            elif "compile_speedup" in r:
-                lines.append(f"| {r['what']} ({r['images']} images) | compiled {r['compiled_s_per_image']:.4f} s/image "
-                             f"| eager {r['eager_s_per_image']:.4f} s/image | — | {r['compile_speedup']:.2f}× "
-                             "(compiled vs eager) |")
-            elif "gamma_batch_speedup" in r:
-                lines.append(f"| {r['what']} ({r['images']} images) | gamma_batch 4 "
-                             f"{r['gamma_batch_4_s_per_image']:.4f} s/image | bisection {r['bisection_s_per_image']:.4f}"
-                             f" s/image | — | {r['gamma_batch_speedup']:.2f}× (gamma_batch 4 vs 2) |")
-            elif "graph_speedup" in r:  # the first column: CUDA graph replay in place of the native kernels
-                lines.append(f"| {r['what']} ({r['images']} images) | graph {r['graph_s_per_image']:.4f} s/image | "
-                             f"eager {r['eager_s_per_image']:.4f} s/image | — | {r['graph_speedup']:.2f}× (graph vs "
-                             "eager) |")
+            elif "compared" in r:  # an A/B row: the second setting in the first column, its speedup last
+                lines.append(ab_cell(r))
             else:
                 lines.append(f"| {r['what']} | {r['status']} in {r.get('seconds', 0):.1f} s | | | |")
         lines.append("")
     return "\n".join(lines)
+
+
+def ab_cell(row: dict) -> str:
+    """The markdown line of an A/B row (``compared = [first, second]`` settings, each timed in seconds per image or,
+    for a single bound, milliseconds): the second setting, the first, and the first's time over the second's."""
+    first, second = row["compared"]
+    unit, what = ("s/image", f"{row['what']} ({row['images']} images)") if "images" in row else ("ms", row["what"])
+    digits = 4 if unit == "s/image" else 2
+
+    def cell(label: str) -> str:
+        value = row[f"{label}_s_per_image" if unit == "s/image" else f"{label}_ms"]
+        return f"{label.replace('_', ' ')} {value:.{digits}f} {unit}"
+
+    note = f" (bounds {row['bound_relative_difference']:.1e} apart)" if "bound_relative_difference" in row else ""
+    return (f"| {what} | {cell(second)} | {cell(first)} | — | {row[row['speedup_key']]:.2f}× ({second.replace('_', ' ')} "
+            f"vs {first.replace('_', ' ')}){note} |")
 
 
 def _sig(value, scale: float = 1.0) -> str:
