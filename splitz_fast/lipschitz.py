@@ -156,18 +156,27 @@ def squaring_top_eigenvalue(gram: torch.Tensor, steps: int = SQUARING_STEPS) -> 
     ``d · max_x x^(2p) (1 − x) ≤ d / (2e·p)`` (the worst case: an eigenvalue just below the top one; ≈ 3e-8 for
     ``d = 784``, ``steps = 32``), and at rounding level where the spectrum has a gap. It never enters the proof: it only
     places the Cholesky shift of :func:`certified_lambda_max`, which widens the shift where the estimate is low."""
-    d = gram.shape[0]
-    if d == 0:
+    if gram.shape[0] == 0:
         return 0.0
-    trace = gram.diagonal().sum()
-    m = gram / trace.clamp_min(torch.finfo(gram.dtype).tiny)
+    return float(_squaring_estimates(gram.unsqueeze(0), steps)[0])
+
+
+def _squaring_estimates(grams: torch.Tensor, steps: int) -> torch.Tensor:
+    """:func:`squaring_top_eigenvalue` of each of ``grams: [B, D, D]`` (``D ≥ 1``), as a ``[B]`` tensor on their device
+    (no host synchronisation). A zero-padded Gram gives its own estimate: the padding's rows and columns stay zero."""
+    tiny = torch.finfo(grams.dtype).tiny
+
+    def normalised(m: torch.Tensor) -> torch.Tensor:
+        return m / m.diagonal(dim1=1, dim2=2).sum(1).clamp_min(tiny)[:, None, None]
+
+    m = normalised(grams)
     for _ in range(steps):
-        m = m @ m
-        m = m / m.diagonal().sum().clamp_min(torch.finfo(gram.dtype).tiny)
-    v = m.index_select(1, m.diagonal().argmax().view(1)).squeeze(1)
-    norm2 = v @ v
-    quotient = (v @ (gram @ v)) / norm2.clamp_min(torch.finfo(gram.dtype).tiny)
-    return float(torch.where(norm2 > 0, quotient, torch.zeros_like(quotient)))
+        m = normalised(m @ m)
+    column = m.diagonal(dim1=1, dim2=2).argmax(1)
+    v = m.gather(2, column[:, None, None].expand(-1, grams.shape[1], 1))  # [B, D, 1]: that column of each
+    norm2 = (v * v).sum((1, 2))
+    quotient = (v * (grams @ v)).sum((1, 2)) / norm2.clamp_min(tiny)
+    return torch.where(norm2 > 0, quotient, torch.zeros_like(quotient))
 
 
 def _eigen_estimate(gram: torch.Tensor) -> float:
@@ -433,18 +442,8 @@ def _squared_certificates(grams: list[torch.Tensor], terms: list[int]) -> list[f
     for k, gram in enumerate(grams):
         padded[k, :gram.shape[0], :gram.shape[0]] = gram
     inside = torch.arange(size, device=device) < torch.tensor(dims, device=device)[:, None]  # [B, D]: not padding
-    tiny = torch.finfo(torch.float64).tiny
     diagonal = padded.diagonal(dim1=1, dim2=2)
-    # The squaring estimate of each (squaring_top_eigenvalue, batched): the padding's zero rows stay zero.
-    m = padded / diagonal.sum(1).clamp_min(tiny)[:, None, None]
-    for _ in range(SQUARING_STEPS):
-        m = m @ m
-        m = m / m.diagonal(dim1=1, dim2=2).sum(1).clamp_min(tiny)[:, None, None]
-    column = m.diagonal(dim1=1, dim2=2).argmax(1)
-    v = m.gather(2, column[:, None, None].expand(-1, size, 1))  # [B, D, 1]
-    norm2 = (v * v).sum((1, 2))
-    quotient = (v * (padded @ v)).sum((1, 2)) / norm2.clamp_min(tiny)
-    estimate = torch.where(norm2 > 0, quotient, torch.zeros_like(quotient)).clamp_min(0.0)
+    estimate = _squaring_estimates(padded, SQUARING_STEPS).clamp_min(0.0)
     stats = torch.stack([diagonal.clamp_min(0).sum(1), estimate, padded.abs().sum(2).amax(1)]).cpu().tolist()
     results: list[float | None] = [None] * len(grams)
     pending, shared = [], {}
