@@ -501,6 +501,35 @@ def run_epilogue_comparison(recorder: Recorder, images: int, device: torch.devic
                     "epilogue_speedup", images, device, quick, deadline, precision, workload, split)
 
 
+@contextlib.contextmanager
+def _with_auto_triton(op: str):
+    """``op`` among ``AUTO_TRITON_OPS`` for the block (``auto`` runs its Triton kernel on CUDA)."""
+    import splitz_fast.kernels as kernels
+
+    default = kernels.AUTO_TRITON_OPS
+    kernels.AUTO_TRITON_OPS = default | {op}
+    try:
+        yield
+    finally:
+        kernels.AUTO_TRITON_OPS = default
+
+
+# (split, precision) of the fused convolution + ReLU + max pool comparison on LeNet (f_R's two such layers at s = 0,
+# one at s = 1).
+CONV_POOL_COMPARISONS = ((0, "bfloat16"), (0, "tf32"), (1, "bfloat16"))
+
+
+def run_conv_pool_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """LeNet CERTIFY (:data:`CONV_POOL_COMPARISONS`) with each Conv2d + ReLU + 2x2 max pool of ``f_R`` as one Triton
+    kernel (``conv_relu_maxpool2`` added to ``AUTO_TRITON_OPS`` for the row) against eager cuDNN + pool: the
+    measurement that decides whether ``auto`` selects it. The same function (votes may differ on the boundary only)."""
+    for split, precision in CONV_POOL_COMPARISONS:
+        _comparison(recorder, "fused conv + ReLU + max pool (Triton) vs eager",
+                    {"eager_conv_pool": (contextlib.nullcontext, {}),
+                     "fused_conv_pool": (lambda: _with_auto_triton("conv_relu_maxpool2"), {})},
+                    "conv_pool_speedup", images, device, quick, deadline, precision, 0, split)
+
+
 # (workload index, split) of the CUDA graph comparison: the launch-bound LeNet at both splits, the deep ResNet-110.
 GRAPH_COMPARISONS = ((0, 0), (0, 1), (1, 0))
 
@@ -650,6 +679,7 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
     # the undecided settings first (a part stopped by its budget keeps the rows it finished)
+    run_conv_pool_comparison(recorder, images, device, quick, deadline)
     run_epilogue_comparison(recorder, images, device, quick, deadline)
     run_compile_comparison(recorder, images, device, quick, deadline)
     run_gamma_batch_comparison(recorder, images, device, quick, deadline)
@@ -698,6 +728,7 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "bound_relative_difference", "batched_ms", "one_by_one_ms", "batched_vs_one_by_one",
               "one_by_one_s_per_image", "batched_s_per_image", "batched_speedup",
               "eager_epilogues_s_per_image", "fused_epilogues_s_per_image", "epilogue_speedup",
+              "eager_conv_pool_s_per_image", "fused_conv_pool_s_per_image", "conv_pool_speedup",
               "error")
 
 

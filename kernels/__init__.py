@@ -16,6 +16,9 @@ reference beside it — the reference is both the CPU path and the test oracle:
 
 * ``masked_conv2d``: ``m ⊙ W(f ⊙ v)`` and ``f ⊙ Wᵀ(m ⊙ u)`` for a convolution, an implicit GEMM with the masks
   inside, an ``autograd.Function`` — the ``Conv2d`` factors of the power iterations.
+* ``conv_relu_pool``: ``conv_relu_maxpool2``, a ``Conv2d`` + ``ReLU`` + 2x2 ``MaxPool2d`` of ``f_R`` as one implicit
+  GEMM on tensor cores whose epilogue pools, adds the bias and applies the ReLU (inference; the sampling engine's
+  prepared ``f_R`` on CUDA, where selected).
 
 Native (C++) kernels live in ``csrc/`` and are built and loaded by ``native`` (:mod:`splitz_fast.kernels.native`):
 
@@ -47,13 +50,15 @@ BACKEND_ENV = "SPLITZ_BACKEND"
 BACKENDS = ("auto", "reference", "triton", "native")
 # Ops with a Triton implementation.
 TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "noisy_latents_maxpool2", "count_votes", "first_layer_bounds",
-                                        "interval_clip", "masked_linear", "masked_conv2d"})
+                                        "interval_clip", "masked_linear", "masked_conv2d", "conv_relu_maxpool2"})
 # Ops that ``auto`` sends to Triton on CUDA: the ones measured faster than their reference there
 # (benchmarks/test_bench_kernels.py, H200, batch 256). masked_conv2d is not: its implicit GEMM ran at 0.04–0.39x
 # cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
 # noisy_latents_maxpool2 (the noise and f_R's leading 2x2 max pool in one pass) is: LeNet s = 1 CERTIFY on an H100
 # (benchmarks/targets.py --part native, n = 10⁵) 0.104 vs 0.117 s per image (tf32), 0.101 vs 0.112 (bf16).
-AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
+# conv_relu_maxpool2 (a Conv2d + ReLU + 2x2 MaxPool2d of f_R in one kernel) is not measured on a GPU yet: the A/B rows
+# of benchmarks/targets.py --part native (LeNet s = 0 and 1) decide.
+AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d", "conv_relu_maxpool2"}
 # Ops that ``auto`` sends to the CUDA kernels of csrc/ (kernels/native_cuda.py: CUDA_OPS) on CUDA instead of Triton:
 # none. On an H100 (benchmarks/test_bench_kernels.py cases, 10,000 LeNet latents) the CUDA noise kernel ran at
 # 0.82–0.88x the Triton one; its vote count was 2x faster, but 0.02 ms per batch does not pay for building the

@@ -28,8 +28,10 @@
 #   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a builds
 #      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
 #      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said), the undecided
-#      settings first: ResNet-110 s = 0 (bf16, tf32) and ResNet-50 s = 0 with f_R's convolution epilogues fused into
-#      cuDNN calls vs eager (decides epilogues.FUSE_ON_CUDA), LeNet s = 0 with f_R through torch.compile vs eager,
+#      settings first: LeNet s = 0 (bf16, tf32) and s = 1 (bf16) with each conv + ReLU + 2x2 max pool of f_R as one
+#      Triton kernel vs eager (decides whether auto selects conv_relu_maxpool2), ResNet-110 s = 0 (bf16, tf32) and
+#      ResNet-50 s = 0 with f_R's convolution epilogues fused into cuDNN calls vs eager (decides
+#      epilogues.FUSE_ON_CUDA), LeNet s = 0 with f_R through torch.compile vs eager,
 #      LeNet s = 1 with gamma_batch 4 vs the bisection, the exact bound (one bound with the squaring vs the eigvalsh
 #      estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY), LeNet
 #      s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32, bf16), f_R eager vs replayed as a
@@ -44,8 +46,8 @@
 #      epochs each (default 40), then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the
 #      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
 #   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
-#      CUDA graph and fused-epilogue tests (tests/test_graphs.py, tests/test_epilogues.py, and the host-sync count with
-#      the default graphs), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
+#      CUDA graph and fusion tests (tests/test_graphs.py, tests/test_epilogues.py, tests/test_kernels_conv_relu_pool.py,
+#      and the host-sync count with the default graphs), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
 #      pytest-timeout with a traceback of every thread where it is installed, so a test that hangs is named with its
 #      frame instead of stalling the stage), a one-epoch `torchrun --nproc_per_node=1` training (NCCL).
 #   6. waiting for the results runs, then packing.
@@ -164,7 +166,8 @@ if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share th
     PYTEST="$PY -m pytest -q $XDIST -p no:cacheprovider"
     # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
     if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
-    stage "5 CUDA graph and fused-epilogue tests" 120 $PYTEST tests/test_graphs.py tests/test_epilogues.py \
+    stage "5 CUDA graph and fusion tests" 150 $PYTEST tests/test_graphs.py tests/test_epilogues.py \
+        tests/test_kernels_conv_relu_pool.py \
         tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches
     stage "5a CUDA kernel build" 120 env MAX_JOBS=2 $PY -m splitz_fast.kernels.native_cuda
     stage "5b CUDA kernel tests" 90 $PYTEST tests/test_native_cuda.py

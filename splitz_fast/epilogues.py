@@ -21,6 +21,10 @@ unfused kernels; tested), elsewhere the modules run the unfused operations, bitw
 
 Whether :class:`~splitz_fast.prepared.PreparedClassifier` applies it is a speed choice made by measurement
 (:func:`fuses_conv_epilogues`).
+
+A convolution followed by its ReLU and a 2x2 max pool (LeNet's layers) goes further: :class:`ConvReLUMaxPool2` runs
+all three as one Triton kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`);
+the prepared chain uses it where the kernel dispatch selects it on CUDA (:func:`fuses_conv_pools`).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .folding import free_submodule_name
+from .kernels import conv_relu_pool, select_backend
 
 # Whether prepared f_R copies on CUDA use the fused epilogues. Off until measured faster on a GPU: the A/B rows of
 # benchmarks/targets.py ("cuDNN fused conv epilogues vs eager", CIFAR-10 ResNet-110 and ResNet-50) decide it.
@@ -108,6 +113,40 @@ class ConvAddReLU(_FusedConv):
             except RuntimeError as err:
                 self._refused(err)
         return F.relu(self.conv(x) + z)
+
+
+def fuses_conv_pools(device: torch.device) -> bool:
+    """Whether a prepared ``f_R`` chain on ``device`` runs each ``Conv2d`` + ``ReLU`` + 2x2 ``MaxPool2d`` as
+    :class:`ConvReLUMaxPool2`: on CUDA, where the dispatch selects the Triton kernel (``conv_relu_maxpool2`` among
+    ``kernels.AUTO_TRITON_OPS``, or ``SPLITZ_BACKEND=triton``)."""
+    device = torch.device(device)
+    return device.type == "cuda" and select_backend(conv_relu_pool.OP_NAME, device) == "triton"
+
+
+class ConvReLUMaxPool2(nn.Module):
+    """``MaxPool2d(2)(relu(conv(x)))`` of a stride-1 ``Conv2d`` (its parameters shared) as one op,
+    :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2`: on CUDA one Triton kernel that writes only the
+    pooled activation. Under autocast the operands are cast as autocast casts a convolution; float32 multiplies as
+    TF32 exactly where cuDNN's convolutions would (``torch.backends.cudnn.allow_tf32``, which the sampling engine sets
+    from its precision)."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        conv_relu_pool.check_geometry(conv.weight, conv.stride, conv.padding, conv.dilation, conv.groups)
+        self.conv = conv
+
+    @staticmethod
+    def takes(conv: nn.Module) -> bool:
+        """Whether ``conv`` is a convolution the kernel computes: an exact ``nn.Conv2d`` with stride 1, dilation 1,
+        groups 1 and numeric zero padding, without hooks."""
+        return (_fusable_conv(conv) and conv.stride == (1, 1) and conv.dilation == (1, 1) and conv.groups == 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            x = x.to(torch.get_autocast_dtype(kind))
+        tf32 = x.is_cuda and torch.backends.cudnn.allow_tf32
+        return conv_relu_pool.conv_relu_maxpool2(x, self.conv.weight, self.conv.bias, self.conv.padding, tf32)
 
 
 def fuse_conv_epilogues(module: nn.Module) -> nn.Module:
@@ -206,4 +245,5 @@ def _conv_add(node: torch.fx.Node, modules) -> tuple[torch.fx.Node, torch.fx.Nod
     return None
 
 
-__all__ = ["ConvReLU", "ConvAddReLU", "FUSE_ON_CUDA", "fuse_conv_epilogues", "fuses_conv_epilogues"]
+__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSE_ON_CUDA", "fuse_conv_epilogues", "fuses_conv_epilogues",
+           "fuses_conv_pools"]

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .epilogues import fuse_conv_epilogues, fuses_conv_epilogues
+from .epilogues import ConvReLUMaxPool2, fuse_conv_epilogues, fuses_conv_epilogues, fuses_conv_pools
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores
 from .modules import ModuleSnapshot
@@ -218,6 +218,9 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
       its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
       LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
       stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time);
+    * on CUDA, where the kernel dispatch selects it (:func:`~splitz_fast.epilogues.fuses_conv_pools`), every
+      ``Conv2d`` + ``ReLU`` + ``MaxPool2d(2)`` is one :class:`~splitz_fast.epilogues.ConvReLUMaxPool2`
+      (:func:`_fused_conv_pools`): one kernel that writes only the pooled activation;
     * on CUDA only (:func:`_bias_after_pools`), a convolution's bias that reaches a ``MaxPool2d`` directly is added
       after the pool (:class:`_ChannelBias`), to its 4x fewer values: ``maxpool(conv(x) + b) = maxpool(conv(x)) + b``
       for a bias constant over each channel, exactly also in floating point — rounding ``fl(v + b)`` is monotone
@@ -230,6 +233,8 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
     if not isinstance(module, nn.Sequential) or not all(type(m) in _CHAIN_LAYERS for m in module):
         return module
     layers = list(module)
+    if fuses_conv_pools(device):
+        layers = _fused_conv_pools(layers)
     for i in range(len(layers) - 1):
         if type(layers[i]) is nn.ReLU and type(layers[i + 1]) is nn.MaxPool2d and not layers[i + 1].return_indices:
             layers[i], layers[i + 1] = layers[i + 1], layers[i]
@@ -244,6 +249,26 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
             rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
             layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
     return nn.Sequential(*layers)
+
+
+def _fused_conv_pools(layers: list[nn.Module]) -> list[nn.Module]:
+    """``layers`` with every ``Conv2d`` that the kernel takes (:meth:`~splitz_fast.epilogues.ConvReLUMaxPool2.takes`)
+    directly followed by an ``nn.ReLU`` and an ``nn.MaxPool2d(2)`` (:func:`_is_maxpool2`), in either order, replaced
+    by one :class:`~splitz_fast.epilogues.ConvReLUMaxPool2` (the convolution's parameters shared): the same
+    function, since ReLU and a max pool commute (:func:`_cheaper_chain`)."""
+    out: list[nn.Module] = []
+    i = 0
+    while i < len(layers):
+        layer, pair = layers[i], layers[i + 1:i + 3]
+        if (type(layer) is nn.Conv2d and len(pair) == 2 and {type(m) for m in pair} == {nn.ReLU, nn.MaxPool2d}
+                and all(_is_maxpool2(m) for m in pair if type(m) is nn.MaxPool2d) and ConvReLUMaxPool2.takes(layer)):
+            out.append(ConvReLUMaxPool2(layer))
+            i += 3
+            continue
+        out.append(layer)
+        i += 1
+    return out
+
 
 
 def _pools_as_strided_maxima(device: torch.device) -> bool:

@@ -342,20 +342,27 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
 
 
-def test_the_fused_epilogue_rows_measure_both_settings_and_restore_the_default(tmp_path: Path):
-    """The A/B rows that decide ``epilogues.FUSE_ON_CUDA`` (stage 2b runs them on CUDA only) in quick mode on the CPU,
-    in a process of their own (as the script runs them): one row per (ResNet, precision), both settings timed, the
-    speedup recorded, the default left as it was."""
+@pytest.mark.parametrize("runner,cases,compared,key,what", [
+    ("run_epilogue_comparison", "EPILOGUE_COMPARISONS", ["eager_epilogues", "fused_epilogues"], "epilogue_speedup",
+     "cuDNN fused conv epilogues vs eager"),
+    ("run_conv_pool_comparison", "CONV_POOL_COMPARISONS", ["eager_conv_pool", "fused_conv_pool"], "conv_pool_speedup",
+     "fused conv + ReLU + max pool (Triton) vs eager")])
+def test_the_fusion_rows_measure_both_settings_and_restore_the_defaults(tmp_path: Path, runner, cases, compared, key,
+                                                                       what):
+    """The A/B rows that decide ``epilogues.FUSE_ON_CUDA`` and whether ``auto`` selects ``conv_relu_maxpool2`` (stage
+    2b runs them on CUDA only) in quick mode on the CPU, in a process of their own (as the script runs them): one row
+    per case, both settings timed, the speedup recorded, the defaults left as they were."""
     code = f"""if True:
         import json, math, torch
         from benchmarks import targets
-        from splitz_fast import epilogues
-        default = epilogues.FUSE_ON_CUDA
+        from splitz_fast import epilogues, kernels
+        defaults = (epilogues.FUSE_ON_CUDA, kernels.AUTO_TRITON_OPS)
         recorder = targets.Recorder(__import__("pathlib").Path({str(tmp_path)!r}), "native", {{}})
-        targets.run_epilogue_comparison(recorder, 1, torch.device("cpu"), True, math.inf)
+        targets.{runner}(recorder, 1, torch.device("cpu"), True, math.inf)
         rows = recorder.data["parts"]["native"]["rows"]
-        print(json.dumps(dict(rows=rows, restored=epilogues.FUSE_ON_CUDA is default,
-                              count=len(targets.EPILOGUE_COMPARISONS), cells=[targets.ab_cell(r) for r in rows if r["status"] == "ok"])))
+        print(json.dumps(dict(rows=rows, restored=(epilogues.FUSE_ON_CUDA, kernels.AUTO_TRITON_OPS) == defaults,
+                              count=len(targets.{cases}),
+                              cells=[targets.ab_cell(r) for r in rows if r["status"] == "ok"])))
     """
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -364,5 +371,5 @@ def test_the_fused_epilogue_rows_measure_both_settings_and_restore_the_default(t
     assert result["restored"] and len(result["rows"]) == result["count"] == len(result["cells"])
     for row, cell in zip(result["rows"], result["cells"]):
         assert row["status"] == "ok", row.get("error")
-        assert row["compared"] == ["eager_epilogues", "fused_epilogues"] and row["epilogue_speedup"] > 0
-        assert "cuDNN fused conv epilogues vs eager" in row["what"] and cell.startswith("| ")
+        assert row["compared"] == compared and row[key] > 0
+        assert what in row["what"] and cell.startswith("| ")

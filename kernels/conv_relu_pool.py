@@ -1,0 +1,194 @@
+"""``maxpool2(relu(conv2d(x) + b))`` — a ``Conv2d`` (stride 1), its ``ReLU`` and the 2x2 ``MaxPool2d`` after it — in
+one Triton kernel, for the noise-sample batches of ``f_R`` (inference only).
+
+Eager PyTorch writes the convolution's full output, reads it back to pool it, then passes over the pooled values to add
+the bias and apply the ReLU (LeNet's ``f_R`` on an H100 spends most of its time there, not in the arithmetic). Here the
+convolution is an implicit GEMM on tensor cores (``tl.dot``): each program owns ``BLOCK_M`` *pooled* output pixels ×
+``BLOCK_N`` output channels and keeps four accumulators, one per position of the 2x2 window; the epilogue takes their
+maximum, adds the bias and applies the ReLU, and only the pooled activation is written, once.
+
+Why the epilogue's order is the same function: for a bias constant over a channel, ``max_q(v_q) + b = max_q(v_q + b)``
+and ``relu`` is monotone, so ``maxpool(relu(conv(x) + b)) = relu(maxpool(conv(x)) + b)`` — exactly on the float32
+accumulators (rounding ``fl(v + b)`` is monotone in ``v``); the result is rounded to the output dtype once, where the
+eager chain rounds the convolution's output and then the bias add (so bf16 results agree within bf16 rounding).
+
+Layout: ``x`` is ``[B, C_in, H, W]`` with any strides (channels_last is the fast one: the ``C_in`` channels of a tap
+are contiguous); the weight is packed once per call as ``[KH·KW·C_in, C_out]``, tap-major and channel-minor (the
+reduction index ``k = (ky·KW + kx)·C_in + c``), in ``x``'s dtype; the output is ``[B, C_out, H_p, W_p]``
+channels_last in ``x``'s dtype (``H_p = H_out // 2``: floor mode, as ``MaxPool2d(2)``). Precision: bf16/fp16 inputs
+multiply in that type with float32 accumulation (as cuDNN does); float32 inputs multiply as IEEE float32, or as TF32
+where ``tf32`` is asked (the engine's ``tf32`` precision, which turns on cuDNN's TF32 for the eager path).
+
+Supported: ``groups=1``, stride 1, dilation 1, zero padding given as numbers; anything else is refused with the reason
+(the chain rewrite in :mod:`splitz_fast.epilogues` only offers layers that qualify).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import interpreting
+
+__all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxpool2_triton", "check_geometry"]
+
+OP_NAME = "conv_relu_maxpool2"
+_BLOCK_M = 64   # pooled output pixels per program (256 convolution outputs)
+_BLOCK_K = 32   # reduction step: one tap of 32 channels, or several taps of a thin input
+_NUM_WARPS = 8  # four BLOCK_M x BLOCK_N float32 accumulators per program
+
+
+def check_geometry(weight: torch.Tensor, stride, padding, dilation, groups: int) -> tuple[int, int]:
+    """The padding ``(ph, pw)`` of a convolution this op computes; ``ValueError`` saying why for one it does not."""
+    if weight.ndim != 4:
+        raise ValueError(f"{OP_NAME} needs a 2-d convolution weight [C_out, C_in, KH, KW], got {tuple(weight.shape)}")
+    if groups != 1 or tuple(stride) != (1, 1) or tuple(dilation) != (1, 1) or isinstance(padding, str):
+        raise ValueError(f"{OP_NAME} supports groups=1, stride 1, dilation 1 and numeric zero padding; got groups="
+                         f"{groups}, stride {tuple(stride)}, dilation {tuple(dilation)}, padding {padding!r}")
+    return tuple(padding)
+
+
+def _pooled_size(x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, int]) -> tuple[int, int]:
+    h_out = x.shape[2] + 2 * padding[0] - weight.shape[2] + 1
+    w_out = x.shape[3] + 2 * padding[1] - weight.shape[3] + 1
+    if h_out < 2 or w_out < 2:
+        raise ValueError(f"the convolution's output ({h_out}x{w_out}) is smaller than the 2x2 pool window")
+    return h_out // 2, w_out // 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reference (the CPU path and the test oracle)
+# --------------------------------------------------------------------------------------------------------------------
+
+def conv_relu_maxpool2_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 padding: tuple[int, int], tf32: bool = False) -> torch.Tensor:
+    """The eager chain in ``x``'s dtype: ``max_pool2d(relu(conv2d(x, weight, bias, padding)), 2)``, channels_last.
+    (``tf32`` is the kernel's switch; here the caller's cuDNN setting decides.)"""
+    check_geometry(weight, (1, 1), padding, (1, 1), 1)
+    _pooled_size(x, weight, padding)
+    y = F.conv2d(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), padding=padding)
+    return F.max_pool2d(F.relu(y), 2).contiguous(memory_format=torch.channels_last)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Triton kernel (built lazily: importing this module never imports triton)
+# --------------------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    # Module globals, not locals: Triton (compiled and interpreted) looks a kernel's callees up in its globals.
+    global pixel_of, window_tile, multiply_add
+    from ._conv_indexing import pixel_of
+
+    @triton.jit
+    def window_tile(X, b, c, oy, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w):
+        """The ``[BLOCK_M, BLOCK_K]`` operand of the convolution outputs at ``(oy, ox)``: input pixels under taps
+        ``(ky, kx)`` and channels ``c``, zero outside the image (padding) and outside the problem (``ok``)."""
+        iy = oy[:, None] + ky[None, :] - PH
+        ix = ox[:, None] + kx[None, :] - PW
+        inside = ok & (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)
+        address = b[:, None] * sx_b + c[None, :] * sx_c + iy * sx_h + ix * sx_w
+        return tl.load(X + address, mask=inside, other=0.0)
+
+    @triton.jit
+    def multiply_add(a, w, acc, IS_FP32: tl.constexpr, TF32: tl.constexpr, WIDEN: tl.constexpr):
+        if WIDEN:  # exact: a product of two bf16/fp16 values fits a float32 mantissa
+            return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        if IS_FP32:
+            if TF32:
+                return tl.dot(a, w, acc, input_precision="tf32")
+            return tl.dot(a, w, acc, input_precision="ieee")
+        return tl.dot(a, w, acc)
+
+    def conv_relu_pool_kernel(
+        X, WK, BIAS, OUT,
+        rows, C_IN, H, W, HP, WP, C_OUT, K_TOTAL, KW, PH, PW, sx_b, sx_c, sx_h, sx_w,
+        HAS_BIAS: tl.constexpr, IS_FP32: tl.constexpr, TF32: tl.constexpr, WIDEN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # pooled pixels (b, py, px)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output channels
+        m_in = m < rows
+        n_in = n < C_OUT
+        b, _, py, px = pixel_of(m, HP, WP)
+        oy = 2 * py  # the window's top-left convolution output
+        ox = 2 * px
+        acc00 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc01 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc10 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc11 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_TOTAL, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_in = k < K_TOTAL
+            tap = k // C_IN
+            c = k - tap * C_IN
+            ky = tap // KW
+            kx = tap - ky * KW
+            w = tl.load(WK + k[:, None] * C_OUT + n[None, :], mask=k_in[:, None] & n_in[None, :], other=0.0)
+            ok = m_in[:, None] & k_in[None, :]
+            a = window_tile(X, b, c, oy, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+            acc00 = multiply_add(a, w, acc00, IS_FP32, TF32, WIDEN)
+            a = window_tile(X, b, c, oy, ox + 1, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+            acc01 = multiply_add(a, w, acc01, IS_FP32, TF32, WIDEN)
+            a = window_tile(X, b, c, oy + 1, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+            acc10 = multiply_add(a, w, acc10, IS_FP32, TF32, WIDEN)
+            a = window_tile(X, b, c, oy + 1, ox + 1, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+            acc11 = multiply_add(a, w, acc11, IS_FP32, TF32, WIDEN)
+        pooled = tl.maximum(tl.maximum(acc00, acc01), tl.maximum(acc10, acc11))
+        if HAS_BIAS:
+            pooled += tl.load(BIAS + n, mask=n_in, other=0.0)[None, :]
+        pooled = tl.maximum(pooled, 0.0)
+        tl.store(OUT + m[:, None] * C_OUT + n[None, :], pooled.to(OUT.dtype.element_ty),
+                 mask=m_in[:, None] & n_in[None, :])
+
+    # The batch changes with the last, shorter batch of a window: never a new specialisation inside a timed run.
+    return triton.jit(conv_relu_pool_kernel, do_not_specialize=["rows"])
+
+
+def _block_n(c_out: int) -> int:
+    return max(16, min(64, 1 << (c_out - 1).bit_length()))
+
+
+def conv_relu_maxpool2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              padding: tuple[int, int], tf32: bool = False) -> torch.Tensor:
+    """The Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    import triton
+
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"{OP_NAME}'s Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.ndim != 4 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{OP_NAME} needs a float32/bfloat16/float16 input [B, {weight.shape[1]}, H, W], got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    check_geometry(weight, (1, 1), padding, (1, 1), 1)
+    hp, wp = _pooled_size(x, weight, padding)
+    c_out, c_in, kh, kw = weight.shape
+    packed = weight.detach().permute(2, 3, 1, 0).reshape(kh * kw * c_in, c_out).to(x.dtype).contiguous()
+    bias_f32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    out = torch.empty((x.shape[0], c_out, hp, wp), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    rows = x.shape[0] * hp * wp
+    if rows == 0:
+        return out
+    block_n = _block_n(c_out)
+    grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(c_out, block_n))
+    _kernel()[grid](x, packed, bias_f32 if bias_f32 is not None else packed, out,
+                    rows, c_in, x.shape[2], x.shape[3], hp, wp, c_out, kh * kw * c_in, kw, padding[0], padding[1],
+                    *x.stride(), HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, TF32=tf32,
+                    # Triton's interpreter multiplies bf16 tiles wrongly (raw bits): widen to float32 there
+                    WIDEN=interpreting() and x.dtype != torch.float32,
+                    BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS)
+    return out
+
+
+def conv_relu_maxpool2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       padding: tuple[int, int], tf32: bool = False) -> torch.Tensor:
+    """``maxpool2(relu(conv2d(x) + b))`` by the backend :func:`~splitz_fast.kernels.select_backend` picks for
+    ``x``'s device (Triton where this op is among ``AUTO_TRITON_OPS`` or forced, else the reference)."""
+    from . import select_backend
+
+    if select_backend(OP_NAME, x.device) == "triton":
+        return conv_relu_maxpool2_triton(x, weight, bias, padding, tf32)
+    return conv_relu_maxpool2_reference(x, weight, bias, padding, tf32)

@@ -1,0 +1,167 @@
+"""kernels/conv_relu_pool.py: the fused Conv2d + ReLU + 2x2 max pool of f_R against the float64 eager chain (Triton's
+interpreter on the CPU, compiled on a GPU), over shapes that exercise padding, floor-mode pooling, thin inputs
+(LeNet's first layer), channel tiles that do not divide, strides of the input and every output element written; the
+refusals; the chain rewrite of the prepared f_R, which keeps the function; on a GPU, LeNet's certificates with the
+kernel against without."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import splitz_fast as sz
+import splitz_fast.kernels as kernels
+from splitz_fast.epilogues import ConvReLUMaxPool2, fuses_conv_pools
+from splitz_fast.kernels.conv_relu_pool import (OP_NAME, conv_relu_maxpool2, conv_relu_maxpool2_reference,
+                                                conv_relu_maxpool2_triton)
+from _helpers import kernel_devices
+
+# (batch, C_in, H, W, C_out, kernel, padding): LeNet's two layers (advertorch: 5x5 without padding; the paper's
+# variant pads), an odd image (floor mode drops the last row/column), C_out that no channel tile divides, a 1x1
+# convolution, several reduction steps with a remainder (C_in·KH·KW = 108).
+SHAPES = [(3, 1, 12, 12, 32, 5, 0), (2, 1, 10, 10, 32, 5, 2), (2, 32, 8, 8, 64, 5, 0), (2, 5, 9, 11, 20, 3, 1),
+          (4, 3, 6, 6, 7, 1, 0), (2, 12, 7, 7, 40, 3, 1)]
+# Largest error allowed relative to the output's scale: float32 products and float32 accumulation; bf16 / fp16 round
+# the stored value once (2^-8 / 2^-11 relative), and the multiplication is in the inputs' own type.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _problem(shape, dtype, device, seed=0, channels_last=True):
+    batch, c_in, h, w, c_out, k, padding = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, c_in, h, w, generator=gen).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(c_out, c_in, k, k, generator=gen) / (c_in * k * k) ** 0.5
+    bias = torch.randn(c_out, generator=gen) * 0.3
+    return x.to(device), weight.to(device), bias.to(device), (padding, padding)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_the_float64_chain(shape, dtype, device, poisoned):
+    x, weight, bias, padding = _problem(shape, dtype, device)
+    got = conv_relu_maxpool2_triton(x, weight, bias, padding)
+    # the reference with the kernel's operands: the input and the weight in the input's dtype, exact in float64
+    want = conv_relu_maxpool2_reference(x.double(), weight.to(dtype).double(), bias.double(), padding)
+    assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    scale = float(want.abs().max()) + 1e-12
+    assert float((got.double() - want).abs().max()) <= TOLERANCE[dtype] * scale
+    assert (got >= 0).all()  # the ReLU
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_kernel_reads_any_input_strides_and_runs_without_a_bias(device, poisoned):
+    """An NCHW input (not channels_last) and a strided view give the same result; no bias is no bias."""
+    shape = (3, 4, 9, 8, 24, 3, 1)
+    x, weight, bias, padding = _problem(shape, torch.float32, device, seed=1, channels_last=False)
+    want = conv_relu_maxpool2_reference(x.double(), weight.double(), None, padding)
+    for view in (x, x.contiguous(memory_format=torch.channels_last), torch.stack([x, -x], 2).flatten(1, 2)[:, ::2]):
+        got = conv_relu_maxpool2_triton(view, weight, None, padding)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_unsupported_layers_and_inputs_are_refused_with_the_reason():
+    x, weight, bias, _ = _problem((1, 2, 8, 8, 4, 3, 0), torch.float32, "cpu")
+    cases = (({"stride": (2, 2)}, "stride 1"), ({"dilation": 2}, "dilation 1"),
+             ({"groups": 2, "in_channels": 2, "out_channels": 4}, "groups=1"), ({"padding": "same"}, "numeric"))
+    for kwargs, match in cases:
+        conv = nn.Conv2d(**{"in_channels": 2, "out_channels": 4, "kernel_size": 3, **kwargs})
+        assert not ConvReLUMaxPool2.takes(conv)
+        with pytest.raises(ValueError, match=match):
+            ConvReLUMaxPool2(conv)
+    with pytest.raises(ValueError, match="smaller than the 2x2 pool window"):
+        conv_relu_maxpool2_reference(x[..., :3, :3], weight, bias, (0, 0))
+    if kernels.interpreting():
+        with pytest.raises(ValueError, match="float32/bfloat16/float16 input"):
+            conv_relu_maxpool2_triton(x.double(), weight.double(), bias.double(), (0, 0))
+
+
+def test_dispatch_keeps_the_kernel_off_until_measured_on_a_gpu(monkeypatch):
+    """Not among AUTO_TRITON_OPS (no GPU measurement yet): auto runs the reference everywhere and the prepared chain
+    is not rewritten; forcing Triton reaches the kernel."""
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    assert OP_NAME in kernels.TRITON_OPS and OP_NAME not in kernels.AUTO_TRITON_OPS
+    assert kernels.select_backend(OP_NAME, torch.device("cuda")) == "reference"
+    assert not fuses_conv_pools(torch.device("cuda")) and not fuses_conv_pools(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "AUTO_TRITON_OPS", kernels.AUTO_TRITON_OPS | {OP_NAME})
+    assert fuses_conv_pools(torch.device("cuda")) and not fuses_conv_pools(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("split", [0, 1])
+def test_prepared_lenet_chain_fuses_each_conv_relu_pool_and_keeps_the_function(split, monkeypatch):
+    """With the kernel selected on CUDA, LeNet's prepared f_R runs each Conv2d + ReLU + MaxPool2d(2) as one
+    ConvReLUMaxPool2 sharing the convolution's parameters (decided without a GPU: the chain is built for a CUDA
+    device, then run on the CPU, where the fused module computes the eager chain)."""
+    from splitz_fast import prepared as preparing
+
+    monkeypatch.setattr(kernels, "AUTO_TRITON_OPS", kernels.AUTO_TRITON_OPS | {OP_NAME})
+    model = sz.build_model("lenet", split_index=split).eval()
+    right = model.right[1:] if split else model.right  # s = 1: the leading pool is drawn by the noise kernel
+    chain = preparing._cheaper_chain(copy.deepcopy(right), True, device=torch.device("cuda"))
+    fused = [m for m in chain if isinstance(m, ConvReLUMaxPool2)]
+    assert len(fused) == 2 - split and not any(type(m) is nn.MaxPool2d for m in chain)
+    assert [type(m).__name__ for m in chain][len(fused):] == ["Flatten", "Linear", "ReLU", "Linear"]
+    with torch.no_grad():
+        latents = model.left(torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(2)))
+        if split:
+            latents = nn.functional.max_pool2d(latents, 2)
+        latents = latents.double().contiguous(memory_format=torch.channels_last)
+        # float64: the two may pick different memory formats for a layer (oneDNN rounds each its own way)
+        torch.testing.assert_close(chain.double()(latents), right.double()(latents), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_fused_module_under_autocast_casts_like_a_convolution(device, monkeypatch):
+    """Under bf16 autocast the module multiplies in bf16 (as autocast's convolution would) and returns bf16."""
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    conv = nn.Conv2d(3, 16, 3, padding=1).to(device)
+    x = torch.randn(2, 3, 6, 6, device=device).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        got = ConvReLUMaxPool2(conv)(x)
+        want = nn.functional.max_pool2d(torch.relu(conv(x)), 2)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["float32", "tf32", "bfloat16"])
+@pytest.mark.parametrize("split", [0, 1])
+def test_lenet_certificates_with_the_fused_kernel_match_the_eager_chain(split, precision, monkeypatch):
+    """LeNet on CUDA with the kernel selected (every Conv2d + ReLU + pool of f_R fused) against without: the same
+    predictions, and counts within 1 % (the fused epilogue rounds once where the eager chain rounds twice)."""
+    model = sz.build_model("lenet", split_index=split).cuda().eval()
+    xs = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(3)).cuda()
+    results = {}
+    for fused in (False, True):
+        ops = kernels.AUTO_TRITON_OPS | {OP_NAME} if fused else kernels.AUTO_TRITON_OPS - {OP_NAME}
+        monkeypatch.setattr(kernels, "AUTO_TRITON_OPS", ops)
+        smoother = sz.Smoother(model, 0.25, precision=precision)
+        results[fused] = list(smoother.certify_many(xs, 64, 4000, 0.001, seeds=range(3), batch_size=1024))
+        chain = smoother.engine().prepared.get(channels_last=True, pooled=bool(split))
+        assert sum(isinstance(m, ConvReLUMaxPool2) for m in chain.modules()) == (2 - split if fused else 0)
+    for off, on in zip(results[False], results[True]):
+        assert off.prediction == on.prediction and abs(off.count_a - on.count_a) <= 0.01 * off.n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_at_a_sampling_batch_in_every_precision():
+    """LeNet's conv2 at a real sampling batch (4096 noisy latents) on the GPU, float32 IEEE / TF32 / bf16, against
+    the float64 chain; and the dispatcher's Triton path is the kernel."""
+    shape = (4096, 32, 12, 12, 64, 5, 0)
+    for dtype, tf32, tolerance in ((torch.float32, False, 1e-5), (torch.float32, True, 5e-3),
+                                   (torch.bfloat16, False, 1e-2)):
+        x, weight, bias, padding = _problem(shape, dtype, "cuda", seed=4)
+        got = conv_relu_maxpool2_triton(x, weight, bias, padding, tf32=tf32)
+        want = conv_relu_maxpool2_reference(x.double(), weight.to(dtype).double(), bias.double(), padding)
+        assert float((got.double() - want).abs().max()) <= tolerance * float(want.abs().max())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(kernels.BACKEND_ENV, "triton")
+        assert torch.equal(conv_relu_maxpool2(x, weight, bias, padding), got)
