@@ -80,6 +80,13 @@ class PreparedClassifier:
         return self._unfolded
 
     @property
+    def fusions(self) -> tuple[bool, bool]:
+        """Which fusions the prepared copies use on this device: cuDNN convolution epilogues
+        (:func:`~splitz_fast.epilogues.fuses_conv_epilogues`), the Triton convolution + ReLU + pool
+        (:func:`~splitz_fast.epilogues.fuses_conv_pools`)."""
+        return fuses_conv_epilogues(self.device), fuses_conv_pools(self.device)
+
+    @property
     def batchnorm_folded(self) -> bool:
         """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
         return not self.unfolded_batchnorms

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .epilogues import fuses_conv_epilogues, fuses_conv_pools
 from .folding import fold_batchnorm, unfolded_batchnorms
 from .kernels import select_backend
 from .kernels.noise_votes import (
@@ -281,8 +280,7 @@ class SamplingEngine:
         process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when two sizes in a row
         gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent)."""
         key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile,
-               self.pools_in_noise(latent_shape), fuses_conv_epilogues(self.device),
-               fuses_conv_pools(self.device))
+               self.pools_in_noise(latent_shape), self.prepared.fusions)
         if key not in _TUNED_BATCH:
             _TUNED_BATCH[key] = _measure_batch_size(self, tuple(latent_shape), cap)
         return _TUNED_BATCH[key]
