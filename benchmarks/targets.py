@@ -608,6 +608,39 @@ def exact_bound_case(device: torch.device, repeats: int = 10) -> dict:
     return row
 
 
+def gram_build_case(device: torch.device, repeats: int = 10) -> dict:
+    """The masked Gram of LeNet's first layer (d = 784 at γ = 0.5, as :func:`exact_bound_case`) built with its half
+    stencil gathered in one pass against summed tap by tap (``gram.GATHERED_STENCIL_DEVICES``): milliseconds per Gram
+    (median of ``repeats``), and whether the two Grams agree to rounding."""
+    from splitz_fast import gram as grams
+    from splitz_fast.lipschitz import masked_operators
+
+    torch.manual_seed(0)
+    left = sz.lenet(split_index=1).left.to(device)
+    x = torch.rand(1, 1, 28, 28, device=device)
+    bounds = sz.ball_bounds(left, x, 0.5)
+    op = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0]
+    row = dict(what="LeNet conv1 Gram built: gathered stencil vs tap by tap", device=device_name(device))
+    built, default = {}, grams.GATHERED_STENCIL_DEVICES
+    try:
+        for label, devices in (("tapwise", frozenset()), ("gathered", frozenset({device.type}))):
+            grams.GATHERED_STENCIL_DEVICES = devices
+            times = []
+            for _ in range(repeats + 1):  # the first call builds the gather's index (cached)
+                synchronize(device)
+                start = time.perf_counter()
+                built[label] = op.gram(0, sparse=False)[0]
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+            row[f"{label}_ms"] = 1e3 * sorted(times[1:])[repeats // 2]
+    finally:
+        grams.GATHERED_STENCIL_DEVICES = default
+    difference = float((built["gathered"] - built["tapwise"]).abs().max() / built["tapwise"].abs().max())
+    row.update(status="ok", compared=["tapwise", "gathered"], speedup_key="gathered_vs_tapwise",
+               gathered_vs_tapwise=row["tapwise_ms"] / row["gathered_ms"], gram_relative_difference=difference)
+    return row
+
+
 def batched_bound_case(device: torch.device, repeats: int = 10) -> dict:
     """The Grams of one radius-search round (LeNet conv1 for 2 inputs at 3 γ's each): milliseconds of certifying them
     together (``certified_lambda_max_many``) and one by one (``certified_lambda_max`` each), median of ``repeats``,
@@ -660,7 +693,7 @@ def run_bound_comparisons(recorder: Recorder, images: int, device: torch.device,
     """The exact bound on CUDA: one bound with the squaring vs the eigvalsh estimate (``DEVICE_DENSE_ESTIMATOR``), a
     round's Grams certified together vs one by one, then LeNet s = 1 CERTIFY (bf16) with batched vs one-by-one
     certificates."""
-    for case in (exact_bound_case, batched_bound_case):
+    for case in (gram_build_case, exact_bound_case, batched_bound_case):
         row = dict(what=case.__name__, device=device_name(device))
         try:
             row = case(device)
@@ -729,6 +762,7 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "one_by_one_s_per_image", "batched_s_per_image", "batched_speedup",
               "eager_epilogues_s_per_image", "fused_epilogues_s_per_image", "epilogue_speedup",
               "eager_conv_pool_s_per_image", "fused_conv_pool_s_per_image", "conv_pool_speedup",
+              "tapwise_ms", "gathered_ms", "gathered_vs_tapwise", "gram_relative_difference",
               "error")
 
 

@@ -32,8 +32,8 @@
 #      Triton kernel vs eager (decides whether auto selects conv_relu_maxpool2), ResNet-110 s = 0 (bf16, tf32) and
 #      ResNet-50 s = 0 with f_R's convolution epilogues fused into cuDNN calls vs eager (decides
 #      epilogues.FUSE_ON_CUDA), LeNet s = 0 with f_R through torch.compile vs eager,
-#      LeNet s = 1 with gamma_batch 4 vs the bisection, the exact bound (one bound with the squaring vs the eigvalsh
-#      estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY), LeNet
+#      LeNet s = 1 with gamma_batch 4 vs the bisection, the exact bound (LeNet conv1's Gram built with its stencil
+#      gathered in one pass vs summed tap by tap; one bound with the squaring vs the eigvalsh estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY), LeNet
 #      s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32, bf16), f_R eager vs replayed as a
 #      CUDA graph (LeNet s = 0 and 1, ResNet-110 s = 0; stage 1's rows already use the default, which decides by
 #      measurement at run time, and record what it decided); then the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet split-1 latents, fp32 /

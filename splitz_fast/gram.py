@@ -6,6 +6,7 @@ bound (:func:`exact_cost`).
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import TYPE_CHECKING
@@ -115,14 +116,16 @@ def conv_gram(op: MaskedAffine, w, out_mask, factor) -> tuple[torch.Tensor, int]
     order. So the upper triangle lives on a half stencil ``S[y, x, c, a' − a, b' − b, c']`` with
     ``a' − a ∈ [0, kh)``, ``b' − b ∈ (−kw, kw)``: per tap ``t``, one GEMM over all output positions
     (``[P·C_in, C_out] @ [C_out, C_in·#{t' ≥ t}]``) gives the ``(t, t')`` blocks, added into ``S`` by strided
-    slices (padding taps fall outside the slices). ``S`` is then gathered at the varying pairs and scaled by
-    ``f_i f_j``. Within a row the stencil order ``(a' − a, b' − b, c')`` is the rank order, so the CSR columns
+    slices (padding taps fall outside the slices; :func:`_tapwise_stencil`), or, on the devices of
+    :data:`GATHERED_STENCIL_DEVICES`, all blocks as one product and each entry of ``S`` as one gathered sum
+    (:func:`_gathered_stencil`: the same products, in ten launches instead of hundreds). ``S`` is then gathered at
+    the varying pairs and scaled by ``f_i f_j``. Within a row the stencil order ``(a' − a, b' − b, c')`` is the rank order, so the CSR columns
     come out sorted. The image is transposed first when scanning columns gives the narrower band: a row reaches
     at most ``C_in·((kh − 1)·dil_h·W + (kw − 1)·dil_w + 1)`` ranks ahead, and the banded Cholesky of
     :func:`~splitz_fast.lipschitz.certified_lambda_max` costs about ``d·band²``.
 
     ``terms``: an entry sums ``C_out`` products per covering position and at most ``kh·kw`` positions cover a
-    pair, so at most ``C_out·kh·kw`` products, in whatever grouping the GEMM and the slice additions use; the
+    pair, so at most ``C_out·kh·kw`` products, in whatever grouping the GEMMs and the additions use; the
     masks are 0/1 (exact), and the scaling by ``f_i`` and ``f_j`` adds the two roundings that ``γ_{terms+2}``
     covers.
     """
@@ -141,24 +144,11 @@ def conv_gram(op: MaskedAffine, w, out_mask, factor) -> tuple[torch.Tensor, int]
         w, m, scale = w.transpose(2, 3), m.transpose(1, 2), scale.transpose(1, 2)
         (h_in, w_in), (h_out, w_out), (kh, kw) = (w_in, h_in), (w_out, h_out), (kw, kh)
         (sh, sw), (ph, pw), (dh, dw) = (sw, sh), (pw, ph), (dw, dh)
-    taps = kh * kw
-    w_taps = w.permute(0, 2, 3, 1).reshape(c_out, taps, c_in)  # [o, t', c']
-    stencil = torch.zeros(h_in, w_in, c_in, kh, 2 * kw - 1, c_in, dtype=torch.float64, device=w.device)
-    for t in range(taps):
-        a, b = divmod(t, kw)
-        # blocks[i, j, c, t' − t, c'] = Σ_o m[o, i, j] W[o, c, t] W[o, c', t'] at output position (i, j), t' ≥ t
-        lhs = (m[:, :, :, None] * w_taps[:, None, None, t, :]).reshape(c_out, -1)
-        blocks = (lhs.T @ w_taps[:, t:].reshape(c_out, -1)).view(h_out, w_out, c_in, taps - t, c_in)
-        for t2 in range(t, taps):
-            a2, b2 = divmod(t2, kw)
-            rows = _covered(h_out, sh, ph, dh, (a, a2), h_in)
-            cols = _covered(w_out, sw, pw, dw, (b, b2), w_in)
-            if rows is None or cols is None:
-                continue
-            (i0, i1, y0), (j0, j1, x0) = rows, cols
-            target = stencil[y0:y0 + (i1 - i0 - 1) * sh + 1:sh, x0:x0 + (j1 - j0 - 1) * sw + 1:sw, :,
-                             a2 - a, b2 - b + kw - 1, :]
-            target += blocks[i0:i1, j0:j1, :, t2 - t, :]
+    geometry = (h_in, w_in, h_out, w_out, kh, kw, sh, sw, ph, pw, dh, dw, c_in)
+    if _gathers_stencil(geometry, w.device):
+        stencil = _gathered_stencil(m, w, geometry)
+    else:
+        stencil = _tapwise_stencil(m, w, geometry)
     scale = scale.permute(1, 2, 0).reshape(-1)  # band order [y, x, c]
     varying = scale != 0
     d = int(varying.sum())
@@ -184,6 +174,95 @@ def conv_gram(op: MaskedAffine, w, out_mask, factor) -> tuple[torch.Tensor, int]
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         gram = torch.sparse_csr_tensor(crow, col, values, size=(d, d), check_invariants=False)
     return gram, c_out * kh * kw
+
+
+# Where conv_gram gathers its half stencil in one pass (_gathered_stencil) instead of summing it tap by tap
+# (_tapwise_stencil), while the gather's tables (the per-position blocks and the index) stay within
+# GATHER_MAX_ENTRIES entries each. Counted (torch dispatcher calls per Gram): LeNet's 5x5 conv1 2228 tap by tap vs 14
+# gathered, CIFAR's 3x3 stem 446 vs 15 — on CUDA each is a launch or at least its host overhead, so CUDA gathers. On
+# the 2-core CPU neither wins throughout (best of 20, 2 threads: LeNet conv1 2.4 ms gathered vs 4.9 ms; CIFAR stem
+# 4.1 vs 2.2 ms; with 1 thread the tap-by-tap sum is ahead on both), so the CPU keeps the tap-by-tap sum.
+GATHERED_STENCIL_DEVICES: frozenset[str] = frozenset({"cuda"})
+GATHER_MAX_ENTRIES = 1 << 23
+
+
+def _gathers_stencil(geometry: tuple[int, ...], device: torch.device) -> bool:
+    h_in, w_in, h_out, w_out, kh, kw, *_, c_in = geometry
+    k = kh * kw * c_in
+    return (device.type in GATHERED_STENCIL_DEVICES and h_out * w_out * k * k <= GATHER_MAX_ENTRIES
+            and h_in * w_in * c_in * kh * (2 * kw - 1) * c_in * kh * kw <= GATHER_MAX_ENTRIES)
+
+
+def _gathered_stencil(m: torch.Tensor, w: torch.Tensor, geometry: tuple[int, ...]) -> torch.Tensor:
+    """The half stencil ``S[y, x, c, a' − a, b' − b, c']`` of :func:`conv_gram` in one pass: per output position
+    ``p`` all tap-pair blocks ``B[p, (t, c), (t', c')] = Σ_o m[o, p] W[o, c, t] W[o, c', t']`` as one product, then
+    every stencil entry the sum of its (at most ``kh·kw``) blocks, one per tap ``t`` of its first input
+    (:func:`_stencil_index`). The same products as :func:`_tapwise_stencil`, each rounded once, summed in another
+    order (``terms`` of :func:`conv_gram` covers any order)."""
+    h_in, w_in, h_out, w_out, kh, kw, *_, c_in = geometry
+    c_out = w.shape[0]
+    k = kh * kw * c_in
+    w_flat = w.permute(0, 2, 3, 1).reshape(c_out, k)  # [o, (t, c)]
+    pairs = (w_flat[:, :, None] * w_flat[:, None, :]).reshape(c_out, k * k)
+    blocks = m.reshape(c_out, h_out * w_out).T @ pairs  # [p, (t, c, t', c')]; m is 0/1: exact
+    padded = torch.cat([blocks.reshape(-1), blocks.new_zeros(1)])  # the last entry: "no block"
+    return padded[_stencil_index(geometry, str(w.device))].sum(-1)
+
+
+@functools.lru_cache(maxsize=32)
+def _stencil_index(geometry: tuple[int, ...], device: str) -> torch.Tensor:
+    """``[h_in, w_in, c_in, kh, 2kw − 1, c_in, kh·kw]`` indices into the flattened blocks of
+    :func:`_gathered_stencil` (``P·K²`` = "no block"): entry ``[y, x, c, da, db + kw − 1, c', t]`` is the block of
+    the output position where tap ``t = (a, b)`` reads input ``(y, x)`` and tap ``t' = (a + da, b + db)`` reads
+    ``(y + da·dil_h, x + db·dil_w)``, for ``t' ≥ t`` in row-major order with both taps inside the image — exactly
+    the blocks that :func:`_tapwise_stencil` adds into that entry."""
+    h_in, w_in, h_out, w_out, kh, kw, sh, sw, ph, pw, dh, dw, c_in = geometry
+    k = kh * kw * c_in
+    y = torch.arange(h_in).view(-1, 1, 1, 1, 1, 1)
+    x = torch.arange(w_in).view(1, -1, 1, 1, 1, 1)
+    da = torch.arange(kh).view(1, 1, -1, 1, 1, 1)
+    db = torch.arange(-(kw - 1), kw).view(1, 1, 1, -1, 1, 1)
+    a = torch.arange(kh).view(1, 1, 1, 1, -1, 1)
+    b = torch.arange(kw).view(1, 1, 1, 1, 1, -1)
+    a2, b2 = a + da, b + db
+    i_num, j_num = y + ph - a * dh, x + pw - b * dw  # output row/column times the stride
+    valid = ((a2 < kh) & (b2 >= 0) & (b2 < kw) & ((da > 0) | (db >= 0))  # t' is a tap, t' ≥ t
+             & (i_num >= 0) & (i_num % sh == 0) & (i_num // sh < h_out)
+             & (j_num >= 0) & (j_num % sw == 0) & (j_num // sw < w_out)
+             & (y + da * dh < h_in) & (x + db * dw >= 0) & (x + db * dw < w_in))
+    p = (i_num // sh) * w_out + j_num // sw
+    base = p * k * k + (a * kw + b) * c_in * k + (a2 * kw + b2) * c_in  # channels c = c' = 0
+    base = torch.where(valid, base, -1).flatten(4)  # [y, x, da, db, t]
+    channels = (torch.arange(c_in).view(-1, 1) * k + torch.arange(c_in)).view(1, 1, c_in, 1, 1, c_in, 1)
+    index = base[:, :, None, :, :, None, :] + channels
+    index = torch.where(base[:, :, None, :, :, None, :] >= 0, index, h_out * w_out * k * k)
+    return index.to(device)
+
+
+def _tapwise_stencil(m: torch.Tensor, w: torch.Tensor, geometry: tuple[int, ...]) -> torch.Tensor:
+    """The half stencil of :func:`conv_gram` tap by tap: per tap ``t`` one product over all output positions gives
+    the ``(t, t' ≥ t)`` blocks, added into ``S`` by strided slices (padding taps fall outside the slices)."""
+    h_in, w_in, h_out, w_out, kh, kw, sh, sw, ph, pw, dh, dw, c_in = geometry
+    c_out = w.shape[0]
+    taps = kh * kw
+    w_taps = w.permute(0, 2, 3, 1).reshape(c_out, taps, c_in)  # [o, t', c']
+    stencil = torch.zeros(h_in, w_in, c_in, kh, 2 * kw - 1, c_in, dtype=torch.float64, device=w.device)
+    for t in range(taps):
+        a, b = divmod(t, kw)
+        # blocks[i, j, c, t' − t, c'] = Σ_o m[o, i, j] W[o, c, t] W[o, c', t'] at output position (i, j), t' ≥ t
+        lhs = (m[:, :, :, None] * w_taps[:, None, None, t, :]).reshape(c_out, -1)
+        blocks = (lhs.T @ w_taps[:, t:].reshape(c_out, -1)).view(h_out, w_out, c_in, taps - t, c_in)
+        for t2 in range(t, taps):
+            a2, b2 = divmod(t2, kw)
+            rows = _covered(h_out, sh, ph, dh, (a, a2), h_in)
+            cols = _covered(w_out, sw, pw, dw, (b, b2), w_in)
+            if rows is None or cols is None:
+                continue
+            (i0, i1, y0), (j0, j1, x0) = rows, cols
+            target = stencil[y0:y0 + (i1 - i0 - 1) * sh + 1:sh, x0:x0 + (j1 - j0 - 1) * sw + 1:sw, :,
+                             a2 - a, b2 - b + kw - 1, :]
+            target += blocks[i0:i1, j0:j1, :, t2 - t, :]
+    return stencil
 
 
 def _covered(n_out: int, stride: int, pad: int, dil: int, taps: tuple[int, int], size: int):

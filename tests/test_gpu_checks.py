@@ -373,3 +373,23 @@ def test_the_fusion_rows_measure_both_settings_and_restore_the_defaults(tmp_path
         assert row["status"] == "ok", row.get("error")
         assert row["compared"] == compared and row[key] > 0
         assert what in row["what"] and cell.startswith("| ")
+
+
+def test_the_gram_build_row_times_both_stencils_and_restores_the_default():
+    """Stage 2b's Gram-construction row (gathered vs tap-by-tap stencil) on the CPU, in its own process: both timed,
+    the two Grams equal to rounding, ``gram.GATHERED_STENCIL_DEVICES`` as it was."""
+    code = """if True:
+        import json, torch
+        from benchmarks import targets
+        from splitz_fast import gram
+        default = gram.GATHERED_STENCIL_DEVICES
+        row = targets.gram_build_case(torch.device("cpu"), repeats=2)
+        print(json.dumps(dict(row=row, restored=gram.GATHERED_STENCIL_DEVICES == default, cell=targets.ab_cell(row))))
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    row = result["row"]
+    assert result["restored"] and row["status"] == "ok" and row["tapwise_ms"] > 0 and row["gathered_ms"] > 0
+    assert row["gram_relative_difference"] < 1e-13 and "gathered" in result["cell"]

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import splitz_fast as sz
-from splitz_fast import lipschitz
+from splitz_fast import gram, lipschitz
 from splitz_fast.lipschitz import certified_lambda_max, masked_operators
 from splitz_fast.operators import MaskedAffine
 
@@ -113,10 +113,14 @@ def _check(op: MaskedAffine, dense: torch.Tensor, sparse: bool | None):
         assert bound <= true_sq * (1 + 1e-9) + 1e-300
 
 
+@pytest.mark.parametrize("stencil", ["tapwise", "gathered"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("name", list(CONVS))
 @pytest.mark.parametrize("sparse", [False, True])
-def test_conv_gram_matches_the_dense_masked_factor(name, mask, sparse):
+def test_conv_gram_matches_the_dense_masked_factor(name, mask, sparse, stencil, monkeypatch):
+    """Both ways of building the half stencil (tap by tap: the CPU's; gathered in one pass: CUDA's, here forced on
+    the CPU) against the explicit matrix, for every geometry and mask."""
+    monkeypatch.setattr(gram, "GATHERED_STENCIL_DEVICES", frozenset({"cpu", "cuda"} if stencil == "gathered" else ()))
     c_in, c_out, h, w, kernel, stride, padding, dilation = CONVS[name]
     torch.manual_seed(hash(name) % 1000)
     conv = nn.Conv2d(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation)
@@ -128,6 +132,21 @@ def test_conv_gram_matches_the_dense_masked_factor(name, mask, sparse):
     op = MaskedAffine(conv, in_shape, out_mask=out_mask, in_mask=in_mask, in_scale=scale, batch=1)
     dense = _dense_factor(conv, in_shape, out_mask, in_mask, scale)
     _check(op, dense, sparse)
+
+
+@pytest.mark.parametrize("geometry", [(1, 32, 28, 5, 0), (1, 32, 28, 3, 1), (3, 16, 32, 3, 1)])
+def test_gathered_stencil_sums_the_tapwise_blocks(geometry):
+    """At LeNet's and CIFAR's first-layer sizes: the gathered half stencil holds the tap-by-tap one's entries (the
+    same products, summed in another order: equal to a few units in the last place) and the same zeros."""
+    c_in, c_out, size, k, pad = geometry
+    out = size + 2 * pad - k + 1
+    shape = (size, size, out, out, k, k, 1, 1, pad, pad, 1, 1, c_in)
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(c_out, c_in, k, k, generator=gen, dtype=torch.float64)
+    m = (torch.rand(c_out, out, out, generator=gen) < 0.6).double()
+    gathered, tapwise = gram._gathered_stencil(m, w, shape), gram._tapwise_stencil(m, w, shape)
+    assert torch.equal(gathered == 0, tapwise == 0)
+    torch.testing.assert_close(gathered, tapwise, rtol=0, atol=64 * 2.0 ** -52 * float(tapwise.abs().max()))
 
 
 @pytest.mark.parametrize("mask", MASKS)
