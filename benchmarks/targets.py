@@ -211,13 +211,14 @@ def environment_record() -> dict:
 def measure_group(workload: Workload, split: int, images: int, device: torch.device, quick: bool,
                   precisions=PRECISIONS, naive: bool = True, bandwidth: float | None = None,
                   rs_times: dict | None = None, cuda_graphs: bool | None = None, compile: bool = False,
-                  bound_options: dict | None = None):
+                  bound_options: dict | None = None, fused_kernels: bool | None = None):
     """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first), with
     ``f_R``'s counted cost per sample and the card's floors. ``bandwidth``: the copy bandwidth measured in this run
     (bytes/s; the card table's figure otherwise). ``rs_times``: precision → this model's s = 0 time, for the s = 1
     target. ``cuda_graphs``: the Smoother's setting (default: decided by measurement); each row records what the
     engine decided. ``compile``: the Smoother's ``torch.compile`` of ``f_R``. ``bound_options``: BoundOptions fields
-    set on top of the workload's (for A/B rows)."""
+    set on top of the workload's (for A/B rows). ``fused_kernels``: the Smoother's setting (default: decided by
+    measurement, recorded like the graphs)."""
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
@@ -275,7 +276,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
         smoother = None
         try:
             smoother = sz.Smoother(model, SIGMA, bound_options=bound_options, precision=precision,
-                                   max_batch_size=max_batch, cuda_graphs=cuda_graphs, compile=compile)
+                                   max_batch_size=max_batch, cuda_graphs=cuda_graphs, compile=compile,
+                                   fused_kernels=fused_kernels)
             with BatchShapes(smoother.engine()) as shapes:  # every f_R batch from the batch measurement on
                 start = time.perf_counter()
                 (warmed,) = smoother.certify_many(warm, n0, n, ALPHA, seeds=[10_000])  # warm-up, batch measurement
@@ -301,7 +303,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                                                if certified else 0.0),
                        bound_kind=certified[0].bound_kind if certified else "none")
             row.update(timed_region_record(region, shapes))
-            row.update(cuda_graphs_setting=cuda_graphs, cuda_graphs=graph_record(smoother.engine()))
+            row.update(cuda_graphs_setting=cuda_graphs, cuda_graphs=graph_record(smoother.engine()),
+                       fused_kernels=fusion_record(smoother.engine()))
             row.update(assess(row))
         except Exception as exc:  # a failed row is recorded; the next one runs
             traceback.print_exc()
@@ -316,6 +319,13 @@ def graph_record(engine) -> list[dict]:
     """What the engine decided about CUDA graphs, per static batch it sampled (empty off CUDA)."""
     return [dict(channels_last=key[0], pooled=key[1], batch=key[2], used=d.used, reason=d.reason, eager_s=d.eager_s,
                  graph_s=d.graph_s) for key, d in engine.graphs.decisions.items()]
+
+
+def fusion_record(engine) -> list[dict]:
+    """What the engine decided about its fused ``f_R`` copy, per layout and batch it sampled (empty off CUDA, or where
+    nothing fuses)."""
+    return [dict(channels_last=key[0], pooled=key[1], batch=key[2], used=d.used, reason=d.reason, plain_s=d.plain_s,
+                 fused_s=d.fused_s) for key, d in engine.fusion.decisions.items()]
 
 
 def graph_cell(row: dict) -> str:
@@ -473,61 +483,23 @@ def run_fused_pool(recorder: Recorder, images: int, device: torch.device, quick:
                     "fused_speedup", images, device, quick, deadline, precision)
 
 
-@contextlib.contextmanager
-def _fused_epilogues():
-    """Prepared ``f_R`` copies on CUDA with their convolution epilogues fused into cuDNN calls for the block
-    (``epilogues.FUSE_ON_CUDA``)."""
-    from splitz_fast import epilogues
-
-    default = epilogues.FUSE_ON_CUDA
-    epilogues.FUSE_ON_CUDA = True
-    try:
-        yield
-    finally:
-        epilogues.FUSE_ON_CUDA = default
+# (workload index, split, precision) of the fused-kernel comparison: LeNet (its conv + ReLU + pool layers as one Triton
+# kernel) at both splits, then the ResNets (conv + bias + ReLU (+ shortcut) as one cuDNN call).
+FUSED_COMPARISONS = ((0, 0, "bfloat16"), (0, 0, "tf32"), (0, 1, "bfloat16"), (1, 0, "bfloat16"), (1, 0, "tf32"),
+                     (2, 0, "bfloat16"))
 
 
-# (workload index, split, precision) of the fused-epilogue comparison: the ResNets, whose blocks it rewrites.
-EPILOGUE_COMPARISONS = ((1, 0, "bfloat16"), (1, 0, "tf32"), (2, 0, "bfloat16"))
-
-
-def run_epilogue_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
-    """CERTIFY of the ResNets (:data:`EPILOGUE_COMPARISONS`) with every convolution + bias + ReLU (+ shortcut
-    addition) of ``f_R`` as one cuDNN call (:mod:`splitz_fast.epilogues`) against the unfused eager kernels: the
-    measurement that decides ``epilogues.FUSE_ON_CUDA``. The same function (votes may differ on the boundary only)."""
-    for workload, split, precision in EPILOGUE_COMPARISONS:
-        _comparison(recorder, "cuDNN fused conv epilogues vs eager",
-                    {"eager_epilogues": (contextlib.nullcontext, {}), "fused_epilogues": (_fused_epilogues, {})},
-                    "epilogue_speedup", images, device, quick, deadline, precision, workload, split)
-
-
-@contextlib.contextmanager
-def _with_auto_triton(op: str):
-    """``op`` among ``AUTO_TRITON_OPS`` for the block (``auto`` runs its Triton kernel on CUDA)."""
-    import splitz_fast.kernels as kernels
-
-    default = kernels.AUTO_TRITON_OPS
-    kernels.AUTO_TRITON_OPS = default | {op}
-    try:
-        yield
-    finally:
-        kernels.AUTO_TRITON_OPS = default
-
-
-# (split, precision) of the fused convolution + ReLU + max pool comparison on LeNet (f_R's two such layers at s = 0,
-# one at s = 1).
-CONV_POOL_COMPARISONS = ((0, "bfloat16"), (0, "tf32"), (1, "bfloat16"))
-
-
-def run_conv_pool_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
-    """LeNet CERTIFY (:data:`CONV_POOL_COMPARISONS`) with each Conv2d + ReLU + 2x2 max pool of ``f_R`` as one Triton
-    kernel (``conv_relu_maxpool2`` added to ``AUTO_TRITON_OPS`` for the row) against eager cuDNN + pool: the
-    measurement that decides whether ``auto`` selects it. The same function (votes may differ on the boundary only)."""
-    for split, precision in CONV_POOL_COMPARISONS:
-        _comparison(recorder, "fused conv + ReLU + max pool (Triton) vs eager",
-                    {"eager_conv_pool": (contextlib.nullcontext, {}),
-                     "fused_conv_pool": (lambda: _with_auto_triton("conv_relu_maxpool2"), {})},
-                    "conv_pool_speedup", images, device, quick, deadline, precision, 0, split)
+def run_fused_kernels_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
+    """CERTIFY (:data:`FUSED_COMPARISONS`) through the plain prepared ``f_R`` (``fused_kernels=False``) against its
+    fused copy (``fused_kernels=True``: :mod:`splitz_fast.epilogues`): what the default's run-time measurement
+    (``fused_kernels=None``, recorded in stage 1's rows) should agree with. On the CPU, where nothing fuses, both
+    settings sample the plain ``f_R`` (a smoke test of the row)."""
+    forced = True if device.type == "cuda" else None
+    for workload, split, precision in FUSED_COMPARISONS:
+        _comparison(recorder, "fused kernels vs plain f_R",
+                    {"plain_kernels": (contextlib.nullcontext, {"fused_kernels": False}),
+                     "fused_kernels": (contextlib.nullcontext, {"fused_kernels": forced})},
+                    "fused_kernels_speedup", images, device, quick, deadline, precision, workload, split)
 
 
 # (workload index, split) of the CUDA graph comparison: the launch-bound LeNet at both splits, the deep ResNet-110.
@@ -712,8 +684,7 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
         recorder.add(dict(what="native CUDA vs Triton", status="skipped", error="needs CUDA"))
         return
     # the undecided settings first (a part stopped by its budget keeps the rows it finished)
-    run_conv_pool_comparison(recorder, images, device, quick, deadline)
-    run_epilogue_comparison(recorder, images, device, quick, deadline)
+    run_fused_kernels_comparison(recorder, images, device, quick, deadline)
     run_compile_comparison(recorder, images, device, quick, deadline)
     run_gamma_batch_comparison(recorder, images, device, quick, deadline)
     run_bound_comparisons(recorder, images, device, quick, deadline)
@@ -760,8 +731,7 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "squaring_vs_eigvalsh",
               "bound_relative_difference", "batched_ms", "one_by_one_ms", "batched_vs_one_by_one",
               "one_by_one_s_per_image", "batched_s_per_image", "batched_speedup",
-              "eager_epilogues_s_per_image", "fused_epilogues_s_per_image", "epilogue_speedup",
-              "eager_conv_pool_s_per_image", "fused_conv_pool_s_per_image", "conv_pool_speedup",
+              "plain_kernels_s_per_image", "fused_kernels_s_per_image", "fused_kernels_speedup",
               "tapwise_ms", "gathered_ms", "gathered_vs_tapwise", "gram_relative_difference",
               "error")
 

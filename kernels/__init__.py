@@ -56,9 +56,9 @@ TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "noisy_latents_maxpool2
 # cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
 # noisy_latents_maxpool2 (the noise and f_R's leading 2x2 max pool in one pass) is: LeNet s = 1 CERTIFY on an H100
 # (benchmarks/targets.py --part native, n = 10⁵) 0.104 vs 0.117 s per image (tf32), 0.101 vs 0.112 (bf16).
-# conv_relu_maxpool2 (a Conv2d + ReLU + 2x2 MaxPool2d of f_R in one kernel) is not measured on a GPU yet: the A/B rows
-# of benchmarks/targets.py --part native (LeNet s = 0 and 1) decide.
-AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d", "conv_relu_maxpool2"}
+# conv_relu_maxpool2 (a Conv2d + ReLU + 2x2 MaxPool2d of f_R in one kernel) runs only inside the fused copy of f_R,
+# which the sampling engine uses where it measures it faster than the plain copy (epilogues.FusionChoice).
+AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}
 # Ops that ``auto`` sends to the CUDA kernels of csrc/ (kernels/native_cuda.py: CUDA_OPS) on CUDA instead of Triton:
 # none. On an H100 (benchmarks/test_bench_kernels.py cases, 10,000 LeNet latents) the CUDA noise kernel ran at
 # 0.82–0.88x the Triton one; its vote count was 2x faster, but 0.02 ms per batch does not pay for building the

@@ -13,8 +13,9 @@
 #      (benchmarks/test_bench_certify.py's cohen_style_certify: fp32 eager, x.repeat → whole model → .cpu() → Python
 #      counting, Clopper–Pearson, the same sound radius search for every certified input; batch 1000 and 10,000 for
 #      LeNet, 1000 for ResNet-110, 400 for ResNet-50, its fastest kept), then ours (Smoother.certify_many, the engine
-#      path, batch measured by the engine, sound bound and bisection γ search) with a TF32 f_R, a bf16 f_R and an IEEE
-#      fp32 f_R (PRECISIONS; each a different base classifier, labelled, against the same fp32 loop). Every row also gives f_R's
+#      path, batch measured by the engine, sound bound and bisection γ search) with a TF32 f_R and a bf16 f_R (PRECISIONS;
+#      an IEEE fp32 f_R where asked; each a different base classifier, labelled, against the same fp32 loop). Every
+#      row also gives f_R's
 #      counted FLOPs and activation bytes per sample, the card's compute / memory / fused floors and our time as a
 #      multiple of them (benchmarks/floor.py), and whether anything compiled inside the timed region. CERTIFY with n0 = 100, α = 0.001, σ = 0.25, IMAGES
 #      (default 2) images per row, each timing after one warm-up image (excluded: compilation, autotuning, the
@@ -28,10 +29,10 @@
 #   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a builds
 #      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
 #      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said), the undecided
-#      settings first: LeNet s = 0 (bf16, tf32) and s = 1 (bf16) with each conv + ReLU + 2x2 max pool of f_R as one
-#      Triton kernel vs eager (decides whether auto selects conv_relu_maxpool2), ResNet-110 s = 0 (bf16, tf32) and
-#      ResNet-50 s = 0 with f_R's convolution epilogues fused into cuDNN calls vs eager (decides
-#      epilogues.FUSE_ON_CUDA), LeNet s = 0 with f_R through torch.compile vs eager,
+#      settings first: f_R's fused copy vs the plain one (fused_kernels=True / False; stage 1's rows use the default,
+#      which decides by measurement at run time, and record what it decided) on LeNet s = 0 (bf16, tf32) and s = 1
+#      (bf16: each conv + ReLU + 2x2 max pool one Triton kernel), ResNet-110 s = 0 (bf16, tf32) and ResNet-50 s = 0
+#      (conv + bias + ReLU (+ shortcut) one cuDNN call), LeNet s = 0 with f_R through torch.compile vs eager,
 #      LeNet s = 1 with gamma_batch 4 vs the bisection, the exact bound (LeNet conv1's Gram built with its stencil
 #      gathered in one pass vs summed tap by tap; one bound with the squaring vs the eigvalsh estimate; a search round's Grams certified together vs one by one, alone and in LeNet s = 1 CERTIFY), LeNet
 #      s = 1 with the fused noise + max-pool Triton kernel vs the pool in f_R (tf32, bf16), f_R eager vs replayed as a
@@ -57,8 +58,8 @@
 # 170 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
 # 45 s after results runs, else 10 s). Measured on the H100 (2026-11-27, benchmarks/records/h100-2026-11-27/): stage 1
 # filled its 320 s with LeNet's 6 rows (90 s) and an unfinished ResNet-110 s = 0 group (IEEE fp32 first: the slowest),
-# stage 2b took 83 s, and 60 s were left for the tests: hence the default order above (the ResNets, TF32 and bf16
-# first; `PRECISIONS=tf32,bfloat16` drops IEEE fp32), and the tests in a second call on the warm machine,
+# stage 2b took 83 s, and 60 s were left for the tests: hence the defaults above (the ResNets first, TF32 and bf16
+# only: `PRECISIONS=tf32,bfloat16,float32` adds IEEE fp32), and the tests in a second call on the warm machine,
 # `SPEED=0 bash scripts/gpu_checks.sh`.
 # Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
 # runs were over): stage 1 measures the same table first. The results runs no longer start in the first call (they
@@ -92,7 +93,7 @@ RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
 CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
 TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-2}
-WORKLOADS=${WORKLOADS:-cifar10-resnet110,imagenet-resnet50,mnist-lenet}; PRECISIONS=${PRECISIONS:-tf32,bfloat16,float32}
+WORKLOADS=${WORKLOADS:-cifar10-resnet110,imagenet-resnet50,mnist-lenet}; PRECISIONS=${PRECISIONS:-tf32,bfloat16}
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"

@@ -335,7 +335,8 @@ class _DatasetRun:
         return 0
 
 
-_CUDA_GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> Smoother(cuda_graphs=...)
+# --cuda-graphs / --fused-kernels -> Smoother(cuda_graphs=..., fused_kernels=...)
+_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
 
 def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, Smoother, dict[str, Any]]:
@@ -358,11 +359,13 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, S
         check_positive("--published-lipschitz-factor", factor)
     protocol = _protocol(protocol_name, args.dataset, factor)
     run = _DatasetRun.open(args)
-    if args.cuda_graphs == "on" and torch.device(args.device).type != "cuda":
-        raise ValueError(f"--cuda-graphs on needs a CUDA device (this run samples on {args.device}): pass --device "
-                         "cuda, or --cuda-graphs auto / off")
+    for flag, value in (("--cuda-graphs", args.cuda_graphs), ("--fused-kernels", args.fused_kernels)):
+        if value == "on" and torch.device(args.device).type != "cuda":
+            raise ValueError(f"{flag} on needs a CUDA device (this run samples on {args.device}): pass --device "
+                             f"cuda, or {flag} auto / off")
     smoother = Smoother(run.model, args.sigma, bound_options=bound_options, precision=args.precision,
-                        compile=args.compile, cuda_graphs=_CUDA_GRAPHS[args.cuda_graphs], protocol=protocol)
+                        compile=args.compile, cuda_graphs=_AUTO_ON_OFF[args.cuda_graphs],
+                        fused_kernels=_AUTO_ON_OFF[args.fused_kernels], protocol=protocol)
     settings = {"bound": smoother.bound, "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
     if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
         settings["precision"] = smoother.precision
@@ -771,9 +774,14 @@ def _add_certify_predict_parser(sub) -> None:
                             "CUDA; tf32 uses TF32 tensor cores on CUDA (a different base classifier, recorded)")
         c.add_argument("--compile", action="store_true",
                        help="sample through torch.compile(f_R) with static batch shapes (eager if compiling fails)")
-        c.add_argument("--cuda-graphs", choices=tuple(_CUDA_GRAPHS), default="auto",
+        c.add_argument("--cuda-graphs", choices=tuple(_AUTO_ON_OFF), default="auto",
                        help="on CUDA, replay f_R as a CUDA graph at the static batch: auto (default) where it measures "
                             "faster than eager, on, off (the same base classifier either way)")
+        c.add_argument("--fused-kernels", choices=tuple(_AUTO_ON_OFF), default="auto",
+                       help="on CUDA, sample through f_R with its convolution epilogues fused (conv + bias + ReLU "
+                            "(+ shortcut) as one cuDNN call, conv + ReLU + 2x2 pool as one Triton kernel): auto "
+                            "(default) where it scores like the plain f_R and measures faster, on, off (the same "
+                            "function; rounding may differ in the last bits)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
         c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
         _add_checkpoint_format_option(c)

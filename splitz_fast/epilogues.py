@@ -19,17 +19,20 @@ Only exact ``nn.Conv2d`` with zero padding given as numbers and exact ``nn.ReLU`
 sum; on CUDA the fused call rounds as cuDNN's epilogue does (within the batch-independence probe's tolerance of the
 unfused kernels; tested), elsewhere the modules run the unfused operations, bitwise the unfused result.
 
-Whether :class:`~splitz_fast.prepared.PreparedClassifier` applies it is a speed choice made by measurement
-(:func:`fuses_conv_epilogues`).
-
 A convolution followed by its ReLU and a 2x2 max pool (LeNet's layers) goes further: :class:`ConvReLUMaxPool2` runs
-all three as one Triton kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`);
-the prepared chain uses it where the kernel dispatch selects it on CUDA (:func:`fuses_conv_pools`).
+all three as one Triton kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`;
+the prepared chain's rewrite, :func:`~splitz_fast.prepared.fused_conv_pools`).
+
+Whether the sampling engine uses the fused copy of ``f_R`` is decided by measurement, at run time
+(:class:`FusionChoice`, the engine's ``fused_kernels`` setting): on CUDA, per layout and batch, the fused copy must
+score a noisy batch like the plain copy (within the batch-independence probe's tolerance) and take less time.
 """
 from __future__ import annotations
 
 import operator
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx
@@ -37,21 +40,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .folding import free_submodule_name
-from .kernels import conv_relu_pool, select_backend
-
-# Whether prepared f_R copies on CUDA use the fused epilogues. Off until measured faster on a GPU: the A/B rows of
-# benchmarks/targets.py ("cuDNN fused conv epilogues vs eager", CIFAR-10 ResNet-110 and ResNet-50) decide it.
-FUSE_ON_CUDA = False
+from .graphs import seconds_per_call
+from .kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _RELU_METHODS = ("relu", "relu_")
 _ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
-
-
-def fuses_conv_epilogues(device: torch.device) -> bool:
-    """Whether a prepared ``f_R`` on ``device`` runs its convolution epilogues fused (:data:`FUSE_ON_CUDA`): on CUDA
-    only; the CPU's oneDNN convolution already adds its bias inside the convolution."""
-    return torch.device(device).type == "cuda" and FUSE_ON_CUDA
 
 
 class _FusedConv(nn.Module):
@@ -115,14 +109,6 @@ class ConvAddReLU(_FusedConv):
         return F.relu(self.conv(x) + z)
 
 
-def fuses_conv_pools(device: torch.device) -> bool:
-    """Whether a prepared ``f_R`` chain on ``device`` runs each ``Conv2d`` + ``ReLU`` + 2x2 ``MaxPool2d`` as
-    :class:`ConvReLUMaxPool2`: on CUDA, where the dispatch selects the Triton kernel (``conv_relu_maxpool2`` among
-    ``kernels.AUTO_TRITON_OPS``, or ``SPLITZ_BACKEND=triton``)."""
-    device = torch.device(device)
-    return device.type == "cuda" and select_backend(conv_relu_pool.OP_NAME, device) == "triton"
-
-
 class ConvReLUMaxPool2(nn.Module):
     """``MaxPool2d(2)(relu(conv(x)))`` of a stride-1 ``Conv2d`` (its parameters shared) as one op,
     :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2`: on CUDA one Triton kernel that writes only the
@@ -147,6 +133,82 @@ class ConvReLUMaxPool2(nn.Module):
             x = x.to(torch.get_autocast_dtype(kind))
         tf32 = x.is_cuda and torch.backends.cudnn.allow_tf32
         return conv_relu_pool.conv_relu_maxpool2(x, self.conv.weight, self.conv.bias, self.conv.padding, tf32)
+
+
+FUSED_MODULES = (ConvReLU, ConvAddReLU, ConvReLUMaxPool2)
+
+
+def has_fused_modules(module: nn.Module) -> bool:
+    """Whether ``module`` holds any fused module (the fused copy of ``f_R`` differs from the plain one)."""
+    return any(isinstance(m, FUSED_MODULES) for m in module.modules())
+
+
+@dataclass
+class FusionDecision:
+    """Whether the engine samples one layout and batch through the fused copy of ``f_R`` (``used``) and why:
+    ``fused_kernels=True``, a fused copy that failed or scored differently from the plain one, or the measured seconds
+    per batch of each."""
+
+    used: bool
+    reason: str
+    plain_s: float | None = None
+    fused_s: float | None = None
+
+
+class FusionChoice:
+    """A sampling engine's use of the fused copy of ``f_R``: its ``fused_kernels`` setting (``None``: measure,
+    ``True``, ``False``) and :attr:`decisions`, keyed by the engine's ``(channels_last, pooled, rows)``. One warning
+    for a fused copy that fails or disagrees, however many batches."""
+
+    def __init__(self, setting: bool | None, device: torch.device):
+        if setting not in (None, True, False):
+            raise ValueError(f"fused_kernels must be None (measure), True or False, got {setting!r}")
+        if setting and device.type != "cuda":
+            raise ValueError(f"fused_kernels=True needs f_R on a CUDA device (it is on {device}); move the model "
+                             "with .cuda(), or leave fused_kernels unset")
+        self.setting, self.device = setting, device
+        self.decisions: dict[tuple, FusionDecision] = {}
+        self._warned = False
+
+    @property
+    def considered(self) -> bool:
+        """Whether a fused copy is tried at all: on CUDA (the CPU's convolutions add their bias already, and the
+        fused modules would run their unfused reference there), unless ``fused_kernels=False``."""
+        return self.device.type == "cuda" and self.setting is not False
+
+    def choose(self, key: tuple, plain: Callable[[torch.Tensor], torch.Tensor],
+               fused: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
+               tolerance: float) -> bool:
+        """Whether to sample through ``fused`` rather than ``plain`` (two scorers of the same ``f_R``) at the batch
+        of ``example()``: both score it first (compiling and autotuning outside any timing), the fused scores must
+        lie within ``tolerance`` × (largest score + 1) of the plain ones, then (by default) the faster wins. Records
+        the decision under ``key``."""
+        batch = example()
+        try:
+            want, got = plain(batch), fused(batch)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the plain f_R is always correct
+            return self._refuse(key, f"failed: {type(err).__name__}: {str(err).strip()[:160]}")
+        allowed = tolerance * (float(want.abs().max()) + 1)
+        difference = float((got.float() - want.float()).abs().max())
+        if not difference <= allowed:  # also NaN
+            return self._refuse(key, f"scores differ from the plain f_R's by {difference:.3g} (allowed {allowed:.3g})")
+        if self.setting:
+            self.decisions[key] = FusionDecision(True, "fused_kernels=True")
+            return True
+        plain_s = seconds_per_call(lambda: plain(batch), batch.device)
+        fused_s = seconds_per_call(lambda: fused(batch), batch.device)
+        self.decisions[key] = FusionDecision(fused_s < plain_s, f"measured at batch {key[-1]}: plain "
+                                             f"{plain_s * 1e3:.3f} ms, fused {fused_s * 1e3:.3f} ms", plain_s, fused_s)
+        return fused_s < plain_s
+
+    def _refuse(self, key: tuple, reason: str) -> bool:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"f_R's fused kernels are not used ({reason}); sampling runs the plain f_R", stacklevel=3)
+        self.decisions[key] = FusionDecision(False, reason)
+        return False
 
 
 def fuse_conv_epilogues(module: nn.Module) -> nn.Module:
@@ -245,5 +307,5 @@ def _conv_add(node: torch.fx.Node, modules) -> tuple[torch.fx.Node, torch.fx.Nod
     return None
 
 
-__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSE_ON_CUDA", "fuse_conv_epilogues", "fuses_conv_epilogues",
-           "fuses_conv_pools"]
+__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSED_MODULES", "FusionChoice", "FusionDecision",
+           "fuse_conv_epilogues", "has_fused_modules"]

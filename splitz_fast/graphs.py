@@ -101,28 +101,31 @@ def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
                     graphed: GraphedScores) -> tuple[bool, float, float]:
     """Whether replaying ``graphed`` scores its static batch faster than the eager ``scores``, measured here:
     ``(faster, eager seconds per batch, graph seconds per batch)``, each the better of up to :data:`TIMING_ROUNDS`
-    rounds of at least :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the
-    host's or the GPU's, whichever is slower). Noise and vote counting are the same either way and are not timed."""
+    rounds of at least :data:`TIMING_MIN_S` (:func:`seconds_per_call`). Noise and vote counting are the same either
+    way and are not timed."""
     batch = graphed.input
-
-    def seconds_per_call(call: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(TIMING_ROUNDS):
-            torch.cuda.synchronize(batch.device)
-            calls, start = 0, time.perf_counter()
-            while calls < 2 or time.perf_counter() - start < TIMING_MIN_S:
-                call()
-                calls += 1
-            torch.cuda.synchronize(batch.device)
-            elapsed = time.perf_counter() - start
-            best = min(best, elapsed / calls)
-            if elapsed >= TIMING_LONG_S:
-                break
-        return best
-
-    eager = seconds_per_call(lambda: scores(batch))
-    graph = seconds_per_call(graphed.replay)
+    eager = seconds_per_call(lambda: scores(batch), batch.device)
+    graph = seconds_per_call(graphed.replay, batch.device)
     return graph < eager, eager, graph
+
+
+def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds per call of ``call`` on CUDA ``device``: the better of up to :data:`TIMING_ROUNDS` rounds of at least
+    :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the host's or the GPU's,
+    whichever is slower; a round of :data:`TIMING_LONG_S` or more is the last)."""
+    best = float("inf")
+    for _ in range(TIMING_ROUNDS):
+        torch.cuda.synchronize(device)
+        calls, start = 0, time.perf_counter()
+        while calls < 2 or time.perf_counter() - start < TIMING_MIN_S:
+            call()
+            calls += 1
+        torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed / calls)
+        if elapsed >= TIMING_LONG_S:
+            break
+    return best
 
 
 @dataclass
@@ -171,4 +174,5 @@ class GraphChoice:
         return graphed if faster else None
 
 
-__all__ = ["GraphCaptureError", "GraphChoice", "GraphDecision", "GraphedScores", "capture_scores", "graph_is_faster"]
+__all__ = ["GraphCaptureError", "GraphChoice", "GraphDecision", "GraphedScores", "capture_scores", "graph_is_faster",
+           "seconds_per_call"]

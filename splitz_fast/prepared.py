@@ -2,9 +2,10 @@
 
 :class:`PreparedClassifier` keeps, per ``(channels_last, pooled)`` layout, a prepared copy of the user's ``f_R`` —
 eval mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged
-to cost less where that was measured (:func:`_cheaper_chain`; on CUDA, convolution epilogues fused into cuDNN calls
-where :func:`~splitz_fast.epilogues.fuses_conv_epilogues` says so), compiled if asked — or ``f_R`` itself where
-preparing changes nothing; the user's modules are never modified. The copies are rebuilt whenever the user's ``f_R``
+to cost less where that was measured (:func:`_cheaper_chain`), compiled if asked — or ``f_R`` itself where preparing
+changes nothing; the user's modules are never modified. On CUDA a second, fused copy (convolution epilogues as single
+cuDNN calls or Triton kernels, :mod:`splitz_fast.epilogues`) is used per layout and batch where the engine measures it
+faster and scoring alike (:meth:`PreparedClassifier.chosen`). The copies are rebuilt whenever the user's ``f_R``
 changes (:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is
 refused: from its modules (:func:`check_batch_independent`) and by a probe at the first batch
 (:func:`probe_batch_independence`).
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .epilogues import ConvReLUMaxPool2, fuse_conv_epilogues, fuses_conv_epilogues, fuses_conv_pools
+from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores
 from .modules import ModuleSnapshot
@@ -45,8 +46,9 @@ class PreparedClassifier:
         self.source = right
         self.device = torch.device(device)
         self.compile = compile
-        self._prepared: dict[tuple[bool, bool], nn.Module] = {}  # keyed by (channels_last, pool fused into noise)
-        self._graphs: dict[tuple[bool, bool, int], GraphedScores | None] = {}  # (layout, rows) -> graph, None: eager
+        self._prepared: dict[tuple[bool, bool, bool], nn.Module] = {}  # (channels_last, pool in noise, fused)
+        self._graphs: dict[tuple, GraphedScores | None] = {}  # (layout, fused, rows) -> graph, None: eager
+        self._fused: dict[tuple[bool, bool, int], bool] = {}  # (layout, rows) -> whether the fused copy is used
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
         self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
@@ -59,6 +61,7 @@ class PreparedClassifier:
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
             self._graphs.clear()
+            self._fused.clear()
             self._probed.clear()
             self._unfolded = None
             self._snapshot = ModuleSnapshot(self.source)
@@ -80,26 +83,19 @@ class PreparedClassifier:
         return self._unfolded
 
     @property
-    def fusions(self) -> tuple[bool, bool]:
-        """Which fusions the prepared copies use on this device: cuDNN convolution epilogues
-        (:func:`~splitz_fast.epilogues.fuses_conv_epilogues`), the Triton convolution + ReLU + pool
-        (:func:`~splitz_fast.epilogues.fuses_conv_pools`)."""
-        return fuses_conv_epilogues(self.device), fuses_conv_pools(self.device)
-
-    @property
     def batchnorm_folded(self) -> bool:
         """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
         return not self.unfolded_batchnorms
 
-    def get(self, channels_last: bool, pooled: bool = False) -> nn.Module:
+    def get(self, channels_last: bool, pooled: bool = False, fused: bool = False) -> nn.Module:
         """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
-        folded, on the device, channels_last for image latents, compiled if asked) where preparing changes something,
-        else the user's module itself (or its ``[1:]`` slice, which shares the user's layers)."""
-        key = (channels_last, pooled)
+        folded, on the device, channels_last for image latents, its convolution epilogues fused when ``fused``
+        (:mod:`~splitz_fast.epilogues`), compiled if asked) where preparing changes something, else the user's module
+        itself (or its ``[1:]`` slice, which shares the user's layers)."""
+        key = (channels_last, pooled, fused)
         if key not in self._prepared:
             source = self.source[1:] if pooled else self.source
-            fuse = fuses_conv_epilogues(self.device) and _has_conv(source)
-            needs_copy = self.compile or fuse or (channels_last and _has_conv(source)) or any(
+            needs_copy = self.compile or fused or (channels_last and _has_conv(source)) or any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
@@ -107,17 +103,35 @@ class PreparedClassifier:
                 if not pooled:
                     self._unfolded = unfolded
                 self._warn_unfolded(unfolded)
-                prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device)
+                prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device, fused=fused)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
-                if fuse:
+                if fused:
                     prepared = fuse_conv_epilogues(prepared)
                 if self.compile:
                     prepared = CompiledOrEager(prepared)
             self._prepared[key] = prepared
         return self._prepared[key]
 
-    def graphed(self, layout: tuple[bool, bool], rows: int,
+    def chosen(self, layout: tuple[bool, bool], rows: int, fusion: FusionChoice,
+               scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
+               tolerance: float) -> tuple[nn.Module, bool]:
+        """The prepared module that samples ``layout`` at batch ``rows``, and whether it is the fused copy: decided
+        by ``fusion`` (:meth:`~splitz_fast.epilogues.FusionChoice.choose`, scoring ``example()`` through ``scores``)
+        once per layout and batch; the plain copy where fusing is not considered or would change nothing."""
+        plain = self.get(*layout)
+        if not fusion.considered:
+            return plain, False
+        fused = self.get(*layout, fused=True)
+        if not has_fused_modules(fused):
+            return plain, False
+        key = (*layout, rows)
+        if key not in self._fused:
+            self._fused[key] = fusion.choose(key, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch),
+                                             example, tolerance)
+        return (fused, True) if self._fused[key] else (plain, False)
+
+    def graphed(self, layout: tuple, rows: int,
                 capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:
         """The CUDA graph of the prepared module of ``layout`` at a static batch of ``rows`` (``None``: that batch
         runs eagerly), made by ``capture`` the first time it is asked for and dropped with the prepared copies when
@@ -126,6 +140,11 @@ class PreparedClassifier:
         if key not in self._graphs:
             self._graphs[key] = capture()
         return self._graphs[key]
+
+    def may_run_parallel(self, net: nn.Module) -> bool:
+        """Whether ``net``'s batches may run on several worker threads (the engine's ``_execute``): on the CPU,
+        through an eager prepared copy of ``f_R`` (never the user's own modules, which need not be thread-safe)."""
+        return self.device.type == "cpu" and not self.compile and net is not self.source and self.is_copy(net)
 
     def is_copy(self, net: nn.Module) -> bool:
         """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
@@ -208,7 +227,8 @@ _CHAIN_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAv
                  nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)
 
 
-def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: torch.device) -> nn.Module:
+def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: torch.device,
+                   fused: bool = False) -> nn.Module:
     """The prepared copy of a plain layer chain, rearranged to cost less for the same function:
 
     * every ``ReLU`` directly followed by a ``MaxPool2d`` runs after it: ``maxpool(relu(x)) = relu(maxpool(x))``
@@ -225,9 +245,9 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
       its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
       LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
       stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time);
-    * on CUDA, where the kernel dispatch selects it (:func:`~splitz_fast.epilogues.fuses_conv_pools`), every
-      ``Conv2d`` + ``ReLU`` + ``MaxPool2d(2)`` is one :class:`~splitz_fast.epilogues.ConvReLUMaxPool2`
-      (:func:`_fused_conv_pools`): one kernel that writes only the pooled activation;
+    * in the fused copy (``fused``: CUDA, where the engine measured it faster), every ``Conv2d`` + ``ReLU`` +
+      ``MaxPool2d(2)`` is one :class:`~splitz_fast.epilogues.ConvReLUMaxPool2` (:func:`fused_conv_pools`): one kernel
+      that writes only the pooled activation;
     * on CUDA only (:func:`_bias_after_pools`), a convolution's bias that reaches a ``MaxPool2d`` directly is added
       after the pool (:class:`_ChannelBias`), to its 4x fewer values: ``maxpool(conv(x) + b) = maxpool(conv(x)) + b``
       for a bias constant over each channel, exactly also in floating point — rounding ``fl(v + b)`` is monotone
@@ -240,8 +260,8 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
     if not isinstance(module, nn.Sequential) or not all(type(m) in _CHAIN_LAYERS for m in module):
         return module
     layers = list(module)
-    if fuses_conv_pools(device):
-        layers = _fused_conv_pools(layers)
+    if fused:
+        layers = fused_conv_pools(layers)
     for i in range(len(layers) - 1):
         if type(layers[i]) is nn.ReLU and type(layers[i + 1]) is nn.MaxPool2d and not layers[i + 1].return_indices:
             layers[i], layers[i + 1] = layers[i + 1], layers[i]
@@ -258,7 +278,7 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
     return nn.Sequential(*layers)
 
 
-def _fused_conv_pools(layers: list[nn.Module]) -> list[nn.Module]:
+def fused_conv_pools(layers: list[nn.Module]) -> list[nn.Module]:
     """``layers`` with every ``Conv2d`` that the kernel takes (:meth:`~splitz_fast.epilogues.ConvReLUMaxPool2.takes`)
     directly followed by an ``nn.ReLU`` and an ``nn.MaxPool2d(2)`` (:func:`_is_maxpool2`), in either order, replaced
     by one :class:`~splitz_fast.epilogues.ConvReLUMaxPool2` (the convolution's parameters shared): the same

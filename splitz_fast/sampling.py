@@ -41,6 +41,7 @@ from .kernels.noise_votes import (
     noisy_latents_maxpool2_triton,
     noisy_latents_native,
 )
+from .epilogues import FusionChoice
 from .graphs import GraphChoice, GraphedScores
 from .prepared import (PROBE_TOLERANCE, CompiledOrEager, PreparedClassifier, check_batch_independent, noisy_rows,
                        starts_with_maxpool2)
@@ -83,12 +84,14 @@ def default_max_batch(device: torch.device) -> int:
     return DEFAULT_MAX_BATCH_CUDA if torch.device(device).type == "cuda" else DEFAULT_MAX_BATCH
 
 
-def check_engine_settings(precision: str, cuda_graphs: bool | None) -> None:
-    """Refuse a precision that is not a key of :data:`PRECISIONS` and a ``cuda_graphs`` other than None/True/False."""
+def check_engine_settings(precision: str, cuda_graphs: bool | None, fused_kernels: bool | None = None) -> None:
+    """Refuse a precision that is not a key of :data:`PRECISIONS` and a ``cuda_graphs`` or ``fused_kernels`` other
+    than None/True/False."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    if cuda_graphs not in (None, True, False):
-        raise ValueError(f"cuda_graphs must be None (measure), True or False, got {cuda_graphs!r}")
+    for name, value in (("cuda_graphs", cuda_graphs), ("fused_kernels", fused_kernels)):
+        if value not in (None, True, False):
+            raise ValueError(f"{name} must be None (measure), True or False, got {value!r}")
 
 
 def pooled_noise_kernel(device: torch.device):
@@ -232,11 +235,16 @@ class SamplingEngine:
         cuda_graphs: on CUDA, replay ``f_R`` as a CUDA graph captured at the batch size (shorter batches run eagerly):
             ``None`` (default) where measured faster than eager, ``True`` (needs CUDA), ``False``; a failed capture
             warns once and stays eager (:class:`~splitz_fast.graphs.GraphChoice`; its choices: ``graphs.decisions``).
+        fused_kernels: on CUDA, sample through ``f_R``'s fused copy (:mod:`~splitz_fast.epilogues`: convolution +
+            bias + ReLU (+ shortcut) as one cuDNN call, convolution + ReLU + 2x2 pool as one Triton kernel): ``None``
+            (default) where it scores like the plain copy and measures faster, ``True`` (needs CUDA; still checked),
+            ``False`` (:class:`~splitz_fast.epilogues.FusionChoice`; its choices: ``fusion.decisions``).
     """
 
     def __init__(self, right: nn.Module, num_classes: int, sigma: float, device: torch.device,
-                 precision: str = "float32", compile: bool = False, cuda_graphs: bool | None = None):
-        check_engine_settings(precision, cuda_graphs)
+                 precision: str = "float32", compile: bool = False, cuda_graphs: bool | None = None,
+                 fused_kernels: bool | None = None):
+        check_engine_settings(precision, cuda_graphs, fused_kernels)
         self.num_classes = num_classes
         self.sigma = sigma
         self.device = torch.device(device)
@@ -244,6 +252,7 @@ class SamplingEngine:
         self.dtype = PRECISIONS[precision]
         self.compile = compile
         self.graphs = GraphChoice(cuda_graphs, self.device)
+        self.fusion = FusionChoice(fused_kernels, self.device)
         self.prepared = PreparedClassifier(right, self.device, compile)
         self._count_lock = threading.Lock()
 
@@ -280,7 +289,7 @@ class SamplingEngine:
         process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when two sizes in a row
         gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent)."""
         key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile,
-               self.pools_in_noise(latent_shape), self.prepared.fusions)
+               self.pools_in_noise(latent_shape))
         if key not in _TUNED_BATCH:
             _TUNED_BATCH[key] = _measure_batch_size(self, tuple(latent_shape), cap)
         return _TUNED_BATCH[key]
@@ -300,25 +309,18 @@ class SamplingEngine:
             raise ValueError("all jobs of one run must have latents of the same shape")
         channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
         pooled = self.pools_in_noise(shape)
-        net = self.prepared.get(channels_last, pooled)
-        self.prepared.probe_once(net, (channels_last, pooled), self._scores, jobs[0].latent, self.sigma, self.dtype)
-        graph = self._graph(net, (channels_last, pooled), batch_size, jobs[0].latent)
-        self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self._may_run_parallel(net),
+        layout, latent, tolerance = (channels_last, pooled), jobs[0].latent, PROBE_TOLERANCE[self.dtype]
+        self.prepared.probe_once(self.prepared.get(*layout), layout, self._scores, latent, self.sigma, self.dtype)
+
+        def example() -> torch.Tensor:  # a full batch of noisy rows, for the measured choices
+            return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
+
+        net, fused = self.prepared.chosen(layout, batch_size, self.fusion, self._scores, example, tolerance)
+        # the CUDA graph of full batches, or None (eager): decided by `graphs` once per prepared copy and batch
+        graph = self.prepared.graphed((*layout, fused), batch_size, lambda: self.graphs.choose(
+            (*layout, batch_size), lambda batch: self._scores(net, batch), example, tolerance))
+        self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self.prepared.may_run_parallel(net),
                       graph)
-
-    def _graph(self, net: nn.Module, layout: tuple[bool, bool], rows: int,
-               latent: torch.Tensor) -> GraphedScores | None:
-        """The CUDA graph that scores full batches of ``rows`` samples, or ``None`` (eager): decided by
-        :attr:`graphs` once per prepared copy of ``f_R``."""
-        return self.prepared.graphed(layout, rows, lambda: self.graphs.choose(
-            (*layout, rows), lambda batch: self._scores(net, batch),
-            lambda: noisy_rows(latent, self.sigma, self.dtype, rows, *layout), PROBE_TOLERANCE[self.dtype]))
-
-    def _may_run_parallel(self, net: nn.Module) -> bool:
-        """Whether batches may run on several worker threads (:meth:`_execute`): on the CPU, through an eager
-        prepared copy of ``f_R`` (never the user's own modules, which need not be thread-safe)."""
-        return (self.device.type == "cpu" and not self.compile and net is not self.source
-                and self.prepared.is_copy(net))
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
                  parallel: bool, graph: GraphedScores | None = None) -> None:
@@ -427,7 +429,7 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     channels_last = len(shape) == 3
     pooled = engine.pools_in_noise(torch.Size(shape))
     net = engine.prepared.get(channels_last, pooled)
-    parallel = engine._may_run_parallel(net)
+    parallel = engine.prepared.may_run_parallel(net)
     if isinstance(net, CompiledOrEager):
         # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
         # it is compiled once, for the size chosen here.

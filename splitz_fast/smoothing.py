@@ -31,12 +31,11 @@ class Smoother:
     Args:
         model: a :class:`~splitz_fast.modules.SplitModel` (``split_index == 0`` is Cohen's plain RS).
         sigma: noise level σ > 0, in latent units.
-        bound_options: the Lipschitz bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (``None``: its
-            defaults); kept as :attr:`options`.
+        bound_options: the bound and γ search, a :class:`~splitz_fast.radius.BoundOptions` (default: its defaults).
         precision: how ``f_R`` computes while sampling, a key of ``sampling.PRECISIONS`` (``"float32"``,
             IEEE also on CUDA, the default): the base classifier, not the validity of its certificates, changes.
-        compile, cuda_graphs: how the engine runs ``f_R`` (:class:`~splitz_fast.sampling.SamplingEngine`):
-            through ``torch.compile``; on CUDA replayed as a CUDA graph (``None``, the default: where measured faster).
+        compile, cuda_graphs, fused_kernels: how the engine runs ``f_R`` (:class:`~splitz_fast.sampling.SamplingEngine`):
+            through ``torch.compile``; on CUDA as a CUDA graph, and fused (``None``, the default: where measured faster).
         max_batch_size: the largest batch the tuner tries (default 4096; on CUDA 32768: ``sampling.default_max_batch``).
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
@@ -59,6 +58,7 @@ class Smoother:
         precision: str = "float32",
         compile: bool = False,
         cuda_graphs: bool | None = None,
+        fused_kernels: bool | None = None,
         max_batch_size: int | None = None,
         overlap_bounds: bool | None = None,
         protocol: str | CertificationProtocol = "sound",
@@ -67,7 +67,7 @@ class Smoother:
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
                             "build one with split_sequential() or SplitModel(left, right, num_classes)")
-        check_engine_settings(precision, cuda_graphs)
+        check_engine_settings(precision, cuda_graphs, fused_kernels)
         self._model = model
         self.sigma = check_positive("sigma", sigma)
         self.options = check_bound_options(bound_options, deprecated_bound_keywords, "Smoother")
@@ -76,7 +76,7 @@ class Smoother:
         self.protocol.check(model)
         self.precision, self.compile, self.cuda_graphs = precision, bool(compile), cuda_graphs
         self._max_batch_size = None if max_batch_size is None else check_count("max_batch_size", max_batch_size)
-        self.overlap_bounds = overlap_bounds
+        self.overlap_bounds, self.fused_kernels = overlap_bounds, fused_kernels
         self._engine: SamplingEngine | None = None
         model.check_structure()
 
@@ -107,7 +107,7 @@ class Smoother:
         if engine is None or engine.device != device or engine.source is not model.right \
                 or engine.num_classes != model.num_classes:
             engine = self._engine = SamplingEngine(model.right, model.num_classes, self.sigma, device, self.precision,
-                                                   self.compile, self.cuda_graphs)
+                                                   self.compile, self.cuda_graphs, self.fused_kernels)
         engine.prepared.check_current()
         return engine
 

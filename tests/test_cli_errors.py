@@ -54,6 +54,22 @@ def checkpoint(tmp_path_factory, tiny, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ devices
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--fused-kernels"])
+def test_a_cuda_only_choice_on_without_a_gpu_is_one_line(flag, checkpoint, tmp_path, capsys):
+    assert main(_certify_args(checkpoint, tmp_path / "on.tsv", flag, "on")) == 2
+    assert f"{flag} on needs a CUDA device (this run samples on cpu)" in _one_line_error(capsys)
+    assert not (tmp_path / "on.tsv").exists()
+
+
+def test_fused_kernels_auto_and_off_give_the_same_rows_on_the_cpu(checkpoint, tmp_path):
+    """Nothing fuses on the CPU: both settings sample the plain f_R."""
+    for name in ("auto", "off"):
+        assert main(_certify_args(checkpoint, tmp_path / f"{name}.tsv", "--fused-kernels", name)) == 0
+    rows = [[line.split("\t")[:5] for line in (tmp_path / f"{name}.tsv").read_text().splitlines()]
+            for name in ("auto", "off")]
+    assert rows[0] == rows[1] and len(rows[0]) > 1
+
+
 def test_cuda_graphs_on_without_a_gpu_is_one_line_and_auto_samples_eagerly(checkpoint, tmp_path, capsys):
     assert main(_certify_args(checkpoint, tmp_path / "on.tsv", "--cuda-graphs", "on")) == 2
     assert "--cuda-graphs on needs a CUDA device (this run samples on cpu)" in _one_line_error(capsys)

@@ -483,7 +483,8 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
     model = SplitModel(LeftHalf([], [], input_shape=(1, 8, 8)), right, 5)
     xs = torch.rand(3, 1, 8, 8, generator=_gen(4))
     fast = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
-    monkeypatch.setattr(preparing, "_cheaper_chain", lambda module, channels_last=False, device=None: module)
+    monkeypatch.setattr(preparing, "_cheaper_chain",
+                        lambda module, channels_last=False, device=None, fused=False: module)
     plain = list(Smoother(model, 0.5).predict_many(xs, 300, 0.05, batch_size=64, seeds=range(3)))
     assert [(p.count_top, p.count_second) for p in fast] == [(p.count_top, p.count_second) for p in plain]
     chain = nn.Sequential(nn.ReLU(), sz.ClippedReLU(1.0), nn.MaxPool2d(2))

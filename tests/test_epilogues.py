@@ -1,10 +1,12 @@
 """Fused convolution epilogues (splitz_fast/epilogues.py): which patterns the rewrite fuses and which it leaves, that
 the rewritten ResNets compute the same function (bitwise where the fused modules run unfused: the CPU), that a cuDNN
-refusal falls back with one warning, that the prepared f_R fuses on CUDA exactly when enabled, and, on a GPU, that the
-fused cuDNN calls agree with the unfused kernels in every precision and through the engine."""
+refusal falls back with one warning, that the engine's fused copy of f_R is used only where it scores like the plain
+copy and measures faster (once per layout and batch), and, on a GPU, that the fused cuDNN calls agree with the
+unfused kernels in every precision and through the engine."""
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 import splitz_fast as sz
 from splitz_fast import epilogues
-from splitz_fast.epilogues import ConvAddReLU, ConvReLU, fuse_conv_epilogues, fuses_conv_epilogues
+from splitz_fast.epilogues import (ConvAddReLU, ConvReLU, FusionChoice, fuse_conv_epilogues, has_fused_modules)
 from splitz_fast.folding import folded_copy
 from splitz_fast.prepared import PROBE_TOLERANCE
 from splitz_fast.sampling import SamplingEngine
@@ -164,24 +166,99 @@ def test_a_cudnn_refusal_falls_back_once_with_a_warning(monkeypatch):
             assert torch.equal(module(*args), want.detach())
 
 
-def test_prepared_f_r_fuses_on_cuda_exactly_when_enabled(monkeypatch):
-    """The decision is the device's and FUSE_ON_CUDA's (set from measurement); the CPU never fuses; the user's f_R is
-    never rewritten (decided here without a GPU: moves to the device are stubbed out)."""
-    assert not fuses_conv_epilogues(torch.device("cpu"))
+def test_the_fused_copy_is_a_separate_prepared_copy(monkeypatch):
+    """For a CUDA device the prepared classifier keeps the plain copy and, asked for it, a fused copy (every block
+    fused); the user's f_R is never rewritten (decided here without a GPU: moves to the device are stubbed out)."""
     model = _randomized_resnet("cifar_resnet20", 1)
     user_types = [type(m) for m in model.right.modules()]
     monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
-    for enabled in (False, True):
-        monkeypatch.setattr(epilogues, "FUSE_ON_CUDA", enabled)
-        assert fuses_conv_epilogues(torch.device("cuda")) is enabled
-        engine = SamplingEngine(model.right, 10, 0.25, torch.device("cuda"))
-        engine.prepared.check_current()
-        prepared = engine.prepared.get(channels_last=True)
-        assert (_count(prepared, ConvAddReLU) == 9) is enabled
-        cpu = SamplingEngine(model.right, 10, 0.25, torch.device("cpu"))
-        cpu.prepared.check_current()
-        assert _count(cpu.prepared.get(channels_last=True), ConvAddReLU) == 0
+    engine = SamplingEngine(model.right, 10, 0.25, torch.device("cuda"))
+    engine.prepared.check_current()
+    plain, fused = engine.prepared.get(channels_last=True), engine.prepared.get(channels_last=True, fused=True)
+    assert not has_fused_modules(plain) and _count(fused, ConvAddReLU) == 9 and _count(fused, ConvReLU) == 9
+    assert engine.prepared.get(channels_last=True, fused=True) is fused  # kept, like the plain copy
     assert [type(m) for m in model.right.modules()] == user_types
+
+
+def _choice(setting=None):
+    """A FusionChoice for a CUDA device (its decisions need no GPU when the timings are given)."""
+    return FusionChoice(setting, torch.device("cuda"))
+
+
+def test_fusion_settings_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"fused_kernels must be None \(measure\), True or False, got 'yes'"):
+        sz.Smoother(sz.build_model("lenet", split_index=1), 0.5, fused_kernels="yes")
+    with pytest.raises(ValueError, match="fused_kernels=True needs f_R on a CUDA device"):
+        FusionChoice(True, torch.device("cpu"))
+    assert not FusionChoice(None, torch.device("cpu")).considered and not _choice(False).considered
+    assert _choice().considered and _choice(True).considered
+
+
+def test_the_fused_copy_is_used_only_where_it_scores_alike_and_measures_faster(monkeypatch):
+    """The default keeps the faster of the two (timings scripted here); scores that differ beyond the tolerance, or a
+    fused copy that fails, keep the plain copy with one warning; fused_kernels=True still checks the scores."""
+    batch = torch.randn(4, 3)
+    plain = lambda b: b * 2  # noqa: E731
+    timings = iter([2e-3, 1e-3, 1e-3, 2e-3])  # plain then fused, twice
+    monkeypatch.setattr(epilogues, "seconds_per_call", lambda call, device: next(timings))
+    choice = _choice()
+    assert choice.choose((True, False, 64), plain, lambda b: b * 2 + 1e-6, lambda: batch, 1e-2)
+    assert not choice.choose((True, False, 128), plain, lambda b: b * 2, lambda: batch, 1e-2)
+    assert [d.used for d in choice.decisions.values()] == [True, False]
+    assert choice.decisions[(True, False, 64)].fused_s == 1e-3 and "measured at batch 64" in choice.decisions[
+        (True, False, 64)].reason
+
+    def broken(b):
+        raise RuntimeError("no kernel image for this device")
+
+    with pytest.warns(UserWarning, match="fused kernels are not used .*differ from the plain"):
+        assert not choice.choose((True, False, 256), plain, lambda b: b * 3, lambda: batch, 1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per engine
+        assert not choice.choose((True, False, 512), plain, broken, lambda: batch, 1e-2)
+    assert choice.decisions[(True, False, 512)].reason.startswith("failed: RuntimeError: no kernel image")
+    forced = _choice(True)
+    assert forced.choose((True, False, 64), plain, lambda b: b * 2, lambda: batch, 1e-2)
+    with pytest.warns(UserWarning, match="differ"):
+        assert not forced.choose((True, False, 128), plain, lambda b: b + 5, lambda: batch, 1e-2)
+
+
+def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(monkeypatch):
+    """PreparedClassifier.chosen asks the choice once per (layout, batch), hands back the copy it chose, and forgets
+    its decisions when f_R changes (checked without a GPU: moves stubbed, timings scripted)."""
+    model = _randomized_resnet("cifar_resnet20", 1)
+    monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
+    engine = SamplingEngine(model.right, 10, 0.25, torch.device("cuda"))
+    engine.prepared.check_current()
+    asked = []
+    original = FusionChoice.choose
+
+    def choose(self, key, plain, fused, example, tolerance):
+        asked.append(key)
+        return original(self, key, plain, fused, example, tolerance)
+
+    monkeypatch.setattr(FusionChoice, "choose", choose)
+    timings = itertools.cycle([1.0, 0.5])  # plain, then fused: the fused copy measures faster
+    monkeypatch.setattr(epilogues, "seconds_per_call", lambda call, device: next(timings))
+    latent = model.left(torch.rand(2, 3, 32, 32, generator=_gen(3)))[0]
+    example = lambda: latent.expand(8, *latent.shape).contiguous(memory_format=torch.channels_last)  # noqa: E731
+
+    def scores(net, batch):
+        with torch.no_grad():
+            return net(batch)
+
+    layout = (True, False)
+    first = engine.prepared.chosen(layout, 8, engine.fusion, scores, example, 1e-2)
+    again = engine.prepared.chosen(layout, 8, engine.fusion, scores, example, 1e-2)
+    assert first == again and len(asked) == 1 and first[1] and engine.fusion.decisions[(*layout, 8)].used
+    assert first[0] is engine.prepared.get(*layout, fused=True) and has_fused_modules(first[0])
+    engine.prepared.chosen(layout, 16, engine.fusion, scores, example, 1e-2)
+    assert len(asked) == 2
+    with torch.no_grad():
+        model.right[0][0].conv1.weight.mul_(1.5)  # an edit: the copies and their decisions are rebuilt
+    engine.prepared.check_current()
+    engine.prepared.chosen(layout, 8, engine.fusion, scores, example, 1e-2)
+    assert len(asked) == 3
 
 
 # ---------------------------------------------------------------------------------------------------------- GPU
@@ -213,19 +290,22 @@ def test_fused_cudnn_calls_match_the_unfused_kernels(precision, add):
 
 @_gpu
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_a_fused_resnet_certifies_like_the_unfused_one(precision, monkeypatch):
-    """CIFAR ResNet-20 at s = 1 on CUDA: with FUSE_ON_CUDA the prepared f_R holds the fused modules, cuDNN accepts
-    every one, and the certificates (through the engine's default CUDA graph choice) are those of the unfused f_R up to
-    votes on the decision boundary."""
+def test_a_fused_resnet_certifies_like_the_unfused_one(precision):
+    """CIFAR ResNet-20 at s = 1 on CUDA: through the fused copy (fused_kernels=True) cuDNN accepts every fused call,
+    and the certificates (through the engine's default CUDA graph choice) are those of the plain f_R up to votes on
+    the decision boundary; the default measures and records its choice."""
     model = _randomized_resnet("cifar_resnet20", 1).cuda()
     xs = torch.rand(3, 3, 32, 32, generator=_gen(8)).cuda()
     results = {}
-    for enabled in (False, True):
-        monkeypatch.setattr(epilogues, "FUSE_ON_CUDA", enabled)
-        smoother = sz.Smoother(model, 0.25, precision=precision)
-        results[enabled] = list(smoother.certify_many(xs, 64, 2000, 0.001, seeds=range(3), batch_size=512))
-        prepared = smoother.engine().prepared.get(channels_last=True)
-        fused = [m for m in prepared.modules() if isinstance(m, (ConvReLU, ConvAddReLU))]
-        assert (len(fused) == 18) is enabled and all(m.fused for m in fused)
+    for setting in (False, True, None):
+        smoother = sz.Smoother(model, 0.25, precision=precision, fused_kernels=setting)
+        results[setting] = list(smoother.certify_many(xs, 64, 2000, 0.001, seeds=range(3), batch_size=512))
+        decisions = smoother.engine().fusion.decisions
+        assert [d.used for d in decisions.values()] in (([],) if setting is False else ([True], [False]))
+        if setting:
+            assert decisions[(True, False, 512)].used
+            fused = [m for m in smoother.engine().prepared.get(channels_last=True, fused=True).modules()
+                     if isinstance(m, (ConvReLU, ConvAddReLU))]
+            assert len(fused) == 18 and all(m.fused for m in fused)
     for off, on in zip(results[False], results[True]):
         assert off.prediction == on.prediction and abs(off.count_a - on.count_a) <= 0.01 * off.n

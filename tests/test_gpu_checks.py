@@ -342,37 +342,28 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
 
 
-@pytest.mark.parametrize("runner,cases,compared,key,what", [
-    ("run_epilogue_comparison", "EPILOGUE_COMPARISONS", ["eager_epilogues", "fused_epilogues"], "epilogue_speedup",
-     "cuDNN fused conv epilogues vs eager"),
-    ("run_conv_pool_comparison", "CONV_POOL_COMPARISONS", ["eager_conv_pool", "fused_conv_pool"], "conv_pool_speedup",
-     "fused conv + ReLU + max pool (Triton) vs eager")])
-def test_the_fusion_rows_measure_both_settings_and_restore_the_defaults(tmp_path: Path, runner, cases, compared, key,
-                                                                       what):
-    """The A/B rows that decide ``epilogues.FUSE_ON_CUDA`` and whether ``auto`` selects ``conv_relu_maxpool2`` (stage
-    2b runs them on CUDA only) in quick mode on the CPU, in a process of their own (as the script runs them): one row
-    per case, both settings timed, the speedup recorded, the defaults left as they were."""
+def test_the_fused_kernel_rows_measure_both_settings(tmp_path: Path):
+    """The A/B rows of the fused f_R copy against the plain one (stage 2b runs them on CUDA; the default measures the
+    same choice at run time) in quick mode on the CPU, in a process of their own (as the script runs them): one row
+    per case, both settings timed, the speedup recorded."""
     code = f"""if True:
         import json, math, torch
         from benchmarks import targets
-        from splitz_fast import epilogues, kernels
-        defaults = (epilogues.FUSE_ON_CUDA, kernels.AUTO_TRITON_OPS)
         recorder = targets.Recorder(__import__("pathlib").Path({str(tmp_path)!r}), "native", {{}})
-        targets.{runner}(recorder, 1, torch.device("cpu"), True, math.inf)
+        targets.run_fused_kernels_comparison(recorder, 1, torch.device("cpu"), True, math.inf)
         rows = recorder.data["parts"]["native"]["rows"]
-        print(json.dumps(dict(rows=rows, restored=(epilogues.FUSE_ON_CUDA, kernels.AUTO_TRITON_OPS) == defaults,
-                              count=len(targets.{cases}),
+        print(json.dumps(dict(rows=rows, count=len(targets.FUSED_COMPARISONS),
                               cells=[targets.ab_cell(r) for r in rows if r["status"] == "ok"])))
     """
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["restored"] and len(result["rows"]) == result["count"] == len(result["cells"])
+    assert len(result["rows"]) == result["count"] == len(result["cells"])
     for row, cell in zip(result["rows"], result["cells"]):
         assert row["status"] == "ok", row.get("error")
-        assert row["compared"] == compared and row[key] > 0
-        assert what in row["what"] and cell.startswith("| ")
+        assert row["compared"] == ["plain_kernels", "fused_kernels"] and row["fused_kernels_speedup"] > 0
+        assert "fused kernels vs plain f_R" in row["what"] and cell.startswith("| ")
 
 
 def test_the_gram_build_row_times_both_stencils_and_restores_the_default():

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 import splitz_fast.kernels as kernels
-from splitz_fast.epilogues import ConvReLUMaxPool2, fuses_conv_pools
+from splitz_fast.epilogues import ConvReLUMaxPool2
 from splitz_fast.kernels.conv_relu_pool import (OP_NAME, conv_relu_maxpool2, conv_relu_maxpool2_reference,
                                                 conv_relu_maxpool2_triton)
 from _helpers import kernel_devices
@@ -80,28 +80,29 @@ def test_unsupported_layers_and_inputs_are_refused_with_the_reason():
             conv_relu_maxpool2_triton(x.double(), weight.double(), bias.double(), (0, 0))
 
 
-def test_dispatch_keeps_the_kernel_off_until_measured_on_a_gpu(monkeypatch):
-    """Not among AUTO_TRITON_OPS (no GPU measurement yet): auto runs the reference everywhere and the prepared chain
-    is not rewritten; forcing Triton reaches the kernel."""
+def test_dispatch_runs_the_kernel_on_cuda_and_the_reference_where_asked(monkeypatch):
+    """The fused module's op: Triton on CUDA under auto (the module exists only in the fused copy of f_R, which the
+    engine uses where it measured it faster), the reference on the CPU and under SPLITZ_BACKEND=reference."""
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
-    assert OP_NAME in kernels.TRITON_OPS and OP_NAME not in kernels.AUTO_TRITON_OPS
+    assert OP_NAME in kernels.AUTO_TRITON_OPS
+    assert kernels.select_backend(OP_NAME, torch.device("cuda")) == "triton"
+    assert kernels.select_backend(OP_NAME, torch.device("cpu")) == "reference"
+    monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
     assert kernels.select_backend(OP_NAME, torch.device("cuda")) == "reference"
-    assert not fuses_conv_pools(torch.device("cuda")) and not fuses_conv_pools(torch.device("cpu"))
-    monkeypatch.setattr(kernels, "AUTO_TRITON_OPS", kernels.AUTO_TRITON_OPS | {OP_NAME})
-    assert fuses_conv_pools(torch.device("cuda")) and not fuses_conv_pools(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("split", [0, 1])
-def test_prepared_lenet_chain_fuses_each_conv_relu_pool_and_keeps_the_function(split, monkeypatch):
-    """With the kernel selected on CUDA, LeNet's prepared f_R runs each Conv2d + ReLU + MaxPool2d(2) as one
-    ConvReLUMaxPool2 sharing the convolution's parameters (decided without a GPU: the chain is built for a CUDA
-    device, then run on the CPU, where the fused module computes the eager chain)."""
+def test_prepared_lenet_chain_fuses_each_conv_relu_pool_and_keeps_the_function(split):
+    """LeNet's fused chain for CUDA runs each Conv2d + ReLU + MaxPool2d(2) as one ConvReLUMaxPool2 sharing the
+    convolution's parameters (built without a GPU for a CUDA device, then run on the CPU, where the fused module
+    computes the eager chain); the plain chain keeps its layers."""
     from splitz_fast import prepared as preparing
 
-    monkeypatch.setattr(kernels, "AUTO_TRITON_OPS", kernels.AUTO_TRITON_OPS | {OP_NAME})
     model = sz.build_model("lenet", split_index=split).eval()
     right = model.right[1:] if split else model.right  # s = 1: the leading pool is drawn by the noise kernel
-    chain = preparing._cheaper_chain(copy.deepcopy(right), True, device=torch.device("cuda"))
+    plain = preparing._cheaper_chain(copy.deepcopy(right), True, device=torch.device("cuda"))
+    assert not any(isinstance(m, ConvReLUMaxPool2) for m in plain)
+    chain = preparing._cheaper_chain(copy.deepcopy(right), True, device=torch.device("cuda"), fused=True)
     fused = [m for m in chain if isinstance(m, ConvReLUMaxPool2)]
     assert len(fused) == 2 - split and not any(type(m) is nn.MaxPool2d for m in chain)
     assert [type(m).__name__ for m in chain][len(fused):] == ["Flatten", "Linear", "ReLU", "Linear"]
@@ -133,19 +134,22 @@ def test_fused_module_under_autocast_casts_like_a_convolution(device, monkeypatc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["float32", "tf32", "bfloat16"])
 @pytest.mark.parametrize("split", [0, 1])
-def test_lenet_certificates_with_the_fused_kernel_match_the_eager_chain(split, precision, monkeypatch):
-    """LeNet on CUDA with the kernel selected (every Conv2d + ReLU + pool of f_R fused) against without: the same
-    predictions, and counts within 1 % (the fused epilogue rounds once where the eager chain rounds twice)."""
+def test_lenet_certificates_with_the_fused_kernel_match_the_eager_chain(split, precision):
+    """LeNet on CUDA through its fused copy (every Conv2d + ReLU + pool of f_R one Triton kernel; fused_kernels=True,
+    which still checks the scores) against the plain one: the same predictions, and counts within 1 % (the fused
+    epilogue rounds once where the eager chain rounds twice); the default measures and records its choice."""
     model = sz.build_model("lenet", split_index=split).cuda().eval()
     xs = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(3)).cuda()
     results = {}
-    for fused in (False, True):
-        ops = kernels.AUTO_TRITON_OPS | {OP_NAME} if fused else kernels.AUTO_TRITON_OPS - {OP_NAME}
-        monkeypatch.setattr(kernels, "AUTO_TRITON_OPS", ops)
-        smoother = sz.Smoother(model, 0.25, precision=precision)
+    for fused in (False, True, None):
+        smoother = sz.Smoother(model, 0.25, precision=precision, fused_kernels=fused)
         results[fused] = list(smoother.certify_many(xs, 64, 4000, 0.001, seeds=range(3), batch_size=1024))
-        chain = smoother.engine().prepared.get(channels_last=True, pooled=bool(split))
-        assert sum(isinstance(m, ConvReLUMaxPool2) for m in chain.modules()) == (2 - split if fused else 0)
+        decisions = smoother.engine().fusion.decisions
+        assert (not decisions) if fused is False else [d.used for d in decisions.values()] in ([True], [False])
+        if fused:
+            assert decisions[(True, bool(split), 1024)].reason == "fused_kernels=True"
+            chain = smoother.engine().prepared.get(channels_last=True, pooled=bool(split), fused=True)
+            assert sum(isinstance(m, ConvReLUMaxPool2) for m in chain.modules()) == 2 - split
     for off, on in zip(results[False], results[True]):
         assert off.prediction == on.prediction and abs(off.count_a - on.count_a) <= 0.01 * off.n
 
