@@ -37,13 +37,12 @@ floor — each met or not in the table. And whether the timed run compiled anyth
 dynamo compiles, Triton JIT compiles, new Triton cache files, ``f_R`` batch shapes not seen in the warm-up, which
 would let cuDNN's benchmark mode autotune): ``compiled_in_timed_region``, marked in the table.
 
-``--part native`` (stage 2): first CERTIFY with ``f_R`` eager against replayed CUDA graphs (LeNet s = 0 and 1,
-ResNet-110 s = 0, bf16; :func:`run_graph_comparison`: what the default's run-time choice should agree with), then
-LeNet s = 1 CERTIFY with the fused noise + max-pool Triton kernel against the
-pool run in f_R (tf32 and bf16; :func:`run_fused_pool`: what decides whether ``auto`` fuses on CUDA), then the CUDA
-kernels of csrc/noise_votes_cuda.cu against the Triton kernels (and eager PyTorch): the kernel cases of benchmarks/test_bench_kernels.py (noise into 10,000 LeNet latents fp32/bf16,
-channels_last/contiguous; vote counts), then LeNet s = 1 CERTIFY end to end with ``SPLITZ_BACKEND=native`` against
-``auto`` (Triton), fp32 and bf16. CUDA only (recorded as skipped elsewhere).
+``--part native`` (stage 2): A/B rows of CERTIFY, the settings not yet decided by a GPU first — ``f_R``'s fused copy
+against the plain one (:func:`run_fused_kernels_comparison`), ``torch.compile``, ``gamma_batch`` 4 against the
+bisection, the exact bound's pieces (the Gram built gathered against tap by tap, the squaring against the eigvalsh
+estimate, a round's certificates batched against one by one), the fused noise + max-pool kernel, CUDA graphs against
+eager — then the CUDA kernels of csrc/noise_votes_cuda.cu against the Triton ones (benchmarks/test_bench_kernels.py's
+cases). CUDA only (recorded as skipped elsewhere).
 
 Every part merges its rows into DIR/targets.json (environment: device name, torch, triton, CUDA, TF32 settings) and
 rewrites DIR/targets.csv and DIR/targets.md (tables ready to paste into benchmarks/RESULTS.md, the card named) after
@@ -329,16 +328,18 @@ def fusion_record(engine) -> list[dict]:
 
 
 def graph_cell(row: dict) -> str:
-    """The table's CUDA graph column: whether the full batches replayed a graph, and the measurement behind it."""
-    decisions = row.get("cuda_graphs") or []
-    if not decisions:
-        return "—"
+    """The table's last column: whether the full batches replayed a CUDA graph, and whether ``f_R``'s fused copy
+    sampled, each with the measurement behind it."""
     cells = []
-    for d in decisions:
+    for d in row.get("cuda_graphs") or []:
         timing = (f" ({d['eager_s'] * 1e3:.2f} → {d['graph_s'] * 1e3:.2f} ms/batch)" if d.get("graph_s") is not None
                   else f" ({d['reason']})")
-        cells.append(("yes" if d["used"] else "no") + timing)
-    return "; ".join(cells)
+        cells.append(("graph " if cells else "") + ("yes" if d["used"] else "no") + timing)
+    for d in row.get("fused_kernels") or []:
+        timing = (f" ({d['plain_s'] * 1e3:.2f} → {d['fused_s'] * 1e3:.2f} ms/batch)" if d.get("fused_s") is not None
+                  else f" ({d['reason']})")
+        cells.append("fused " + ("yes" if d["used"] else "no") + timing)
+    return "; ".join(cells) or "—"
 
 
 def targets_for(workload: Workload, split: int, precision: str, rs_times: dict | None) -> dict:
@@ -775,7 +776,7 @@ def markdown(data: dict) -> str:
                   "| memory floor (s/image; unfused / fused) | ours ÷ floor "
                   f"| ours ÷ fused floor (≤ {FUSED_FLOOR_TARGET:g}×) | time target (s/image) "
                   f"| met: time / ≥ {VS_LOOP_TARGET:g}× loop / ≤ {FUSED_FLOOR_TARGET:g}× fused floor "
-                  "| compiled in timed region | f_R as CUDA graph (eager → graph per batch) |",
+                  "| compiled in timed region | f_R as CUDA graph (eager → graph per batch); fused copy (plain → fused) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in targets["rows"]:
             name = f"{r.get('label')}, {r.get('n', 0):,}"
