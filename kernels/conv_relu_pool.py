@@ -34,9 +34,12 @@ from . import interpreting
 __all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxpool2_triton", "check_geometry"]
 
 OP_NAME = "conv_relu_maxpool2"
-_BLOCK_M = 64   # pooled output pixels per program (256 convolution outputs)
-_BLOCK_K = 32   # reduction step: one tap of 32 channels, or several taps of a thin input
-_NUM_WARPS = 8  # four BLOCK_M x BLOCK_N float32 accumulators per program
+_BLOCK_K = 32  # reduction step: one tap of 32 channels, or several taps of a thin input
+# (BLOCK_M pooled output pixels per program, num_warps): the launch configurations the autotuner times on a GPU, once
+# per layer shape and dtype. Each holds four BLOCK_M x BLOCK_N float32 accumulators; all are free of register spills
+# for bf16 and TF32 at BLOCK_N ≤ 64 (ptxas -v for sm_90a: 242–255 registers at 64/8, 178 at 32/8, 155 at 16/4, which
+# leaves room for three blocks per SM). The first is the one Triton's interpreter runs.
+CONFIGS = ((64, 8), (32, 8), (16, 4))
 
 
 def check_geometry(weight: torch.Tensor, stride, padding, dilation, groups: int) -> tuple[int, int]:
@@ -149,6 +152,17 @@ def _kernel():
     return triton.jit(conv_relu_pool_kernel, do_not_specialize=["rows"])
 
 
+@functools.lru_cache(maxsize=None)
+def _tuned_kernel():
+    """:func:`_kernel` under Triton's autotuner over :data:`CONFIGS`, keyed by the layer's shape and the precision
+    (tensor dtypes are part of the key), never by the batch: the last, shorter batch of a window, or a CUDA graph
+    capture after the first call, never times configurations again."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_M": block_m}, num_warps=warps, num_stages=3) for block_m, warps in CONFIGS]
+    return triton.autotune(configs, key=["C_IN", "H", "W", "C_OUT", "K_TOTAL", "KW", "PH", "PW", "TF32"])(_kernel())
+
+
 def _block_n(c_out: int) -> int:
     return max(16, min(64, 1 << (c_out - 1).bit_length()))
 
@@ -173,13 +187,18 @@ def conv_relu_maxpool2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch
     if rows == 0:
         return out
     block_n = _block_n(c_out)
-    grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(c_out, block_n))
-    _kernel()[grid](x, packed, bias_f32 if bias_f32 is not None else packed, out,
-                    rows, c_in, x.shape[2], x.shape[3], hp, wp, c_out, kh * kw * c_in, kw, padding[0], padding[1],
-                    *x.stride(), HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, TF32=tf32,
-                    # Triton's interpreter multiplies bf16 tiles wrongly (raw bits): widen to float32 there
-                    WIDEN=interpreting() and x.dtype != torch.float32,
-                    BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS)
+    args = (x, packed, bias_f32 if bias_f32 is not None else packed, out, rows, c_in, x.shape[2], x.shape[3], hp, wp,
+            c_out, kh * kw * c_in, kw, padding[0], padding[1], *x.stride())
+    flags = dict(HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, TF32=tf32, BLOCK_N=block_n,
+                 BLOCK_K=_BLOCK_K)
+    if interpreting():
+        # Triton's interpreter multiplies bf16 tiles wrongly (raw bits): widen to float32 there
+        block_m, warps = CONFIGS[0]
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(c_out, block_n))
+        _kernel()[grid](*args, **flags, WIDEN=x.dtype != torch.float32, BLOCK_M=block_m, num_warps=warps)
+    else:
+        _tuned_kernel()[lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(c_out, block_n))](
+            *args, **flags, WIDEN=False)
     return out
 
 

@@ -564,13 +564,14 @@ for out in ("fp32", "bf16"):
         build(kernels.noise_pairs, types, dict(CHANNELS_LAST=channels_last, BF16=out == "bf16", BLOCK_S=1, BLOCK_P=512))
     build(kernels.noise_maxpool2, types, dict(BF16=out == "bf16", BLOCK_S=1, BLOCK_E=512))
 # f_R's fused convolution + ReLU + 2x2 max pool (IEEE float32, TF32, bf16; the launcher's channel tiles).
-from splitz_fast.kernels.conv_relu_pool import _NUM_WARPS, _kernel as conv_pool_kernel
+from splitz_fast.kernels.conv_relu_pool import CONFIGS, _kernel as conv_pool_kernel
 for dt, tf32 in (("fp32", False), ("fp32", True), ("bf16", False)):
     pointers = {"X": dt, "WK": dt, "OUT": dt, "BIAS": "fp32"}
     types = lambda n: "*" + pointers[n] if n in pointers else "i32"
-    for block_n in (16, 32, 64):
-        build(conv_pool_kernel(), types, dict(HAS_BIAS=True, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False, BLOCK_M=64,
-                                              BLOCK_N=block_n, BLOCK_K=32), num_warps=_NUM_WARPS)
+    for (block_m, warps), block_n in itertools.product(CONFIGS, (16, 32, 64)):  # every configuration the tuner times
+        build(conv_pool_kernel(), types, dict(HAS_BIAS=True, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
+                                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32), num_warps=warps,
+              num_stages=3)
 print(f"compiled; slowest specialisation {slowest[0]:.2f} s: {slowest[1]}")
 """
 
