@@ -36,9 +36,9 @@ __all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxp
 OP_NAME = "conv_relu_maxpool2"
 _BLOCK_K = 32  # reduction step: one tap of 32 channels, or several taps of a thin input
 # (BLOCK_M pooled output pixels per program, num_warps): the launch configurations the autotuner times on a GPU, once
-# per layer shape and dtype. Each holds four BLOCK_M x BLOCK_N float32 accumulators; all are free of register spills
-# for bf16 and TF32 at BLOCK_N ≤ 64 (ptxas -v for sm_90a: 242–255 registers at 64/8, 178 at 32/8, 155 at 16/4, which
-# leaves room for three blocks per SM). The first is the one Triton's interpreter runs.
+# per layer shape and dtype. Each holds four BLOCK_M x BLOCK_N float32 accumulators; at BLOCK_N ≤ 64 none spills
+# registers for bf16, and only 64/8 for TF32, 44 bytes (ptxas -v for sm_90a: 242–255 registers at 64/8, 178 at 32/8,
+# 155 at 16/4, which leaves room for three blocks per SM). The first is the one Triton's interpreter runs.
 CONFIGS = ((64, 8), (32, 8), (16, 4))
 
 
