@@ -694,7 +694,7 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
     from splitz_fast.kernels.native_cuda import cuda_native_available
 
     start = time.perf_counter()
-    available = cuda_native_available()  # builds csrc/noise_votes_cuda.cu on first use (stage 2 builds it first)
+    available = cuda_native_available()  # builds csrc/noise_votes_cuda.cu on first use (unless stage 2a did)
     recorder.add(dict(what="build or load csrc/noise_votes_cuda.cu", status="ok" if available else "error",
                       seconds=time.perf_counter() - start))
     if not available:

@@ -26,8 +26,10 @@
 #      and naive, the ratio, certified count, mean γ evaluations, engine batch, setup seconds, SPEC target and met;
 #      the table also gives SPLITZ (s = 1) / RS (s = 0) per model and f_R precision (target ≤ 1.2×). No new model
 #      starts after 280 s; a model stopped by the limit keeps the rows it finished.
-#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a builds
-#      csrc/noise_votes_cuda.cu (`python -m splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 120 s); 2b `python -m
+#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a (only with BUILD_NATIVE=1:
+#      the CUDA kernels of csrc/ are opt-in, decided by an earlier run) builds csrc/noise_votes_cuda.cu (`python -m
+#      splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 2/3 of NATIVE_S), else 2b's last rows build it where time is
+#      left, so the undecided A/B rows get the stage's time; 2b `python -m
 #      benchmarks.targets --part native`, A/B rows of CERTIFY (IMAGES images each, bf16 unless said), the undecided
 #      settings first: f_R's fused copy vs the plain one (fused_kernels=True / False; stage 1's rows use the default,
 #      which decides by measurement at run time, and record what it decided) on LeNet s = 0 (bf16, tf32) and s = 1
@@ -70,7 +72,7 @@
 # Knobs: CHECKS=0 skips stages 1, 2, 3 and 5 and runs the results runs (stage 4) with the whole budget; SPEED=0 skips
 # stages 1–2 alone; ENVELOPE=1/0 forces stage 4 on/off; INSTALL=0 skips the install; QUICK=1 runs stages 1–2 in the
 # quick mode (a CPU smoke test, not results: `QUICK=1 INSTALL=0 PYTHON=.venv/bin/python bash scripts/gpu_checks.sh`
-# on a machine without a GPU); TARGETS_S, NATIVE_S, IMAGES; WORKLOADS and PRECISIONS (comma-separated, stage 1's
+# on a machine without a GPU); TARGETS_S, NATIVE_S, IMAGES, BUILD_NATIVE; WORKLOADS and PRECISIONS (comma-separated, stage 1's
 # groups in that order and its f_R precisions); EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
 # What comes back ($OUT, 8 files, the device tool's limit): gpu.txt (summary: versions, stage timestamps and rcs, the
 # tables), stages.log (every stage's full output), targets.json (machine-readable: environment, settings and every
@@ -129,7 +131,7 @@ if [ "$SPEED" = 1 ]; then
         $PY -m benchmarks.targets --part targets --out "$OUT" --images "$IMAGES" --budget $((TARGETS_S - 20)) $QUICK_FLAG \
         --workloads "$WORKLOADS" --precisions "$PRECISIONS"
     NATIVE_START=$SECONDS
-    if [ "$DEVICE" = cuda ]; then
+    if [ "$DEVICE" = cuda ] && [ "${BUILD_NATIVE:-0}" = 1 ]; then
         stage "2a build csrc/noise_votes_cuda.cu" $((NATIVE_S * 2 / 3)) env MAX_JOBS=4 $PY -m splitz_fast.kernels.native_cuda
     fi
     stage "2b native CUDA vs Triton noise" $((NATIVE_S - (SECONDS - NATIVE_START))) \
