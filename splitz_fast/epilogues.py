@@ -39,7 +39,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .folding import free_submodule_name
+from .folding import free_submodule_name, has_forward_hooks
 from .graphs import seconds_per_call
 from .kernels import conv_relu_pool
 
@@ -161,8 +161,6 @@ class FusionChoice:
     for a fused copy that fails or disagrees, however many batches."""
 
     def __init__(self, setting: bool | None, device: torch.device):
-        if setting not in (None, True, False):
-            raise ValueError(f"fused_kernels must be None (measure), True or False, got {setting!r}")
         if setting and device.type != "cuda":
             raise ValueError(f"fused_kernels=True needs f_R on a CUDA device (it is on {device}); move the model "
                              "with .cuda(), or leave fused_kernels unset")
@@ -227,7 +225,7 @@ def fuse_conv_epilogues(module: nn.Module) -> nn.Module:
 
 def _fusable_conv(layer: nn.Module | None) -> bool:
     return (type(layer) is nn.Conv2d and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
-            and not (layer._forward_hooks or layer._forward_pre_hooks))
+            and not has_forward_hooks(layer))
 
 
 def _fuse_chain(chain: nn.Sequential) -> nn.Sequential:

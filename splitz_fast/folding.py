@@ -86,7 +86,7 @@ class _Folder:
             self._fold_children(module)
             self._fold_chain(module)
             return module
-        hooked = next((name for name, m in module.named_modules() if _hooks(m)), None)
+        hooked = next((name for name, m in module.named_modules() if has_forward_hooks(m)), None)
         if hooked is not None:
             why = f"in a module with hooks ({hooked or type(module).__name__}), which is not traced"
         else:
@@ -158,7 +158,8 @@ class _Folder:
         return gm
 
 
-def _hooks(module: nn.Module) -> bool:
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward (pre-)hooks, which a rewrite of its call would lose."""
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -176,7 +177,7 @@ def _why_not(layer: nn.Module | None, bn: _BatchNorm) -> str | None:
     """Why ``bn`` cannot fold into ``layer`` (its sole input), or ``None`` if it can."""
     if type(layer) not in _FEEDS.get(type(bn), ()):
         return NOT_AFTER_A_LAYER
-    if _hooks(layer) or _hooks(bn):
+    if has_forward_hooks(layer) or has_forward_hooks(bn):
         return "it or the layer before it has hooks"
     if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
         return "no running statistics (it normalizes with the batch's)"

@@ -122,14 +122,12 @@ class PreparedClassifier:
         plain = self.get(*layout)
         if not fusion.considered:
             return plain, False
-        fused = self.get(*layout, fused=True)
-        if not has_fused_modules(fused):
-            return plain, False
         key = (*layout, rows)
-        if key not in self._fused:
-            self._fused[key] = fusion.choose(key, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch),
-                                             example, tolerance)
-        return (fused, True) if self._fused[key] else (plain, False)
+        if key not in self._fused:  # decided once: the sampling loop asks again for every window
+            fused = self.get(*layout, fused=True)
+            self._fused[key] = has_fused_modules(fused) and fusion.choose(
+                key, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch), example, tolerance)
+        return (self.get(*layout, fused=True), True) if self._fused[key] else (plain, False)
 
     def graphed(self, layout: tuple, rows: int,
                 capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:
@@ -295,7 +293,6 @@ def fused_conv_pools(layers: list[nn.Module]) -> list[nn.Module]:
         out.append(layer)
         i += 1
     return out
-
 
 
 def _pools_as_strided_maxima(device: torch.device) -> bool:
