@@ -572,23 +572,45 @@ for dt, tf32 in (("fp32", False), ("fp32", True), ("bf16", False)):
         build(conv_pool_kernel(), types, dict(HAS_BIAS=True, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
                                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32), num_warps=warps,
               num_stages=3)
-print(f"compiled; slowest specialisation {slowest[0]:.2f} s: {slowest[1]}")
+print(f"compiled with triton {triton.__version__}; slowest specialisation {slowest[0]:.2f} s: {slowest[1]}")
 """
 
 # Seconds one kernel specialisation may take to compile for sm_90 on this CPU. Each takes under 2 s here (2 cores);
 # the limit leaves room for a loaded machine and still names a specialisation that would stall a GPU run.
 COMPILE_LIMIT_S = 30.0
 
+# The Triton of the GPU machines (SPEC §6: torch 2.11 / triton 3.6), older than this machine's: a kernel that uses a
+# newer feature would only fail there, in the first minutes of a scarce GPU run. Installed from the offline index.
+GPU_MACHINE_TRITON = "3.6.0"
 
-@pytest.mark.slow  # ~1 min on 2 CPU cores
+
+@pytest.fixture(scope="session")
+def gpu_machine_triton(tmp_path_factory) -> str:
+    """A folder holding ``triton==GPU_MACHINE_TRITON`` alone (put first on ``PYTHONPATH``: it shadows this
+    environment's Triton; torch is not needed to compile)."""
+    target = tmp_path_factory.mktemp("gpu-machine-triton")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                           str(target), f"triton=={GPU_MACHINE_TRITON}"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "No matching distribution" in proc.stderr:
+        pytest.skip(f"triton=={GPU_MACHINE_TRITON} is not on this machine's package index")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(target)
+
+
+@pytest.mark.slow  # ~1 min on 2 CPU cores per Triton (plus ~20 s to install the GPU machines' one)
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_kernels_compile_for_sm90_quickly_without_fma_in_the_float64_interval_step(tmp_path):
+@pytest.mark.parametrize("stack", ["this machine", "the GPU machines"])
+def test_kernels_compile_for_sm90_quickly_without_fma_in_the_float64_interval_step(stack, request, tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler", reason="triton has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
+    if stack == "the GPU machines":
+        env["PYTHONPATH"] = os.pathsep.join([request.getfixturevalue("gpu_machine_triton"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(COMPILE_LIMIT_S)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    if stack == "the GPU machines":
+        assert f"with triton {GPU_MACHINE_TRITON}" in proc.stdout, proc.stdout
 
 
 # ====================================================================================================================
