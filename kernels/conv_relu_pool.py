@@ -12,9 +12,12 @@ and ``relu`` is monotone, so ``maxpool(relu(conv(x) + b)) = relu(maxpool(conv(x)
 accumulators (rounding ``fl(v + b)`` is monotone in ``v``); the result is rounded to the output dtype once, where the
 eager chain rounds the convolution's output and then the bias add (so bf16 results agree within bf16 rounding).
 
-Layout: ``x`` is ``[B, C_in, H, W]`` with any strides (channels_last is the fast one: the ``C_in`` channels of a tap
-are contiguous); the weight is packed once per call as ``[KH·KW·C_in, C_out]``, tap-major and channel-minor (the
-reduction index ``k = (ky·KW + kx)·C_in + c``), in ``x``'s dtype; the output is ``[B, C_out, H_p, W_p]``
+Layout: ``x`` is ``[B, C_in, H, W]`` with any strides; the weight is packed once per call as ``[KH·KW·C_in, C_out]``,
+tap-major and channel-minor (the reduction index ``k = (ky·KW + kx)·C_in + c``), in ``x``'s dtype. Where ``C_in`` is a
+multiple of the reduction step and the channels are contiguous (channels_last), each step reads one tap's consecutive
+channels: row-vector loads that the compiler turns into asynchronous copies into shared memory, pipelined over three
+stages (LeNet's second layer; checked in the PTX for sm_90). Otherwise (thin inputs, such as a first layer with one or
+three channels, or NCHW strides) a step gathers across taps element by element; the output is ``[B, C_out, H_p, W_p]``
 channels_last in ``x``'s dtype (``H_p = H_out // 2``: floor mode, as ``MaxPool2d(2)``). Precision: bf16/fp16 inputs
 multiply in that type with float32 accumulation (as cuDNN does); float32 inputs multiply as IEEE float32, or as TF32
 where ``tf32`` is asked (the engine's ``tf32`` precision, which turns on cuDNN's TF32 for the eager path).
@@ -36,10 +39,14 @@ __all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxp
 OP_NAME = "conv_relu_maxpool2"
 _BLOCK_K = 32  # reduction step: one tap of 32 channels, or several taps of a thin input
 # (BLOCK_M pooled output pixels per program, num_warps): the launch configurations the autotuner times on a GPU, once
-# per layer shape and dtype. Each holds four BLOCK_M x BLOCK_N float32 accumulators; at BLOCK_N ≤ 64 none spills
-# registers for bf16, and only 64/8 for TF32, 44 bytes (ptxas -v for sm_90a: 242–255 registers at 64/8, 178 at 32/8,
-# 155 at 16/4, which leaves room for three blocks per SM). The first is the one Triton's interpreter runs.
-CONFIGS = ((64, 8), (32, 8), (16, 4))
+# per layer shape and dtype. Each holds four BLOCK_M x BLOCK_N float32 accumulators. By ``ptxas -v`` for sm_90a at
+# BLOCK_N 64 (bf16 and TF32, Triton 3.6 and 3.8; table in benchmarks/RESULTS.md): the tap-aligned loop, whose
+# operands go to shared memory by asynchronous copies, takes 80-140 registers at 16/4 to 64/8 and 192-242 at 128/8,
+# none spilling; the general gather holds its operands in registers (up to 255 at 64/8, 20 bytes spilled there in TF32
+# with Triton 3.8) and spills about 1 KB at 128/8, so 128/8 is timed for the tap-aligned loop only. The first is the
+# one Triton's interpreter runs.
+CONFIGS = ((64, 8), (32, 8), (16, 4), (128, 8))
+GATHER_MAX_BLOCK_M = 64
 
 
 def check_geometry(weight: torch.Tensor, stride, padding, dilation, groups: int) -> tuple[int, int]:
@@ -84,7 +91,7 @@ def _kernel():
     import triton.language as tl
 
     # Module globals, not locals: Triton (compiled and interpreted) looks a kernel's callees up in its globals.
-    global pixel_of, window_tile, multiply_add
+    global pixel_of, window_tile, tap_tile, multiply_add
     from ._conv_indexing import pixel_of
 
     @triton.jit
@@ -96,6 +103,15 @@ def _kernel():
         inside = ok & (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)
         address = b[:, None] * sx_b + c[None, :] * sx_c + iy * sx_h + ix * sx_w
         return tl.load(X + address, mask=inside, other=0.0)
+
+    @triton.jit
+    def tap_tile(X, sample, c, iy, ix, m_in, H, W, sx_h, sx_w):
+        """:func:`window_tile` for one tap and contiguous channels ``c`` (unit channel stride): every row reads
+        ``BLOCK_K`` consecutive elements at one input pixel ``(iy, ix)`` (row vectors), one mask per row — loads
+        the compiler vectorises and pipelines (asynchronous copies into shared memory)."""
+        inside = m_in & (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)
+        pixel = sample + iy * sx_h + ix * sx_w
+        return tl.load(X + pixel[:, None] + c[None, :], mask=inside[:, None], other=0.0)
 
     @triton.jit
     def multiply_add(a, w, acc, IS_FP32: tl.constexpr, TF32: tl.constexpr, WIDEN: tl.constexpr):
@@ -111,7 +127,7 @@ def _kernel():
         X, WK, BIAS, OUT,
         rows, C_IN, H, W, HP, WP, C_OUT, K_TOTAL, KW, PH, PW, sx_b, sx_c, sx_h, sx_w,
         HAS_BIAS: tl.constexpr, IS_FP32: tl.constexpr, TF32: tl.constexpr, WIDEN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        TAP_ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # pooled pixels (b, py, px)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output channels
@@ -126,21 +142,37 @@ def _kernel():
         acc11 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_TOTAL, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_in = k < K_TOTAL
-            tap = k // C_IN
-            c = k - tap * C_IN
-            ky = tap // KW
-            kx = tap - ky * KW
-            w = tl.load(WK + k[:, None] * C_OUT + n[None, :], mask=k_in[:, None] & n_in[None, :], other=0.0)
-            ok = m_in[:, None] & k_in[None, :]
-            a = window_tile(X, b, c, oy, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
-            acc00 = multiply_add(a, w, acc00, IS_FP32, TF32, WIDEN)
-            a = window_tile(X, b, c, oy, ox + 1, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
-            acc01 = multiply_add(a, w, acc01, IS_FP32, TF32, WIDEN)
-            a = window_tile(X, b, c, oy + 1, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
-            acc10 = multiply_add(a, w, acc10, IS_FP32, TF32, WIDEN)
-            a = window_tile(X, b, c, oy + 1, ox + 1, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
-            acc11 = multiply_add(a, w, acc11, IS_FP32, TF32, WIDEN)
+            if TAP_ALIGNED:  # C_IN a multiple of BLOCK_K, unit channel stride: one tap per step, its channels in a row
+                tap = k0 // C_IN
+                c = tl.multiple_of(k0 - tap * C_IN, BLOCK_K) + tl.arange(0, BLOCK_K)
+                iy = oy + tap // KW - PH
+                ix = ox + tap % KW - PW
+                w = tl.load(WK + k[:, None] * C_OUT + n[None, :], mask=n_in[None, :], other=0.0)
+                sample = b * sx_b
+                a = tap_tile(X, sample, c, iy, ix, m_in, H, W, sx_h, sx_w)
+                acc00 = multiply_add(a, w, acc00, IS_FP32, TF32, WIDEN)
+                a = tap_tile(X, sample, c, iy, ix + 1, m_in, H, W, sx_h, sx_w)
+                acc01 = multiply_add(a, w, acc01, IS_FP32, TF32, WIDEN)
+                a = tap_tile(X, sample, c, iy + 1, ix, m_in, H, W, sx_h, sx_w)
+                acc10 = multiply_add(a, w, acc10, IS_FP32, TF32, WIDEN)
+                a = tap_tile(X, sample, c, iy + 1, ix + 1, m_in, H, W, sx_h, sx_w)
+                acc11 = multiply_add(a, w, acc11, IS_FP32, TF32, WIDEN)
+            else:  # the general gather: a step may span several taps (thin inputs such as LeNet's first layer)
+                k_in = k < K_TOTAL
+                tap = k // C_IN
+                c = k - tap * C_IN
+                ky = tap // KW
+                kx = tap - ky * KW
+                w = tl.load(WK + k[:, None] * C_OUT + n[None, :], mask=k_in[:, None] & n_in[None, :], other=0.0)
+                ok = m_in[:, None] & k_in[None, :]
+                a = window_tile(X, b, c, oy, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+                acc00 = multiply_add(a, w, acc00, IS_FP32, TF32, WIDEN)
+                a = window_tile(X, b, c, oy, ox + 1, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+                acc01 = multiply_add(a, w, acc01, IS_FP32, TF32, WIDEN)
+                a = window_tile(X, b, c, oy + 1, ox, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+                acc10 = multiply_add(a, w, acc10, IS_FP32, TF32, WIDEN)
+                a = window_tile(X, b, c, oy + 1, ox + 1, ky, kx, ok, H, W, PH, PW, sx_b, sx_c, sx_h, sx_w)
+                acc11 = multiply_add(a, w, acc11, IS_FP32, TF32, WIDEN)
         pooled = tl.maximum(tl.maximum(acc00, acc01), tl.maximum(acc10, acc11))
         if HAS_BIAS:
             pooled += tl.load(BIAS + n, mask=n_in, other=0.0)[None, :]
@@ -160,7 +192,14 @@ def _tuned_kernel():
     import triton
 
     configs = [triton.Config({"BLOCK_M": block_m}, num_warps=warps, num_stages=3) for block_m, warps in CONFIGS]
-    return triton.autotune(configs, key=["C_IN", "H", "W", "C_OUT", "K_TOTAL", "KW", "PH", "PW", "TF32"])(_kernel())
+    keys = ["C_IN", "H", "W", "C_OUT", "K_TOTAL", "KW", "PH", "PW", "TF32", "TAP_ALIGNED"]
+    return triton.autotune(configs, key=keys, prune_configs_by={"early_config_prune": _timed_configs})(_kernel())
+
+
+def _timed_configs(configs: list, named_args: dict, **launch) -> list:
+    """The configurations worth timing for a launch: the largest tiles only for the tap-aligned loop (see
+    :data:`CONFIGS`)."""
+    return [c for c in configs if launch["TAP_ALIGNED"] or c.kwargs["BLOCK_M"] <= GATHER_MAX_BLOCK_M]
 
 
 def _block_n(c_out: int) -> int:
@@ -190,7 +229,7 @@ def conv_relu_maxpool2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch
     args = (x, packed, bias_f32 if bias_f32 is not None else packed, out, rows, c_in, x.shape[2], x.shape[3], hp, wp,
             c_out, kh * kw * c_in, kw, padding[0], padding[1], *x.stride())
     flags = dict(HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, TF32=tf32, BLOCK_N=block_n,
-                 BLOCK_K=_BLOCK_K)
+                 BLOCK_K=_BLOCK_K, TAP_ALIGNED=c_in % _BLOCK_K == 0 and x.stride(1) == 1)
     if interpreting():
         # Triton's interpreter multiplies bf16 tiles wrongly (raw bits): widen to float32 there
         block_m, warps = CONFIGS[0]

@@ -506,18 +506,18 @@ import itertools, time
 LIMIT_S = float(sys.argv[1])  # per specialisation: a slow one would stall the first GPU call that needs it
 slowest = (0.0, None)
 
-def build(fn, types, consts, **options):
+def build(fn, types, consts, attrs=None, **options):
     global slowest
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types(n)) for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     start = time.perf_counter()
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
     seconds = time.perf_counter() - start
     label = (fn.__name__, consts)
     assert seconds <= LIMIT_S, f"{label} took {seconds:.1f} s to compile for sm_90 (limit {LIMIT_S} s)"
     slowest = max(slowest, (seconds, label), key=lambda item: item[0])
-    return ptx
+    return asm
 
 # The float64 interval step (the certificate's) in every flag combination the launcher can derive from its
 # arguments; the float32 one (training) with every flag on.
@@ -530,7 +530,7 @@ for dt in ("fp32", "fp64"):
             if consts["MARGIN_PER_SAMPLE"] and not consts["HAS_MARGIN"]:
                 continue  # not a launch the wrapper makes
             types = lambda n: "*u8" if n == "MASK" else "i32" if n in ("numel", "N", "C", "INNER") else "*" + dt
-            ptx = build(fn, types, consts, **LAUNCH_OPTIONS)  # the options the launcher uses
+            ptx = build(fn, types, consts, **LAUNCH_OPTIONS)["ptx"]  # the options the launcher uses
             assert "fma." not in ptx, (dt, consts, "contracted multiply-add")
             assert dt == "fp32" or ".f32" not in ptx, (consts, "float32 arithmetic in the float64 kernel")
 mm, outer = linear_kernels()
@@ -563,15 +563,27 @@ for out in ("fp32", "bf16"):
     for channels_last in (True, False):
         build(kernels.noise_pairs, types, dict(CHANNELS_LAST=channels_last, BF16=out == "bf16", BLOCK_S=1, BLOCK_P=512))
     build(kernels.noise_maxpool2, types, dict(BF16=out == "bf16", BLOCK_S=1, BLOCK_E=512))
-# f_R's fused convolution + ReLU + 2x2 max pool (IEEE float32, TF32, bf16; the launcher's channel tiles).
-from splitz_fast.kernels.conv_relu_pool import CONFIGS, _kernel as conv_pool_kernel
+# f_R's fused convolution + ReLU + 2x2 max pool (IEEE float32, TF32, bf16; the launcher's channel tiles), specialised
+# as a launch on LeNet's channels_last activations is (pointers and the sizes/strides that are multiples of 16 marked
+# so): the tap-aligned loop must load through asynchronous copies into shared memory, not element by element.
+from splitz_fast.kernels.conv_relu_pool import CONFIGS, GATHER_MAX_BLOCK_M, _kernel as conv_pool_kernel
+fn = conv_pool_kernel()
+aligned16 = {fn.arg_names.index(n) for n in ("X", "WK", "OUT", "BIAS", "C_IN", "C_OUT", "K_TOTAL", "sx_b", "sx_h",
+                                              "sx_w")}
 for dt, tf32 in (("fp32", False), ("fp32", True), ("bf16", False)):
     pointers = {"X": dt, "WK": dt, "OUT": dt, "BIAS": "fp32"}
     types = lambda n: "*" + pointers[n] if n in pointers else "i32"
-    for (block_m, warps), block_n in itertools.product(CONFIGS, (16, 32, 64)):  # every configuration the tuner times
-        build(conv_pool_kernel(), types, dict(HAS_BIAS=True, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
-                                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32), num_warps=warps,
-              num_stages=3)
+    for tap_aligned in (False, True):
+        for (block_m, warps), block_n in itertools.product(CONFIGS, (16, 32, 64)):  # what the tuner times
+            if block_m > GATHER_MAX_BLOCK_M and not tap_aligned:
+                continue
+            ttgir = build(fn, types, dict(HAS_BIAS=True, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
+                                          TAP_ALIGNED=tap_aligned, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32),
+                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned16}, num_warps=warps,
+                          num_stages=3)["ttgir"]
+            if tap_aligned:  # after software pipelining only the epilogue's bias is a plain load
+                assert ttgir.count("tt.load ") == 1 and "ttg.async_copy_global_to_local" in ttgir, \
+                    (dt, tf32, block_m, block_n, "operand loads not pipelined as asynchronous copies")
 print(f"compiled with triton {triton.__version__}; slowest specialisation {slowest[0]:.2f} s: {slowest[1]}")
 """
 

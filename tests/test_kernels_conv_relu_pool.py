@@ -14,15 +14,17 @@ import torch.nn as nn
 import splitz_fast as sz
 import splitz_fast.kernels as kernels
 from splitz_fast.epilogues import ConvReLUMaxPool2
-from splitz_fast.kernels.conv_relu_pool import (OP_NAME, conv_relu_maxpool2, conv_relu_maxpool2_reference,
+from splitz_fast.kernels.conv_relu_pool import (CONFIGS, GATHER_MAX_BLOCK_M, OP_NAME, _timed_configs,
+                                                conv_relu_maxpool2, conv_relu_maxpool2_reference,
                                                 conv_relu_maxpool2_triton)
 from _helpers import kernel_devices
 
-# (batch, C_in, H, W, C_out, kernel, padding): LeNet's two layers (advertorch: 5x5 without padding; the paper's
-# variant pads), an odd image (floor mode drops the last row/column), C_out that no channel tile divides, a 1x1
-# convolution, several reduction steps with a remainder (C_in·KH·KW = 108).
+# (batch, C_in, H, W, C_out, kernel, padding): LeNet's two layers (advertorch: 3x3 padded; 5x5 without and with
+# padding), an odd image (floor mode drops the last row/column), C_out that no channel tile divides, a 1x1
+# convolution, several reduction steps with a remainder (C_in·KH·KW = 108). C_in = 32 and 64 (channels_last) run the
+# tap-aligned loop, 64 with two steps per tap and an odd image; the others the general gather.
 SHAPES = [(3, 1, 12, 12, 32, 5, 0), (2, 1, 10, 10, 32, 5, 2), (2, 32, 8, 8, 64, 5, 0), (2, 5, 9, 11, 20, 3, 1),
-          (4, 3, 6, 6, 7, 1, 0), (2, 12, 7, 7, 40, 3, 1)]
+          (4, 3, 6, 6, 7, 1, 0), (2, 12, 7, 7, 40, 3, 1), (2, 32, 6, 6, 64, 3, 1), (2, 64, 5, 7, 24, 3, 1)]
 # Largest error allowed relative to the output's scale: float32 products and float32 accumulation; bf16 / fp16 round
 # the stored value once (2^-8 / 2^-11 relative), and the multiplication is in the inputs' own type.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
@@ -54,14 +56,22 @@ def test_kernel_matches_the_float64_chain(shape, dtype, device, poisoned):
 
 
 @pytest.mark.parametrize("device", kernel_devices())
-def test_kernel_reads_any_input_strides_and_runs_without_a_bias(device, poisoned):
-    """An NCHW input (not channels_last) and a strided view give the same result; no bias is no bias."""
-    shape = (3, 4, 9, 8, 24, 3, 1)
+@pytest.mark.parametrize("shape", [(3, 4, 9, 8, 24, 3, 1), (2, 32, 7, 6, 16, 3, 1)])
+def test_kernel_reads_any_input_strides_and_runs_without_a_bias(shape, device, poisoned):
+    """NCHW and channels_last inputs, every other channel of a wider tensor, the channels of a channels_last tensor
+    twice as wide, and a crop give the same result (with 32 channels: the tap-aligned loop where the channel stride is
+    1, the general gather elsewhere); no bias is no bias."""
     x, weight, bias, padding = _problem(shape, torch.float32, device, seed=1, channels_last=False)
     want = conv_relu_maxpool2_reference(x.double(), weight.double(), None, padding)
-    for view in (x, x.contiguous(memory_format=torch.channels_last), torch.stack([x, -x], 2).flatten(1, 2)[:, ::2]):
+    wide = torch.cat([x, -x], 1).contiguous(memory_format=torch.channels_last)
+    views = (x, x.contiguous(memory_format=torch.channels_last), torch.stack([x, -x], 2).flatten(1, 2)[:, ::2],
+             wide[:, :x.shape[1]])
+    for view in views:
         got = conv_relu_maxpool2_triton(view, weight, None, padding)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    taller = torch.cat([x[:, :, :1], x], 2).contiguous(memory_format=torch.channels_last)
+    got = conv_relu_maxpool2_triton(taller[:, :, 1:], weight, None, padding)  # a view that starts one row in
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_unsupported_layers_and_inputs_are_refused_with_the_reason():
@@ -78,6 +88,18 @@ def test_unsupported_layers_and_inputs_are_refused_with_the_reason():
     if kernels.interpreting():
         with pytest.raises(ValueError, match="float32/bfloat16/float16 input"):
             conv_relu_maxpool2_triton(x.double(), weight.double(), bias.double(), (0, 0))
+
+
+def test_the_tuner_times_the_largest_tiles_for_the_tap_aligned_loop_only():
+    """BLOCK_M above GATHER_MAX_BLOCK_M spills registers in the general gather (ptxas, sm_90a): never timed there;
+    every configuration is timed for the tap-aligned loop, and each launch keeps at least one."""
+    triton = pytest.importorskip("triton")
+    configs = [triton.Config({"BLOCK_M": block_m}, num_warps=warps) for block_m, warps in CONFIGS]
+    aligned = _timed_configs(configs, {}, TAP_ALIGNED=True, BLOCK_N=64)
+    gather = _timed_configs(configs, {}, TAP_ALIGNED=False, BLOCK_N=64)
+    assert aligned == configs and any(c.kwargs["BLOCK_M"] > GATHER_MAX_BLOCK_M for c in configs)
+    assert gather and all(c.kwargs["BLOCK_M"] <= GATHER_MAX_BLOCK_M for c in gather)
+    assert len(gather) == sum(block_m <= GATHER_MAX_BLOCK_M for block_m, _ in CONFIGS)
 
 
 def test_dispatch_runs_the_kernel_on_cuda_and_the_reference_where_asked(monkeypatch):
