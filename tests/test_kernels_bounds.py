@@ -563,6 +563,17 @@ for out in ("fp32", "bf16"):
     for channels_last in (True, False):
         build(kernels.noise_pairs, types, dict(CHANNELS_LAST=channels_last, BF16=out == "bf16", BLOCK_S=1, BLOCK_P=512))
     build(kernels.noise_maxpool2, types, dict(BF16=out == "bf16", BLOCK_S=1, BLOCK_E=512))
+# The vote count (every batch of the certify path): bf16 and float64 logits, 10 and 1000 classes as the launcher tiles
+# them (a block histogram with one atomic per bin, or one atomic per row).
+import triton.language as tl
+for logits, value in (("bf16", tl.float32), ("fp64", tl.float64)):
+    types = lambda n: {"logits_ptr": "*" + logits, "counts_ptr": "*i64"}.get(n, "i32")
+    for classes in (10, 1000):
+        block_c = min(triton.next_power_of_2(classes), 512)
+        block_r = max(1, min(64, 4096 // block_c))
+        block_h = triton.next_power_of_2(classes)
+        build(kernels.votes, types, dict(VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h,
+                                         LOCAL_HIST=block_r * block_h <= 8192))
 # f_R's fused convolution + ReLU + 2x2 max pool (IEEE float32, TF32, bf16; the launcher's channel tiles), specialised
 # as a launch on LeNet's channels_last activations is (pointers and the sizes/strides that are multiples of 16 marked
 # so): the tap-aligned loop must load through asynchronous copies into shared memory, not element by element.
