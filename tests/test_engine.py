@@ -399,6 +399,67 @@ def test_conv_bias_moves_after_its_max_pool_on_cuda_only():
         torch.testing.assert_close(on_cuda(x), right(x), rtol=1e-13, atol=1e-13)
 
 
+def _dispatched(fn, *args) -> list[str]:
+    """The ATen ops ``fn(*args)`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        fn(*args)
+    return record.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_flatten_linear_reads_a_channels_last_activation_without_copying_it(dtype):
+    """_FlattenLinear computes linear(flatten(x)) for channels_last, NCHW and odd inputs (a permutation of each
+    output's summands: equal in float64 to rounding, float32 within its own); on a channels_last activation it
+    dispatches no copy, where Flatten + Linear copies the activation into NCHW order."""
+    from splitz_fast.prepared import _FlattenLinear
+
+    linear = nn.Linear(6 * 3 * 5, 4).to(dtype)
+    fused = _FlattenLinear(linear, 6)
+    assert fused.linear is linear
+    x = torch.randn(7, 6, 3, 5, generator=_gen(31), dtype=dtype)
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        want = linear(x.flatten(1))
+        channels_last = x.contiguous(memory_format=torch.channels_last)
+        for view in (x, channels_last, x[:, :, :, ::1].transpose(2, 3).contiguous().transpose(2, 3)):
+            torch.testing.assert_close(fused(view), want, **tolerance)
+        copies = ("clone", "copy_", "contiguous", "_unsafe_view", "_reshape_copy")
+        assert not set(_dispatched(fused, channels_last)) & set(copies)
+        assert set(_dispatched(nn.Sequential(nn.Flatten(), linear), channels_last)) & set(copies)
+        torch.testing.assert_close(fused(x.flatten(1)), want, **tolerance)  # already flat: as the Linear
+
+
+def test_chain_flattens_in_storage_order_on_cuda_only():
+    """A channels_last chain prepared for CUDA replaces Flatten + Linear with _FlattenLinear (the Linear's parameters
+    shared, the channels those of the last convolution); CPU and NCHW chains keep both; the function is the same."""
+    from splitz_fast import prepared as preparing
+
+    right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(6 * 2 * 2, 3), nn.ReLU(), nn.Linear(3, 2)).double().eval()
+    cuda, source = torch.device("cuda"), copy.deepcopy(right)
+    chain = preparing._cheaper_chain(source, True, device=cuda)
+    names = [type(m).__name__ for m in chain]
+    assert names[-3:] == ["_FlattenLinear", "ReLU", "Linear"] and chain[-3].channels == 6
+    assert chain[-3].linear is source[6] and "Flatten" not in names
+    for channels_last, device in ((False, cuda), (True, CPU)):
+        kept = [type(m).__name__ for m in preparing._cheaper_chain(copy.deepcopy(right), channels_last, device=device)]
+        assert "_FlattenLinear" not in kept and kept[-4:] == ["Flatten", "Linear", "ReLU", "Linear"]
+    x = torch.randn(5, 2, 8, 8, generator=_gen(32), dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(chain(x), right(x), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
