@@ -72,6 +72,7 @@ if str(HERE) not in sys.path:  # the benchmark modules import each other by bare
 
 import splitz_fast as sz  # noqa: E402
 from splitz_fast.windows import WINDOW_BATCHES  # noqa: E402
+from splitz_fast.kernels import conv_relu_pool  # noqa: E402
 from compile_watch import BatchShapes, CompileCounter, timed_region_record  # noqa: E402
 from conftest import environment  # noqa: E402
 from floor import card_for, count_cost, floors, measure_copy_bandwidth  # noqa: E402
@@ -303,7 +304,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                        bound_kind=certified[0].bound_kind if certified else "none")
             row.update(timed_region_record(region, shapes))
             row.update(cuda_graphs_setting=cuda_graphs, cuda_graphs=graph_record(smoother.engine()),
-                       fused_kernels=fusion_record(smoother.engine()))
+                       fused_kernels=fusion_record(smoother.engine()), conv_pool_tiles=conv_relu_pool.tuned_configs())
             row.update(assess(row))
         except Exception as exc:  # a failed row is recorded; the next one runs
             traceback.print_exc()

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from . import interpreting
 
-__all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxpool2_triton", "check_geometry"]
+__all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxpool2_triton", "check_geometry",
+           "tuned_configs"]
 
 OP_NAME = "conv_relu_maxpool2"
 _BLOCK_K = 32  # reduction step: one tap of 32 channels, or several taps of a thin input
@@ -194,6 +195,17 @@ def _tuned_kernel():
     configs = [triton.Config({"BLOCK_M": block_m}, num_warps=warps, num_stages=3) for block_m, warps in CONFIGS]
     keys = ["C_IN", "H", "W", "C_OUT", "K_TOTAL", "KW", "PH", "PW", "TF32", "TAP_ALIGNED"]
     return triton.autotune(configs, key=keys, prune_configs_by={"early_config_prune": _timed_configs})(_kernel())
+
+
+def tuned_configs() -> list[dict]:
+    """The launch configuration the autotuner chose for each layer shape it has timed in this process (the tuned
+    key's values, then ``BLOCK_M`` and ``num_warps``); empty where the compiled kernel never ran. For the GPU records:
+    which tiles won on the card says which of :data:`CONFIGS` to keep."""
+    if _tuned_kernel.cache_info().currsize == 0:
+        return []
+    tuner = _tuned_kernel()
+    return [dict(key=[str(v) for v in key], BLOCK_M=config.kwargs["BLOCK_M"], num_warps=config.num_warps)
+            for key, config in tuner.cache.items()]
 
 
 def _timed_configs(configs: list, named_args: dict, **launch) -> list:

@@ -102,6 +102,25 @@ def test_the_tuner_times_the_largest_tiles_for_the_tap_aligned_loop_only():
     assert len(gather) == sum(block_m <= GATHER_MAX_BLOCK_M for block_m, _ in CONFIGS)
 
 
+def test_the_tuned_tiles_are_reported_per_layer_shape(monkeypatch):
+    """tuned_configs(): nothing before the compiled kernel ran (here: never, on the CPU), then the autotuner's choice
+    per tuned key, for the GPU records."""
+    from types import SimpleNamespace
+
+    import splitz_fast.kernels.conv_relu_pool as conv_pool
+
+    assert conv_pool.tuned_configs() == []
+    triton = pytest.importorskip("triton")
+    chosen = {(32, 14, 14, 64, 288, 3, 1, 1, False, True, "torch.bfloat16"): triton.Config({"BLOCK_M": 128},
+                                                                                           num_warps=8)}
+    tuner = SimpleNamespace(cache=chosen)
+    fake = lambda: tuner  # noqa: E731
+    fake.cache_info = lambda: SimpleNamespace(currsize=1)
+    monkeypatch.setattr(conv_pool, "_tuned_kernel", fake)
+    assert conv_pool.tuned_configs() == [dict(key=["32", "14", "14", "64", "288", "3", "1", "1", "False", "True",
+                                                   "torch.bfloat16"], BLOCK_M=128, num_warps=8)]
+
+
 def test_dispatch_runs_the_kernel_on_cuda_and_the_reference_where_asked(monkeypatch):
     """The fused module's op: Triton on CUDA under auto (the module exists only in the fused copy of f_R, which the
     engine uses where it measured it faster), the reference on the CPU and under SPLITZ_BACKEND=reference."""
