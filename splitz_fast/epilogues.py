@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .folding import free_submodule_name, has_forward_hooks
-from .graphs import seconds_per_call
+from .graphs import check_cuda_setting, seconds_per_call
 from .kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
@@ -161,9 +161,7 @@ class FusionChoice:
     for a fused copy that fails or disagrees, however many batches."""
 
     def __init__(self, setting: bool | None, device: torch.device):
-        if setting and device.type != "cuda":
-            raise ValueError(f"fused_kernels=True needs f_R on a CUDA device (it is on {device}); move the model "
-                             "with .cuda(), or leave fused_kernels unset")
+        check_cuda_setting("fused_kernels", setting, device)
         self.setting, self.device = setting, device
         self.decisions: dict[tuple, FusionDecision] = {}
         self._warned = False

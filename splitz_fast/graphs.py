@@ -128,6 +128,13 @@ def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
     return best
 
 
+def check_cuda_setting(option: str, setting: bool | None, device: torch.device) -> None:
+    """Refuse ``option=True`` (a CUDA-only engine setting: CUDA graphs, fused kernels) for ``f_R`` off CUDA."""
+    if setting and device.type != "cuda":
+        raise ValueError(f"{option}=True needs f_R on a CUDA device (it is on {device}); move the model with .cuda(), "
+                         f"or leave {option} unset")
+
+
 @dataclass
 class GraphDecision:
     """Whether the engine scores one static batch through a CUDA graph (``used``) and why: ``cuda_graphs=True``, the
@@ -145,9 +152,7 @@ class GraphChoice:
     fails, however many batch shapes fail."""
 
     def __init__(self, setting: bool | None, device: torch.device):
-        if setting and device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs f_R on a CUDA device (it is on {device}); move the model with "
-                             ".cuda(), or leave cuda_graphs unset")
+        check_cuda_setting("cuda_graphs", setting, device)
         self.setting, self.device = setting, device
         self.decisions: dict[tuple, GraphDecision] = {}
 

@@ -460,6 +460,25 @@ def test_chain_flattens_in_storage_order_on_cuda_only():
         torch.testing.assert_close(chain(x), right(x), rtol=1e-12, atol=1e-12)
 
 
+def test_flatten_linear_of_a_cuda_copy_follows_edits_of_the_users_linear(monkeypatch):
+    """The permuted weight of a CUDA-prepared chain is made from f_R as it is: after an in-place edit of the user's
+    Linear, check_current rebuilds the copy, whose scores (float64) then equal the edited f_R's, not the old ones."""
+    from splitz_fast.prepared import PreparedClassifier, _FlattenLinear
+
+    monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)  # a CUDA copy, built on the CPU
+    right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Linear(4 * 3 * 3, 3)).double().eval()
+    prepared = PreparedClassifier(right, torch.device("cuda"))
+    x = torch.randn(5, 2, 6, 6, generator=_gen(33), dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    for edit in range(2):
+        prepared.check_current()
+        copy_ = prepared.get(channels_last=True)
+        assert any(isinstance(m, _FlattenLinear) for m in copy_)
+        with torch.no_grad():
+            torch.testing.assert_close(copy_(x), right(x), rtol=1e-12, atol=1e-12)
+            right[4].weight.mul_(-2.0)  # edited in place between calls
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
