@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import tempfile
 from pathlib import Path
@@ -39,8 +40,10 @@ def check_probability(name: str, value: float) -> float:
 
 
 def check_count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int (NumPy and 0-d integer tensors included), at least ``minimum``."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    value = operator.index(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

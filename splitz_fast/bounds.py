@@ -8,7 +8,10 @@ center/radius form, ``c' = W c + b``, ``r' = |W| r``; a max-pool between layers 
 
 For certificates everything is computed in float64 and every interval is widened by a margin that dominates the
 rounding error of the sums that formed it (``1e-10 · (|W||h| + |b| + r)``, far above ``K·u₆₄`` for any layer with
-fewer than 10⁵ terms per output), so a neuron is never declared constant because of rounding.
+fewer than 10⁵ terms per output), so a neuron is never declared constant because of rounding. A relative margin
+cannot cover underflow, so a ball radius in ``(0, GAMMA_FLOOR)`` is bounded as the ball of radius ``GAMMA_FLOOR``
+(a superset: its bound holds on the smaller ball); then ``γ‖w_i‖`` stays a normal float64 number for every weight
+row of norm above 1e-200, and never rounds to an exact 0 that would declare a varying neuron constant.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from .modules import LeftHalf
 
 # Relative widening of every interval (see module docstring).
 ROUNDING_MARGIN = 1e-10
+# The smallest positive ball radius bounded as given; smaller ones are bounded as this one (see module docstring).
+GAMMA_FLOOR = 1e-100
 
 
 def linear_part(layer: nn.Module, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,7 +140,8 @@ def _as_gamma(gamma: float | torch.Tensor, batch: int, device: torch.device) -> 
         raise ValueError(f"gamma must be a scalar or have one value per input ({batch}), got {g.numel()} values")
     if not bool((torch.isfinite(g) & (g >= 0)).all()):
         raise ValueError("gamma must be finite and >= 0")
-    return g.to(device, copy=True)
+    g = torch.where(g > 0, g.clamp(min=GAMMA_FLOOR), g)  # a fresh tensor: the caller's γ is never written
+    return g.to(device)
 
 
 def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch.Tensor, theta, rigorous: bool,

@@ -561,8 +561,9 @@ def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
     ``-m splitz_fast`` as an abbreviation of its ``--max-restarts`` and stops, so under torchrun only the long
     spelling gets through."""
     parser.add_argument("--max", "--max-inputs", dest="max", type=int, default=-1, metavar="MAX",
-                        help=f"at most MAX {what}, -1 = all (under torchrun write --max-inputs: torchrun takes --max "
-                             "for its --max-restarts)")
+                        help=f"at most MAX {what}, -1 = all (a count: Cohen's scripts stop at dataset index MAX, so "
+                             "his --skip 20 --max 100 is --skip 20 --max 5 here; under torchrun write --max-inputs: "
+                             "torchrun takes --max for its --max-restarts)")
 
 
 def _add_checkpoint_format_option(parser: argparse.ArgumentParser) -> None:

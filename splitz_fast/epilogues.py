@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .folding import free_submodule_name, has_forward_hooks
-from .graphs import check_cuda_setting, seconds_per_call
+from .graphs import check_cuda_setting, score_gap, seconds_per_call
 from .kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
@@ -177,8 +177,8 @@ class FusionChoice:
                tolerance: float) -> bool:
         """Whether to sample through ``fused`` rather than ``plain`` (two scorers of the same ``f_R``) at the batch
         of ``example()``: both score it first (compiling and autotuning outside any timing), the fused scores must
-        lie within ``tolerance`` × (largest score + 1) of the plain ones, then (by default) the faster wins. Records
-        the decision under ``key``."""
+        lie within ``tolerance`` × (largest finite score + 1) of the plain ones (:func:`~splitz_fast.graphs.score_gap`),
+        then (by default) the faster wins. Records the decision under ``key``."""
         batch = example()
         try:
             want, got = plain(batch), fused(batch)
@@ -186,9 +186,9 @@ class FusionChoice:
             raise
         except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the plain f_R is always correct
             return self._refuse(key, f"failed: {type(err).__name__}: {str(err).strip()[:160]}")
-        allowed = tolerance * (float(want.abs().max()) + 1)
-        difference = float((got.float() - want.float()).abs().max())
-        if not difference <= allowed:  # also NaN
+        difference, scale = score_gap(got, want)
+        allowed = tolerance * scale
+        if not difference <= allowed:
             return self._refuse(key, f"scores differ from the plain f_R's by {difference:.3g} (allowed {allowed:.3g})")
         if self.setting:
             self.decisions[key] = FusionDecision(True, "fused_kernels=True")

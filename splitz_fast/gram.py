@@ -156,18 +156,18 @@ def conv_gram(op: MaskedAffine, w, out_mask, factor) -> tuple[torch.Tensor, int]
     reach_h, reach_w = (kh - 1) * dh, (kw - 1) * dw
     rank = torch.full((h_in + reach_h, w_in + 2 * reach_w, c_in), -1, dtype=torch.long, device=w.device)
     ranks = torch.where(varying, varying.cumsum(0) - 1, -1)
-    rank[:h_in, reach_w:reach_w + w_in] = ranks.view(h_in, w_in, c_in)
+    rank[:h_in, reach_w:reach_w + w_in] = ranks.reshape(h_in, w_in, c_in)
     # neighbour[y, x, a' − a, b' − b + kw − 1, c'] = rank of input (c', y + (a' − a)·dil_h, x + (b' − b)·dil_w)
     neighbour = rank.unfold(0, reach_h + 1, 1)[..., ::dh].unfold(1, 2 * reach_w + 1, 1)[..., ::dw]
     neighbour = neighbour.permute(0, 1, 3, 4, 2).reshape(h_in * w_in, 1, -1)
-    row_key = torch.where(varying, ranks, torch.iinfo(torch.long).max).view(h_in * w_in, c_in, 1)
+    row_key = torch.where(varying, ranks, torch.iinfo(torch.long).max).reshape(h_in * w_in, c_in, 1)
     keep = neighbour >= row_key  # [pixel, c, (a' − a, b' − b, c')]: the upper triangle's entries
-    flat = keep.view(-1).nonzero().squeeze(1)
+    flat = keep.reshape(-1).nonzero().squeeze(1)
     per_pixel = neighbour.shape[2]
     row_input = flat // per_pixel  # index of input i in band order (varying or not)
-    col = neighbour.view(-1)[(row_input // c_in) * per_pixel + flat % per_pixel]
-    values = stencil.view(-1)[flat] * scale[row_input] * scale[varying][col]
-    counts = keep.sum(2).view(-1)[varying]
+    col = neighbour.reshape(-1)[(row_input // c_in) * per_pixel + flat % per_pixel]
+    values = stencil.reshape(-1)[flat] * scale[row_input] * scale[varying][col]
+    counts = keep.sum(2).reshape(-1)[varying]
     crow = torch.zeros(d + 1, dtype=torch.long, device=w.device)
     crow[1:] = counts.cumsum(0)
     with warnings.catch_warnings():  # torch labels its (working) CSR support "beta", once per process

@@ -78,8 +78,7 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
     except Exception as err:  # noqa: BLE001 — any failure to capture means: sample eagerly
         _release_default_generator(example.device)
         raise GraphCaptureError(f"{type(err).__name__}: {err}") from err
-    scale = float(expected.abs().max()) + 1.0
-    gap = float((output.float() - expected.float()).abs().max())
+    gap, scale = score_gap(output, expected)
     if not gap <= tolerance * scale:
         raise GraphCaptureError(f"the replayed graph's scores differ from the eager forward's by {gap:.3g} (scores up "
                                 f"to {scale - 1:.3g})")
@@ -107,6 +106,18 @@ def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
     eager = seconds_per_call(lambda: scores(batch), batch.device)
     graph = seconds_per_call(graphed.replay, batch.device)
     return graph < eager, eager, graph
+
+
+def score_gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """How far two scorings of one batch lie apart, as ``(gap, scale)``: the largest difference, where equal values
+    (the same infinity, NaN in both) count as none and a NaN or infinity against anything else as an infinite one
+    (an ``f_R`` that scores masked classes −inf is one function, whatever ``inf − inf`` says), and ``scale``, one plus
+    the largest finite score of ``want``, which the checks' relative tolerances multiply."""
+    got, want = got.float(), want.float()
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    gap = torch.where(same, torch.zeros_like(want), (got - want).abs()).nan_to_num(nan=float("inf"))
+    finite = want[torch.isfinite(want)]
+    return (float(gap.max()) if gap.numel() else 0.0), (float(finite.abs().max()) if finite.numel() else 0.0) + 1.0
 
 
 def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:

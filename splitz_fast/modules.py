@@ -208,9 +208,9 @@ def _own_forward(module: nn.Module, base: type, *methods: str) -> bool:
 
 
 def check_affine(layer: nn.Module) -> None:
-    """Refuse a layer of ``f_L`` the bounds cannot read: only ``nn.Conv2d`` (``groups=1``, zero padding) and
-    ``nn.Linear``, and no subclass with a forward of its own (the bounds apply the weight themselves; subclasses
-    that only reparametrize the weight, such as ``torch.nn.utils.parametrize``'s, are fine)."""
+    """Refuse a layer of ``f_L`` the bounds cannot read: only ``nn.Conv2d`` (``groups=1``, zero padding given as
+    numbers) and ``nn.Linear``, and no subclass with a forward of its own (the bounds apply the weight themselves;
+    subclasses that only reparametrize the weight, such as ``torch.nn.utils.parametrize``'s, are fine)."""
     if not isinstance(layer, AFFINE_TYPES):
         raise TypeError(
             f"f_L may hold only nn.Conv2d and nn.Linear layers, got {type(layer).__name__}; "
@@ -222,6 +222,10 @@ def check_affine(layer: nn.Module) -> None:
                         f"it; use a plain nn.{base.__name__} or move the layer into f_R")
     if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
         raise ValueError("f_L supports Conv2d with groups=1 and padding_mode='zeros' only")
+    if isinstance(layer, nn.Conv2d) and isinstance(layer.padding, str):
+        raise ValueError(f"f_L's Conv2d needs integer padding, got padding={layer.padding!r}: write it out "
+                         "(padding=0 for 'valid'; for 'same' with stride 1, padding=dilation·(kernel_size − 1)/2 "
+                         "per side, an odd kernel)")
 
 
 def check_activation(act: nn.Module) -> None:

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
-from .graphs import GraphedScores
+from .graphs import GraphedScores, score_gap
 from .modules import ModuleSnapshot
 
 # The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
@@ -193,9 +193,8 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     variants = {"the same batch again": fresh_scores(rows),
                 f"batches of {half}": fresh_scores(rows[:half], rows[half:]),
                 "a batch of 1": torch.cat([fresh_scores(rows[:1]), whole[1:]])}
-    scale = float(whole.abs().max()) + 1.0
     for what, other in variants.items():
-        gap = float((other - whole).abs().max())
+        gap, scale = score_gap(other, whole)
         if not gap <= PROBE_TOLERANCE[dtype] * scale:
             raise ValueError(
                 f"f_R's scores for an input change with the rest of its batch or between calls (max difference "

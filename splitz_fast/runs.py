@@ -189,7 +189,8 @@ HEADERS = {task.kind: task.header for task in (CertifyRun, PredictRun, MarginRun
 
 
 def select_indices(n_items: int, skip: int, max_count: int) -> list[int]:
-    """Cohen's ``--skip``/``--max``: every ``skip``-th index, at most ``max_count`` of them (``-1`` = all)."""
+    """``--skip``/``--max``: every ``skip``-th index, at most ``max_count`` of them (``-1`` = all). Cohen's scripts stop
+    at dataset index ``max`` instead (their help text says "this many examples"); docs/cli.md gives the translation."""
     if skip < 1:
         raise ValueError(f"--skip must be >= 1, got {skip}")
     if max_count == 0 or max_count < -1:

@@ -1,6 +1,7 @@
 """Cohen et al.'s statistics: the one-sided Clopper–Pearson bound, the RS radius, PREDICT's binomial test."""
 from __future__ import annotations
 
+import math
 
 from scipy.stats import beta, binomtest, norm
 
@@ -10,15 +11,18 @@ from ._checks import check_count, check_positive, check_probability
 def clopper_pearson_lower(n_a: int, n: int, alpha: float) -> float:
     """One-sided ``1 − α`` lower confidence bound on a binomial proportion: ``Beta.ppf(α; n_A, n − n_A + 1)``.
 
-    Equals ``statsmodels.proportion_confint(n_A, n, alpha=2α, method="beta")[0]``; 0 when ``n_A = 0``.
+    Equals ``statsmodels.proportion_confint(n_A, n, alpha=2α, method="beta")[0]``; 0 when ``n_A = 0``, and 0 (the
+    trivial bound, always valid) where SciPy's quantile fails and returns NaN (α near 1e-300 with small ``n``).
     """
-    check_count("n", n, 1)
+    n = check_count("n", n, 1)
     check_probability("alpha", alpha)
-    if isinstance(n_a, bool) or not isinstance(n_a, int) or not 0 <= n_a <= n:
+    n_a = check_count("n_a", n_a, 0)
+    if n_a > n:
         raise ValueError(f"n_a must be an integer in [0, n={n}], got {n_a}")
     if n_a == 0:
         return 0.0
-    return float(beta.ppf(alpha, n_a, n - n_a + 1))
+    bound = float(beta.ppf(alpha, n_a, n - n_a + 1))
+    return 0.0 if math.isnan(bound) else bound
 
 
 def latent_radius(sigma: float, p_a_lower: float) -> float:

@@ -33,6 +33,10 @@ CONVS = {
     "kernel-5-on-6x6": (2, 3, 6, 6, 5, 1, 2, 1),
     "stride3-dil2-pad2": (2, 3, 8, 3, 3, 3, 2, 2),
     "wide-4x9": (2, 2, 4, 9, 3, 1, 1, 1),
+    # an input dimension of 1 under a wider kernel (the stencil's index tables are not contiguous views there)
+    "kernel-2x3-on-2x1": (1, 2, 2, 1, (2, 3), 1, (2, 1), 1),
+    "row-of-6-dilated": (1, 2, 1, 6, (1, 2), 3, (1, 0), (2, 3)),
+    "row-of-5-kernel-1x4": (1, 2, 1, 5, (1, 4), 1, (0, 2), (3, 2)),
 }
 MASKS = ["random", "ones", "none", "empty-in", "empty-out", "single-in", "single-out"]
 

@@ -209,6 +209,23 @@ def test_paper_toy_example():
     assert 3.0 <= float(glob.value[0]) <= 4.0
 
 
+@pytest.mark.parametrize("gamma", [5e-324, 1e-320, 1e-200, 1e-100, 1e-12])
+def test_a_tiny_ball_keeps_its_varying_neurons(gamma):
+    """The toy network with W1 = diag(2, 2, 1/4): at x = [1, −1, 0] the third neuron sits at 0, so on any ball of
+    radius γ > 0 it varies and the local constant is exactly 1/4. γ‖w_3‖ underflows to 0 below ~1e-323: the bound
+    must not then declare the neuron constant (it bounds such a ball as a larger one)."""
+    l1, l2 = nn.Linear(3, 3, bias=False), nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        l1.weight.copy_(torch.diag(torch.tensor([2.0, 2.0, 0.25])))
+        l2.weight.copy_(torch.ones(1, 3))
+    left = sz.LeftHalf([l1, l2], [sz.ClippedReLU(1.0), None], input_shape=(3,))
+    x = torch.tensor([[1.0, -1.0, 0.0]])
+    assert sz.ball_bounds(left, x, gamma).masks[0].tolist() == [[False, False, True]]
+    value = float(sz.lipschitz_bound(left, x, gamma).value[0])
+    assert 0.25 <= value <= 0.25 * (1 + 1e-8)
+    assert float(sz.lipschitz_bound(left, x, 0.0).value[0]) == 0.0  # γ = 0 stays the point itself
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_local_bound_is_monotone_in_gamma_and_below_global(name):
     left = build_left(name)

@@ -330,6 +330,30 @@ def test_a_batch_dependent_f_r_is_refused(model, match):
         smoother.predict(x, n=100, alpha=0.01, batch_size=64, seed=0)
 
 
+class _MaskedScores(nn.Module):
+    """Scores with fixed infinities (−inf for masked classes, +inf for one) and, on some rows, NaN: the same on every
+    call, whatever the batch (``inf − inf`` is NaN, which must not read as a batch dependence)."""
+
+    def __init__(self, inner: nn.Module, fill: float):
+        super().__init__()
+        self.inner, self.fill = inner, fill
+
+    def forward(self, z):
+        out = self.inner(z).clone()
+        out[:, -1] = self.fill
+        return out
+
+
+@pytest.mark.parametrize("fill", [-math.inf, math.inf, math.nan])
+def test_infinite_or_nan_scores_that_do_not_depend_on_the_batch_are_accepted(fill):
+    model = _head(lambda inner: _MaskedScores(inner, fill))
+    r = Smoother(model, SIGMA).certify(_x(), **COUNTS, batch_size=64, seed=0)
+    assert r.n == COUNTS["n"]
+    # votes as torch.argmax counts them: +inf or NaN in the last class wins every row, −inf never does
+    last = model.num_classes - 1
+    assert (r.prediction == last) == (fill != -math.inf)
+
+
 def test_batchnorm_with_running_statistics_is_accepted():
     right = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     model = sz.SplitModel(sz.LeftHalf([]), right, 3)

@@ -60,6 +60,11 @@ def test_left_half_rejects_non_affine_layers_and_bad_activations():
         sz.LeftHalf([nn.Linear(3, 3)], [None, None])
     with pytest.raises(ValueError, match="groups"):
         sz.LeftHalf([nn.Conv2d(4, 4, 3, groups=2)], [None])
+    # string padding, in any layer (the bounds read the padding as numbers)
+    for padding in ("same", "valid"):
+        with pytest.raises(ValueError, match=f"integer padding, got padding='{padding}'"):
+            sz.LeftHalf([nn.Conv2d(1, 2, 3, padding=1), nn.Conv2d(2, 3, 3, padding=padding)],
+                        [sz.ClippedReLU(1.0), None], input_shape=(1, 6, 5))
 
 
 def _net():

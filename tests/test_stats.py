@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 from scipy.optimize import brentq
 from scipy.stats import beta, binom, binomtest, norm
 
@@ -182,6 +184,20 @@ def test_clopper_pearson_rejects_nonpositive_n(n):
 def test_clopper_pearson_rejects_non_integer_counts(n_a, n):
     with pytest.raises((TypeError, ValueError), match="n"):
         clopper_pearson_lower(n_a, n, 0.01)
+
+
+def test_clopper_pearson_takes_numpy_and_tensor_counts():
+    want = clopper_pearson_lower(97, 100, 0.001)
+    assert clopper_pearson_lower(np.int64(97), np.int32(100), 0.001) == want
+    assert clopper_pearson_lower(torch.tensor(97), 100, 0.001) == want
+
+
+@pytest.mark.parametrize("n_a,n", [(3, 5), (4, 5), (9, 10)])
+def test_clopper_pearson_is_the_trivial_bound_where_scipy_fails(n_a, n):
+    """SciPy's Beta quantile returns NaN at α = 1e-300 for these counts: the bound is then 0 (always valid: CERTIFY
+    abstains), never NaN."""
+    assert math.isnan(beta.ppf(1e-300, n_a, n - n_a + 1))  # the failure this guards against
+    assert clopper_pearson_lower(n_a, n, 1e-300) == 0.0
 
 
 @pytest.mark.parametrize("sigma", [0.0, -1.0, math.nan, math.inf])
