@@ -187,16 +187,21 @@ def test_first_layer_ball_bound_is_attained_with_border_aware_norms():
         assert float(bounds.upper[0].flatten()[i] - z0[i]) == pytest.approx(gamma * float(row.norm()), rel=1e-9)
 
 
+def _toy_left(w3: float) -> sz.LeftHalf:
+    """The paper's toy ``f_L`` (Appendix B): W1 = diag(2, 2, w3), θ = 1, then W2 = [1, 1, 1]."""
+    l1, l2 = nn.Linear(3, 3, bias=False), nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        l1.weight.copy_(torch.diag(torch.tensor([2.0, 2.0, w3])))
+        l2.weight.copy_(torch.ones(1, 3))
+    return sz.LeftHalf([l1, l2], [sz.ClippedReLU(1.0), None], input_shape=(3,))
+
+
 def test_paper_toy_example():
     """Paper Appendix B: W1 = diag(2,2,1), W2 = [1,1,1], x = [1,-1,0], θ = 1, γ = 0.1 → local bound 1.
 
     The paper states the global bound as 4; the product of spectral norms is ‖W2‖‖W1‖ = √3·2 ≈ 3.46 (≤ 4, so the
     paper's figure is also a valid but looser bound); the true global Lipschitz constant is ‖(2,2,1)‖ = 3."""
-    l1, l2 = nn.Linear(3, 3, bias=False), nn.Linear(3, 1, bias=False)
-    with torch.no_grad():
-        l1.weight.copy_(torch.diag(torch.tensor([2.0, 2.0, 1.0])))
-        l2.weight.copy_(torch.ones(1, 3))
-    left = sz.LeftHalf([l1, l2], [sz.ClippedReLU(1.0), None], input_shape=(3,))
+    left = _toy_left(1.0)
     x = torch.tensor([[1.0, -1.0, 0.0]])
     bounds = sz.ball_bounds(left, x, 0.1)
     assert torch.allclose(bounds.lower[0], torch.tensor([[1.8, -2.2, -0.1]], dtype=torch.float64))
@@ -214,11 +219,7 @@ def test_a_tiny_ball_keeps_its_varying_neurons(gamma):
     """The toy network with W1 = diag(2, 2, 1/4): at x = [1, −1, 0] the third neuron sits at 0, so on any ball of
     radius γ > 0 it varies and the local constant is exactly 1/4. γ‖w_3‖ underflows to 0 below ~1e-323: the bound
     must not then declare the neuron constant (it bounds such a ball as a larger one)."""
-    l1, l2 = nn.Linear(3, 3, bias=False), nn.Linear(3, 1, bias=False)
-    with torch.no_grad():
-        l1.weight.copy_(torch.diag(torch.tensor([2.0, 2.0, 0.25])))
-        l2.weight.copy_(torch.ones(1, 3))
-    left = sz.LeftHalf([l1, l2], [sz.ClippedReLU(1.0), None], input_shape=(3,))
+    left = _toy_left(0.25)
     x = torch.tensor([[1.0, -1.0, 0.0]])
     assert sz.ball_bounds(left, x, gamma).masks[0].tolist() == [[False, False, True]]
     value = float(sz.lipschitz_bound(left, x, gamma).value[0])
