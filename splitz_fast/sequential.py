@@ -29,6 +29,7 @@ bounds: the sequential counterpart of ``Smoother.certify`` / ``certify_many``, w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import math
 import operator
@@ -324,6 +325,16 @@ class _RadiusBounds:
     evaluations: int
 
 
+def _about_given_input(result: SequentialCertifyResult, rounding: float) -> SequentialCertifyResult:
+    """:func:`~splitz_fast.outcomes.about_given_input` for a sequential row: the radius shrinks by the input's
+    rounding distance, and so must the decisions: an ``ε_j`` certified about the rounded input but beyond the radius
+    about the input as given is not certified about it (``UNDECIDED``)."""
+    about = about_given_input(result, rounding)
+    decisions = tuple(Decision.UNDECIDED if d is Decision.CERTIFIED and not eps <= about.radius else d
+                      for eps, d in zip(about.radii, about.decisions))
+    return dataclasses.replace(about, decisions=decisions)
+
+
 class SequentialCertifier:
     """Sequential CERTIFY with a :class:`~splitz_fast.smoothing.Smoother`: decide "certified at ε_j?" for a list of
     input-space radii with as few noise samples as the decisions need, and report a Cohen-style row.
@@ -419,7 +430,7 @@ class SequentialCertifier:
                 guard.check()  # the caller's code ran since the previous result
                 prepared = prepare_input(self.smoother.model, x)
                 result = self._certify_one(engine, prepared.x, n0, budget, alpha, batch_size, resolve_seed(seed))
-                yield about_given_input(result, prepared.rounding)
+                yield _about_given_input(result, prepared.rounding)
 
     def _certify_one(self, engine, x, n0, budget, alpha, batch_size, seed) -> SequentialCertifyResult:
         start = time.perf_counter()

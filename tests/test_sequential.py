@@ -6,6 +6,7 @@ naive stopper that re-uses the fixed-n Clopper–Pearson bound at every look, mu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from scipy.integrate import quad
 from scipy.stats import beta, binom, binomtest, norm
 
+from splitz_fast import sequential
 from splitz_fast.sequential import (
     BetaBinomialCS,
     Decision,
@@ -438,6 +440,24 @@ def test_easy_input_stops_far_below_the_budget_and_counts_its_samples():
     assert result.count_a == result.n < 5_000
     assert result.n == next(int(t) for t in checkpoints(100_000) if BetaBinomialCS(0.001).lower(int(t), int(t))
                             >= norm.cdf(1.0 / SIGMA))
+
+
+def test_decisions_about_a_float64_input_shrink_with_its_radius():
+    """A float64 input is certified about its float32 rounding x̃; about x itself the radius loses ‖x − x̃‖, and an ε
+    certified about x̃ beyond that radius is no longer a decision about x."""
+    model, x = rs_model_with_p(1 - 1e-12)
+    result = SequentialCertifier(Smoother(model, SIGMA), [0.5, 1.0]).certify(x, 100, 100_000, 0.001, seed=1)
+    assert result.decisions == (Decision.CERTIFIED, Decision.CERTIFIED)
+    at_one = dataclasses.replace(result, radius=1.0)  # as if the largest certified ε were the radius
+    about = sequential._about_given_input(at_one, 1e-6)
+    assert about.radius < 1.0 and about.input_rounding == 1e-6
+    assert about.decisions == (Decision.CERTIFIED, Decision.UNDECIDED)
+    assert sequential._about_given_input(at_one, 0.0).decisions == result.decisions
+    x64 = x.double() + 1e-9  # end to end: not representable in float32, so rounded by at most ~1e-9 per pixel
+    given = SequentialCertifier(Smoother(model, SIGMA), [0.5, 1.0]).certify(x64, 100, 100_000, 0.001, seed=1)
+    assert 0 < given.input_rounding and given.radius == pytest.approx(result.radius - given.input_rounding, abs=1e-15)
+    for eps, d in zip(given.radii, given.decisions):
+        assert d is not Decision.CERTIFIED or eps <= given.radius
 
 
 def test_abstains_when_the_lower_bound_stays_at_most_one_half():
