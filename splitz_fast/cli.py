@@ -259,6 +259,11 @@ def _model_and_dataset(args: argparse.Namespace):
     if model.input_shape != tuple(info.input_shape) or model.num_classes != info.num_classes:
         raise ValueError(f"checkpoint model takes {model.input_shape} with {model.num_classes} classes, but "
                          f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
+    trained_sigma = (ckpt.get("config") or {}).get("sigma")
+    if getattr(args, "sigma", None) is not None and trained_sigma is not None and trained_sigma != args.sigma:
+        # Valid (the certificate is about the classifier smoothed at SIGMA), but usually a slip: say it once.
+        print(f"note: SIGMA = {args.sigma:g}, but the checkpoint was trained with sigma = {trained_sigma:g}; the "
+              f"results are for the model smoothed at {args.sigma:g}", file=sys.stderr)
     return model, ckpt, info
 
 
@@ -318,8 +323,17 @@ class _DatasetRun:
         what = "inputs" if task.kind == "certify-margin" else "images"
         if self.env is not None:
             from .distributed import run_sharded
+            from .runs import finished_output, run_settings
 
             env = self.env
+            # Every rank reads the merged OUTFILE first: without --resume it is refused before any shard starts, and
+            # with --resume a finished one (same settings, every row) leaves nothing to do.
+            whole = run_settings(task, settings, seed=args.seed, indices=indices, checkpoint=args.checkpoint,
+                                 checkpoint_format=getattr(args, "checkpoint_format", "splitz"))
+            if finished_output(task, args.outfile, whole, indices, args.resume):
+                if env.rank == 0:
+                    print(f"{task.kind}: {args.outfile} already holds all {len(indices)} {what}; nothing to do")
+                return 0
             merged = run_sharded(env, args.device, args.outfile, lambda spec: run(spec, env.rank == 0))
             if merged is not None:
                 ranks = f"{env.world_size} rank{'s' * (env.world_size > 1)}"

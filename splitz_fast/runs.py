@@ -4,8 +4,10 @@ Each row is flushed as soon as it is computed. Image ``i`` is certified with see
 on the image, the model and the seed: a resumed run writes exactly the rows an uninterrupted one would. The run's
 settings go to a sidecar ``OUTFILE.json``; ``resume`` refuses a file written with other settings (or another
 checkpoint, compared by :func:`~splitz_fast.checkpoints.checkpoint_digest`: weights and training settings, not file
-bytes, so a bit-identical retrained checkpoint is accepted), drops a torn last line, and skips the indices already
-present.
+bytes, so a bit-identical retrained checkpoint is accepted) or rows of inputs it does not select (or one input's
+twice), drops a torn last line, and skips the indices already present. While a run writes its TSV it holds an
+exclusive lock on the sidecar (``flock``): a second process started on the same file (a resume while an orphaned
+worker still writes) is refused instead of interleaving its rows.
 
 Sharding (:class:`ShardSpec`): shard ``K`` of ``N`` takes the strided slice ``indices[K::N]`` and writes
 ``OUTFILE.shard-K-of-N`` with its own sidecar, through the same writer, so each shard resumes like a whole run.
@@ -17,6 +19,8 @@ one that run would have written. ``splitz certify --shard K/N`` / ``splitz merge
 from __future__ import annotations
 
 import abc
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -251,9 +255,10 @@ def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded
             f"({', '.join(only)}); use a new OUTFILE")
 
 
-def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], resume: bool) -> set[int]:
+def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], resume: bool,
+                    indices: Sequence[int]) -> set[int]:
     """Create the TSV and sidecar, or validate them for a resume (the sidecar read through
-    :meth:`RunTask.earlier_settings`); returns the indices already written."""
+    :meth:`RunTask.earlier_settings`; every row one of ``indices``, each once); returns the indices already written."""
     header = task.header
     sidecar = _sidecar(out_path)
     if out_path.exists() and not resume:
@@ -278,10 +283,28 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
                          f"{_results_are(task.certificate)}; one file holds one protocol's rows, use a new OUTFILE")
     if previous != settings:
         raise ValueError(f"cannot resume {out_path}: {_settings_difference(previous, settings, sidecar.name)}")
+    done = _written_indices(complete, set(indices), f"cannot resume {out_path}")
     if torn:  # a torn last row: drop it, it is recomputed
         with out_path.open("w") as fh:
             fh.write("\n".join([header] + complete) + "\n")
-    return {int(line.split("\t", 1)[0]) for line in complete}
+    return done
+
+
+def _written_indices(rows: Sequence[str], expected: set[int], where: str) -> set[int]:
+    """The ``idx`` of each row, refusing a row this run does not select or one written twice: a file edited, or
+    written by another run or by two runs at once, would otherwise resume into more rows than inputs."""
+    done: set[int] = set()
+    for line in rows:
+        field = line.split("\t", 1)[0]
+        idx = int(field) if field.isdigit() else None
+        if idx not in expected:
+            raise ValueError(f"{where}: it has a row for input {field}, which this run does not select (another run's "
+                             "rows?); restore the file or start a new OUTFILE")
+        if idx in done:
+            raise ValueError(f"{where}: input {idx} has two rows (the file was edited or written by two runs at "
+                             "once); restore the file or start a new OUTFILE")
+        done.add(idx)
+    return done
 
 
 def _indices_digest(indices: Sequence[int]) -> str:
@@ -438,6 +461,34 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
     return out_path
 
 
+def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices: Sequence[int],
+                 checkpoint: str | os.PathLike | None = None, checkpoint_format: str = "splitz") -> dict[str, Any]:
+    """What :func:`run_over_dataset` records in the sidecar of a whole run's TSV (a shard's adds its ``shard``):
+    ``settings``, the task's own settings, the seed, the indices and the checkpoint's digest."""
+    check_count("seed", seed, 0)
+    settings = dict(settings, **task.settings(), seed=seed,
+                    indices=[indices[0], indices[-1], len(indices)] if indices else [])
+    if checkpoint is not None:
+        settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
+        settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
+        if checkpoint_format != "splitz":  # recorded only when set, so files written before the option still resume
+            settings["checkpoint_format"] = checkpoint_format
+    return settings
+
+
+def finished_output(task: RunTask, out_path: str | os.PathLike, settings: dict[str, Any],
+                    indices: Sequence[int], resume: bool) -> bool:
+    """Whether ``out_path`` (a whole run's TSV, ``settings`` from :func:`run_settings`) already holds every row, so
+    that a resumed job has nothing to do; ``False`` where it does not exist. Without ``resume`` an existing file is
+    an error, and with it a file of other settings or foreign rows is refused, before any shard starts."""
+    out_path = Path(out_path)
+    if not out_path.exists():
+        return False
+    if not resume:
+        raise FileExistsError(f"{out_path} exists; pass --resume to continue it, or choose another OUTFILE")
+    return set(indices) <= _prepare_output(out_path, task, settings, True, indices)
+
+
 def run_over_dataset(
     task: RunTask,
     dataset: Dataset,
@@ -473,44 +524,61 @@ def run_over_dataset(
         raise TypeError(f"task must be a RunTask (CertifyRun, PredictRun, MarginRun, AttackRun), got "
                         f"{type(task).__name__}")
     # Check every argument before the output file is created, so a typo leaves nothing behind.
-    check_count("seed", seed, 0)
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")
     out_path = check_output_file("output file", out_path)
-    settings = dict(settings, **task.settings(), seed=seed,
-                    indices=[indices[0], indices[-1], len(indices)] if indices else [])
-    if checkpoint is not None:
-        settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
-        settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
-        if checkpoint_format != "splitz":  # recorded only when set, so files written before the option still resume
-            settings["checkpoint_format"] = checkpoint_format
+    settings = run_settings(task, settings, seed=seed, indices=indices, checkpoint=checkpoint,
+                            checkpoint_format=checkpoint_format)
     if shard is not None:
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
-    done = _prepare_output(out_path, task, settings, resume)
-    todo = [i for i in indices if i not in done]
-    if stop_after is not None:
-        todo = todo[:stop_after]
-    labels: dict[int, int] = {}
+    with _only_writer(out_path):
+        done = _prepare_output(out_path, task, settings, resume, indices)
+        todo = [i for i in indices if i not in done]
+        if stop_after is not None:
+            todo = todo[:stop_after]
+        labels: dict[int, int] = {}
 
-    def pairs():
-        for idx in todo:
-            x, label = dataset[idx]
-            labels[idx] = int(label)
-            yield x, labels[idx]
+        def pairs():
+            for idx in todo:
+                x, label = dataset[idx]
+                labels[idx] = int(label)
+                yield x, labels[idx]
 
-    results = task.results(pairs(), [seed + idx for idx in todo])
-    with out_path.open("a") as fh, tqdm(total=len(todo), desc=task.kind, unit="img", file=sys.stderr,
-                                        disable=not progress) as bar:
-        for idx, result in zip(todo, results):
-            fh.write(task.row(idx, labels.pop(idx), result) + "\n")
-            fh.flush()
-            bar.update()
-            if on_row is not None:
-                on_row(idx, result)
+        results = task.results(pairs(), [seed + idx for idx in todo])
+        with out_path.open("a") as fh, tqdm(total=len(todo), desc=task.kind, unit="img", file=sys.stderr,
+                                            disable=not progress) as bar:
+            for idx, result in zip(todo, results):
+                fh.write(task.row(idx, labels.pop(idx), result) + "\n")
+                fh.flush()
+                bar.update()
+                if on_row is not None:
+                    on_row(idx, result)
     return out_path
 
 
-__all__ = ["run_over_dataset", "select_indices", "PREDICT_HEADER", "HEADERS", "RunTask", "CertifyRun", "PredictRun",
+class RunInProgressError(OSError):
+    """Another process holds the run's output (see :func:`run_over_dataset`)."""
+
+
+@contextlib.contextmanager
+def _only_writer(out_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``out_path``'s sidecar (created empty if missing; :func:`_prepare_output` then
+    writes it) while the run writes, or refuse at once if another process holds it. The lock goes with the process:
+    a killed run leaves nothing to clean up."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(_sidecar(out_path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunInProgressError(f"another process is writing {out_path} (it holds {_sidecar(out_path).name}'s lock); "
+                               "wait for it to finish or stop it, then --resume") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+__all__ = ["run_over_dataset", "run_settings", "finished_output", "RunInProgressError", "select_indices", "PREDICT_HEADER", "HEADERS", "RunTask", "CertifyRun", "PredictRun",
            "MarginRun", "AttackRun", "ShardSpec", "ShardData", "merge_shards",
            "shard_files"]

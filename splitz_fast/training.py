@@ -916,6 +916,11 @@ def train(
     result = TrainResult(out_dir=out)
     objective = config.objective
     start_epoch, multiplier = 0, config.dual_init  # the Lagrangian's μ (unused by the hinges)
+    leftovers = [name for name in ("best.pt", "train.log") if (out / name).exists()]
+    if not last_path.exists() and leftovers:
+        raise FileExistsError(f"{out} holds {' and '.join(leftovers)} of a run but no last.pt, so that run can neither "
+                              "continue nor be overwritten; restore last.pt (then resume), or choose another output "
+                              "folder")
     if last_path.exists():
         if not resume:
             raise FileExistsError(f"{last_path} exists: pass resume=True (--resume) to continue that run, "

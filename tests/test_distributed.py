@@ -141,6 +141,24 @@ def test_merge_refuses_incomplete_mismatched_missing_and_foreign_shards(tmp_path
     assert main(["merge", str(out), str(s0), str(s1)]) == 0
 
 
+def test_torchrun_reads_the_merged_outfile_before_any_shard_starts(tmp_path, capsys, checkpoint, monkeypatch):
+    """An existing OUTFILE is refused without --resume (as one process refuses it), and with --resume a finished one
+    of the same run leaves nothing to do: no process group, no shard file, the file unchanged."""
+    out = tmp_path / "c.tsv"
+    assert main(_args("certify", checkpoint, out)) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(_args("certify", checkpoint, out)) == 2
+    assert "exists; pass --resume" in _one_line_error(capsys)
+    assert main(_args("certify", checkpoint, out, "--resume")) == 0
+    assert "already holds all" in capsys.readouterr().out
+    assert out.read_text() == before and not list(tmp_path.glob("c.tsv.shard-*"))
+    assert main(_args("certify", checkpoint, out, "--resume", "--N", "90")) == 2  # another run's file: refused
+    assert "different settings" in _one_line_error(capsys)
+
+
 def test_shard_option_errors_are_one_line(tmp_path, capsys, checkpoint, monkeypatch):
     out = tmp_path / "c.tsv"
     assert main(_args("certify", checkpoint, out, "--shard", "2/2")) == 2

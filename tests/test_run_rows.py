@@ -62,3 +62,47 @@ def test_a_margin_run_recorded_before_the_run_tasks_resumes_to_the_pinned_rows(t
     assert _without_time(out.read_text()) == _without_time((DATA / "certify-margin.tsv").read_text())
     sidecar.write_text(json.dumps({**earlier, "gamma_search": "one-step"}))
     assert main([*args, "--resume"]) == 2
+
+
+@pytest.mark.parametrize("edit", ["foreign row", "duplicated row"])
+def test_a_resume_refuses_rows_that_are_not_this_runs(edit, tmp_path, tiny, capsys):
+    """A file with a row of an input the run does not select, or a row written twice, would resume into more rows
+    than inputs (and analyze would count them): refused, the file untouched."""
+    out = tmp_path / "margin.tsv"
+    args = [arg.replace("{out}", str(out)) for arg in RUNS["certify-margin"]]
+    assert main(args) == 0
+    header, first, *rest = out.read_text().splitlines()
+    extra = "\t".join(["1", *first.split("\t")[1:]]) if edit == "foreign row" else rest[0]  # --skip 4 never selects 1
+    out.write_text("\n".join([header, first, *rest[:1], extra]) + "\n")
+    edited = out.read_text()
+    assert main([*args, "--resume"]) == 2
+    assert ("which this run does not select" if edit == "foreign row" else "has two rows") in capsys.readouterr().err
+    assert out.read_text() == edited
+
+
+def test_a_sigma_other_than_the_trained_one_is_noted_once(tmp_path, tiny, capsys):
+    args = [arg.replace("{out}", str(tmp_path / "p.tsv")) for arg in RUNS["predict"]]
+    assert main(args) == 0
+    assert "note: SIGMA" not in capsys.readouterr().err  # the trained σ: nothing to say
+    args = [arg.replace("{out}", str(tmp_path / "q.tsv")).replace("0.5", "0.25") for arg in RUNS["predict"]]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: SIGMA = 0.25, but the checkpoint was trained with sigma = 0.5") == 1
+
+
+def test_a_second_writer_of_the_same_tsv_is_refused(tmp_path, tiny, capsys):
+    """While one process writes a run (it holds its sidecar's lock), another started on the same OUTFILE stops at
+    once with one line, leaving the file as it was."""
+    import fcntl
+
+    out = tmp_path / "margin.tsv"
+    args = [arg.replace("{out}", str(out)) for arg in RUNS["certify-margin"]]
+    args = [*args, "--max", "2"]
+    assert main(args) == 0
+    before = out.read_text()
+    with open(out.with_name(out.name + ".json")) as held:  # the lock as a running process holds it
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert main([*args, "--resume"]) == 2
+        assert "another process is writing" in capsys.readouterr().err
+    assert out.read_text() == before
+    assert main([*args, "--resume"]) == 0  # the lock went with its holder

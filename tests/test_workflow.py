@@ -116,6 +116,13 @@ def test_training_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, m
     with pytest.raises(ValueError, match="another config"):
         train(_model(), mnist_small, _config(epochs=1, max_batches=1, sigma=0.3), tmp_path,
               model_spec={"name": "lenet"}, resume=True)
+    # a finished run whose last.pt is gone: its best.pt is never overwritten by a fresh start
+    (tmp_path / "last.pt").unlink()
+    best = (tmp_path / "best.pt").read_bytes()
+    for resume in (False, True):
+        with pytest.raises(FileExistsError, match="best.pt and train.log of a run but no last.pt"):
+            train(_model(), mnist_small, config, tmp_path, model_spec={"name": "lenet"}, resume=resume)
+    assert (tmp_path / "best.pt").read_bytes() == best
 
 
 def test_checkpoints_load_with_weights_only_and_thresholds_stay_nonnegative(tmp_path, mnist_small):
