@@ -19,7 +19,6 @@ one that run would have written. ``splitz certify --shard K/N`` / ``splitz merge
 from __future__ import annotations
 
 import abc
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -212,7 +211,9 @@ def _split_rows(text: str, header: str, where: str) -> tuple[list[str], bool]:
     line is torn (no final newline: a row cut by an interruption)."""
     lines = text.split("\n")
     if lines[0] != header:
-        raise ValueError(f"{where}: its header is not the expected one")
+        found = "it is empty" if not text else f"its first line is {lines[0][:40]!r}"
+        raise ValueError(f"{where}: {found}, not the header this run writes ({header[:40]!r}…); restore the file or "
+                         "start a new OUTFILE")
     torn = not text.endswith("\n")
     complete = [line for line in (lines[1:-1] if torn else lines[1:]) if line]
     n_fields = len(header.split("\t"))
@@ -532,8 +533,11 @@ def run_over_dataset(
     if shard is not None:
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
-    with _only_writer(out_path):
+    lock = _lock_sidecar(out_path)
+    try:
         done = _prepare_output(out_path, task, settings, resume, indices)
+        if lock is None:  # a fresh run: its sidecar exists now
+            lock = _lock_sidecar(out_path)
         todo = [i for i in indices if i not in done]
         if stop_after is not None:
             todo = todo[:stop_after]
@@ -554,6 +558,9 @@ def run_over_dataset(
                 bar.update()
                 if on_row is not None:
                     on_row(idx, result)
+    finally:
+        if lock is not None:
+            os.close(lock)
     return out_path
 
 
@@ -561,24 +568,23 @@ class RunInProgressError(OSError):
     """Another process holds the run's output (see :func:`run_over_dataset`)."""
 
 
-@contextlib.contextmanager
-def _only_writer(out_path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_path``'s sidecar (created empty if missing; :func:`_prepare_output` then
-    writes it) while the run writes, or refuse at once if another process holds it. The lock goes with the process:
-    a killed run leaves nothing to clean up."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(_sidecar(out_path), os.O_RDWR | os.O_CREAT, 0o644)
+def _lock_sidecar(out_path: Path) -> int | None:
+    """An exclusive lock on ``out_path``'s sidecar, as an open descriptor (``None`` where there is no sidecar yet),
+    or :class:`RunInProgressError` at once if another process holds it. The lock goes with the process: a killed run
+    leaves nothing to clean up."""
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunInProgressError(f"another process is writing {out_path} (it holds {_sidecar(out_path).name}'s lock); "
-                               "wait for it to finish or stop it, then --resume") from None
-        yield
-    finally:
+        fd = os.open(_sidecar(out_path), os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         os.close(fd)
+        raise RunInProgressError(f"another process is writing {out_path} (it holds {_sidecar(out_path).name}'s lock); "
+                                 "wait for it to finish or stop it, then --resume") from None
+    return fd
 
 
-__all__ = ["run_over_dataset", "run_settings", "finished_output", "RunInProgressError", "select_indices", "PREDICT_HEADER", "HEADERS", "RunTask", "CertifyRun", "PredictRun",
-           "MarginRun", "AttackRun", "ShardSpec", "ShardData", "merge_shards",
-           "shard_files"]
+__all__ = ["run_over_dataset", "run_settings", "finished_output", "RunInProgressError", "select_indices",
+           "PREDICT_HEADER", "HEADERS", "RunTask", "CertifyRun", "PredictRun", "MarginRun", "AttackRun", "ShardSpec",
+           "ShardData", "merge_shards", "shard_files"]

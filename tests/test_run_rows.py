@@ -106,3 +106,13 @@ def test_a_second_writer_of_the_same_tsv_is_refused(tmp_path, tiny, capsys):
         assert "another process is writing" in capsys.readouterr().err
     assert out.read_text() == before
     assert main([*args, "--resume"]) == 0  # the lock went with its holder
+
+
+def test_a_resume_of_an_emptied_tsv_says_what_it_found(tmp_path, tiny, capsys):
+    out = tmp_path / "margin.tsv"
+    args = [arg.replace("{out}", str(out)) for arg in RUNS["certify-margin"]]
+    assert main(args) == 0
+    out.write_text("")
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "it is empty, not the header this run writes ('idx" in err and "start a new OUTFILE" in err
