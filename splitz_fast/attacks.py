@@ -54,9 +54,10 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 # ---------------------------------------------------------------------------------------------------- l2 geometry
 def _eps_per_example(eps: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``eps`` as a ``[B]`` tensor on ``x``'s device, checked finite and ≥ 0."""
+    """``eps`` as a ``[B]`` float32 tensor on ``x``'s device, checked finite and ≥ 0, each value rounded down where
+    float32 cannot hold it exactly (so a ball of the float32 radius lies inside the one asked for)."""
     if isinstance(eps, torch.Tensor):
-        eps = eps.detach().to(x.device, torch.float32).reshape(-1)
+        eps = eps.detach().to(x.device, torch.float64).reshape(-1)
         if eps.numel() == 1:
             eps = eps.expand(x.shape[0])
         if eps.numel() != x.shape[0]:
@@ -64,10 +65,11 @@ def _eps_per_example(eps: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor
     else:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)):
             raise TypeError(f"eps must be a number or a tensor, got {type(eps).__name__}")
-        eps = torch.full((x.shape[0],), float(eps), device=x.device)
+        eps = torch.full((x.shape[0],), float(eps), device=x.device, dtype=torch.float64)
     if not torch.isfinite(eps).all() or (eps < 0).any():
         raise ValueError(f"eps must be finite and >= 0 (raw input units), got {eps.tolist()}")
-    return eps
+    single = eps.float()
+    return torch.where(single.double() > eps, torch.nextafter(single, torch.zeros_like(single)), single)
 
 
 def _norms(t: torch.Tensor) -> torch.Tensor:
@@ -95,13 +97,31 @@ def _unit(g: torch.Tensor) -> torch.Tensor:
     return torch.where(norms > 0, g / norms.clamp_min(1.0), torch.zeros_like(g))  # after rescaling, ‖g‖ ≥ 1 or 0
 
 
+# Shrinks of a step whose rounded sum x + δ still lies outside the ball, before that row falls back to x itself.
+_ROUNDING_SHRINKS = 8
+
+
 def _finish(x: torch.Tensor, x_adv: torch.Tensor, eps: torch.Tensor,
             clamp: tuple[float, float] | None) -> torch.Tensor:
     """Project ``x_adv`` onto the ball ``B(x, eps)`` and then the box ``clamp`` (the box never moves a point away from
-    ``x``, which lies in it, so the ball constraint still holds)."""
-    x_adv = x + project_l2(x_adv - x, eps)
-    if clamp is not None:
-        x_adv = x_adv.clamp(*clamp)
+    ``x``, which lies in it, so the ball constraint still holds). Forming ``x + δ`` in ``x``'s dtype rounds each
+    entry, which can put a point on the sphere just outside it (by up to ~1e-7 absolute in float32): the distance is
+    measured in float64 and a row outside has its ``δ`` shrunk by its excess until it lies inside (``x`` itself after
+    :data:`_ROUNDING_SHRINKS` tries), so ``‖x_adv − x‖₂ ≤ eps`` holds for the returned points."""
+    eps = _eps_per_example(eps, x)
+    delta = project_l2(x_adv - x, eps).detach()
+    for attempt in range(_ROUNDING_SHRINKS + 2):  # the last pass only confirms the rows set back to x
+        x_adv = x + delta
+        if clamp is not None:
+            x_adv = x_adv.clamp(*clamp)
+        distance = _norms(x_adv.double() - x.double())
+        outside = distance > eps.double()
+        if not outside.any():
+            break
+        # back onto the sphere, and one float32 ulp further in
+        shrink = (eps.double() / distance.clamp_min(torch.finfo(torch.float64).tiny)) * (1 - 2.0**-23)
+        factor = torch.where(outside, shrink if attempt < _ROUNDING_SHRINKS else torch.zeros_like(shrink), 1.0)
+        delta = delta * _per_row(factor.to(delta.dtype), delta)
     return x_adv.detach()
 
 

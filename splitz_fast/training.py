@@ -79,7 +79,9 @@ class TrainConfig:
         power_iters: power steps of the estimate per training step (MNIST/CIFAR 5, ImageNet 2).
         optimizer: ``"adam"`` or ``"sgd"`` (momentum 0.9).
         lr_schedule: ``"step"`` (×``lr_decay`` every ``lr_step`` epochs), ``"half-cosine"`` (constant for the first half,
-            then cosine to ``lr_min``: the paper's CIFAR schedule), ``"cosine"`` or ``"none"``.
+            then cosine to ``lr_min``: the paper's CIFAR schedule), ``"cosine"`` or ``"none"``. As torch's
+            ``CosineAnnealingLR`` with ``T_max`` = the cosine's epochs, ``lr_min`` is where the curve would be after
+            the last epoch, so the last epoch runs just above it (200 epochs: 1.25e-6 for ``lr_min`` 1e-6).
         val_fraction: share of the training set held out (seeded) for validation and best-checkpoint selection.
         max_batches: stop each epoch (and each validation pass) after this many batches (quick runs and tests);
             ``None`` = full epochs.
