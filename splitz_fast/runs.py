@@ -5,9 +5,9 @@ on the image, the model and the seed: a resumed run writes exactly the rows an u
 settings go to a sidecar ``OUTFILE.json``; ``resume`` refuses a file written with other settings (or another
 checkpoint, compared by :func:`~splitz_fast.checkpoints.checkpoint_digest`: weights and training settings, not file
 bytes, so a bit-identical retrained checkpoint is accepted) or rows of inputs it does not select (or one input's
-twice), drops a torn last line, and skips the indices already present. While a run writes its TSV it holds an
-exclusive lock on the sidecar (``flock``): a second process started on the same file (a resume while an orphaned
-worker still writes) is refused instead of interleaving its rows.
+twice), drops a torn last line, skips the indices already present, and leaves the rows in the selection's order.
+While a run writes its TSV it holds an exclusive lock on the sidecar (``flock``): a second process started on the
+same file (a resume while an orphaned worker still writes) is refused instead of interleaving its rows.
 
 Sharding (:class:`ShardSpec`): shard ``K`` of ``N`` takes the strided slice ``indices[K::N]`` and writes
 ``OUTFILE.shard-K-of-N`` with its own sidecar, through the same writer, so each shard resumes like a whole run.
@@ -558,10 +558,26 @@ def run_over_dataset(
                 bar.update()
                 if on_row is not None:
                     on_row(idx, result)
+        if done:
+            _put_in_selection_order(out_path, task.header, indices)
     finally:
         if lock is not None:
             os.close(lock)
     return out_path
+
+
+def _put_in_selection_order(out_path: Path, header: str, indices: Sequence[int]) -> None:
+    """Rewrite a resumed TSV whose rows are not in the order of ``indices`` (a row removed from the middle was
+    recomputed at the end), so that it equals an uninterrupted run's file; through a temporary file and a rename, so
+    an interruption leaves the old file whole."""
+    rows, _ = _split_rows(out_path.read_text(), header, str(out_path))
+    position = {idx: k for k, idx in enumerate(indices)}
+    ordered = sorted(rows, key=lambda line: position[int(line.split("\t", 1)[0])])
+    if ordered == rows:
+        return
+    tmp = out_path.with_name(out_path.name + ".ordering")
+    tmp.write_text("\n".join([header] + ordered) + "\n")
+    os.replace(tmp, out_path)
 
 
 class RunInProgressError(OSError):

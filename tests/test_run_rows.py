@@ -116,3 +116,16 @@ def test_a_resume_of_an_emptied_tsv_says_what_it_found(tmp_path, tiny, capsys):
     assert main([*args, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "it is empty, not the header this run writes ('idx" in err and "start a new OUTFILE" in err
+
+
+def test_a_row_removed_from_the_middle_is_recomputed_in_its_place(tmp_path, tiny):
+    """A resume recomputes a missing row wherever it was; the finished file is in the selection's order, as an
+    uninterrupted run writes it."""
+    out = tmp_path / "margin.tsv"
+    args = [arg.replace("{out}", str(out)) for arg in RUNS["certify-margin"]]
+    assert main(args) == 0
+    whole = out.read_text().splitlines()
+    out.write_text("\n".join(whole[:3] + whole[4:]) + "\n")  # the third row gone
+    assert main([*args, "--resume"]) == 0
+    assert _without_time(out.read_text()) == _without_time("\n".join(whole))
+    assert not list(tmp_path.glob("*.ordering"))
