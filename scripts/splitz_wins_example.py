@@ -17,7 +17,7 @@ noise erodes (its radius shrinks like 1/√log d). Near class 1's saturated dete
 ``min(|x_j| − t − θ, t − max_{i≠j} |x_i|)``, while RS's radius is nearly the distance to the box's face (a half-space
 is RS's best case), so there RS is ahead — reported too.
 
-    python scripts/splitz_wins_example.py [--d 64] [--per-class 50] [--N 10000] [--out docs/results/splitz-wins]
+    python scripts/splitz_wins_example.py [--d 64] [--per-class 50] [--N 10000] [--out runs/splitz-wins]
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def main() -> int:
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--per-class", type=int, default=50)
     parser.add_argument("--N", type=int, default=10_000)
-    parser.add_argument("--out", default="docs/results/splitz-wins")
+    parser.add_argument("--out", default="runs/splitz-wins")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from .protocols import (PROTOCOLS, CertificationProtocol, DisplacementCertificat
                         SoundCertificate)
 from .sampling import NoiseStream, SamplingEngine
 from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
-from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, tabular_mlp
+from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, lenet_rs_init, tabular_mlp
 from .datasets import DATASETS, DatasetInfo, get_dataset
 from .training import TrainConfig, splitz_loss, train
 from .checkpoints import LoadedCheckpoint, checkpoint_digest, load_checkpoint
@@ -71,6 +71,7 @@ __all__ = [
     "get_dataset",
     "imagenet_resnet50",
     "lenet",
+    "lenet_rs_init",
     "run_over_dataset",
     "RunTask",
     "CertifyRun",

@@ -78,17 +78,20 @@ def check_tensor(
     return x
 
 
-def check_certify_counts(n0: int | None, n: int, alpha: float, batch_size: int | None, n_name: str = "n") -> None:
+def check_certify_counts(n0: int | None, n: int, alpha: float, batch_size: int | None,
+                         n_name: str = "n") -> tuple[int | None, int, float, int | None]:
     """CERTIFY's sampling arguments: ``n0`` selection draws (``None``: PREDICT has none) ≤ ``n`` estimation draws
-    (called ``n_name``, e.g. ``budget``), ``0 < alpha < 1``, ``batch_size ≥ 1`` or ``None`` (measured)."""
-    check_count(n_name, n)
+    (called ``n_name``, e.g. ``budget``), ``0 < alpha < 1``, ``batch_size ≥ 1`` or ``None`` (measured). Returns them as
+    Python numbers (a NumPy or tensor count would otherwise reach results and settings files as such)."""
+    n = check_count(n_name, n)
     if n0 is not None:
-        check_count("n0", n0)
+        n0 = check_count("n0", n0)
         if n0 > n:
             raise ValueError(f"n0 ({n0}) must not exceed {n_name} ({n}); n0 only selects the class")
-    check_probability("alpha", alpha)
+    alpha = check_probability("alpha", alpha)
     if batch_size is not None:
-        check_count("batch_size", batch_size)
+        batch_size = check_count("batch_size", batch_size)
+    return n0, n, alpha, batch_size
 
 
 def available_devices() -> list[str]:

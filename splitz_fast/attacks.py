@@ -365,7 +365,7 @@ class Attacker:
         on its input, label and seed (not on the grouping). ``keep_adversarial`` stores ``x_adv`` in the result.
         ``seeds``: one per pair (``None``: fresh random seeds), as many as the pairs, else a ``ValueError``. Editing the
         model while the results are consumed stops the call with a ``RuntimeError`` before the next result."""
-        check_certify_counts(None, n, alpha, batch_size)
+        _, n, alpha, batch_size = check_certify_counts(None, n, alpha, batch_size)
         return self._attack_stream(with_seeds(pairs, seeds), n, alpha, batch_size, keep_adversarial)
 
     def _attack_stream(self, seeded, n, alpha, batch_size, keep) -> Iterator[AttackResult]:
@@ -433,7 +433,7 @@ def falsify_certificates(attacker: Attacker, inputs: torch.Tensor, certificates:
     ``seeds``: one per input (default ``0 .. M−1``); the attack uses ``seed + ATTACK_SEED_OFFSET``, PREDICT
     ``seed + ADV_PREDICT_SEED_OFFSET``."""
     check_positive("scale", scale)
-    check_certify_counts(None, n, alpha, None)
+    _, n, alpha, _ = check_certify_counts(None, n, alpha, None)
     if len(certificates) != inputs.shape[0]:
         raise ValueError(f"got {inputs.shape[0]} inputs but {len(certificates)} certificates")
     seeds = list(range(inputs.shape[0])) if seeds is None else list(seeds)

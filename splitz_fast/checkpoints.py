@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._checks import check_device, check_positive
 from .models import build_model
 from .modules import SplitModel
 
@@ -71,6 +72,7 @@ def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "
     """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else.
     ``format="cohen"``: a Cohen et al. checkpoint in this layout (:func:`~splitz_fast.cohen.read_cohen_checkpoint`),
     so :func:`checkpoint_digest` of it identifies either kind."""
+    check_device("device", str(device))  # else torch.load's error reads as a damaged file
     if _check_format(format) == "cohen":
         from .cohen import read_cohen_checkpoint
 
@@ -212,7 +214,14 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     """
     model, ckpt = load_model(path, device, format=format)
     spec, config = dict(ckpt.get("model_spec") or {}), dict(ckpt.get("config") or {})
-    return LoadedCheckpoint(model=model, sigma=config.get("sigma"), dataset=spec.get("dataset"),
+    sigma = config.get("sigma")
+    if sigma is not None:
+        try:
+            sigma = check_positive("sigma", sigma)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path} records an invalid training noise level ({err}); the file was edited or written "
+                             "by other code") from None
+    return LoadedCheckpoint(model=model, sigma=sigma, dataset=spec.get("dataset"),
                             epoch=ckpt.get("epoch"), digest=checkpoint_digest(ckpt), model_spec=spec, config=config,
                             data=ckpt)
 

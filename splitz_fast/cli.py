@@ -71,7 +71,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"splitz_fast {__version__} demo: torch {torch.__version__}, {platform.machine()}, "
           f"{torch.get_num_threads()} threads, device {args.device}")
     print(f"train: offline MNIST ({len(train_info)} digits, 10% held out), LeNet, σ={args.sigma}, {args.epochs} "
-          f"epochs, batch {args.train_batch}; certify: test images {indices[0]}, {indices[0] + args.skip}, ... "
+          f"epoch{'s' if args.epochs != 1 else ''}, batch {args.train_batch}; certify: test images {indices[0]}, {indices[0] + args.skip}, ... "
           f"({len(indices)} images), n0={args.n0}, n={args.n}, α={args.alpha}")
     tsvs = {}
     for name, split_index in (("RS", 0), ("SPLITZ", 1)):
@@ -745,8 +745,8 @@ def _add_certify_predict_parser(sub) -> None:
         c.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
         c.add_argument("--batch", type=int, default=None,
                        help="noise samples per forward pass of f_R; unset, the fastest batch measured on this device "
-                            "(up to 4096) is used. It never changes the results: an image's noise depends only on "
-                            "its seed")
+                            "(up to 4096, or 32768 on CUDA) is used. It never changes the results: an image's noise "
+                            "depends only on its seed")
         c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
         _add_max_option(c, "images")
         c.add_argument("--split", default="test",

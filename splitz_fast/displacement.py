@@ -83,7 +83,7 @@ from .lipschitz import (
     DEFAULT_EXACT_MAX_DIM,
     DEFAULT_PROBABILISTIC_ITERS,
     _bound_factors,
-    _check_method,
+    _check_bound_settings,
     masked_operators,
 )
 from .modules import LeftHalf
@@ -214,7 +214,7 @@ def displacement_bound(
     Returns:
         :class:`DisplacementBound`; ``value ≤ L(x, γ)·γ`` always (the ``S = ∅`` member).
     """
-    _check_method(method)
+    _check_bound_settings(method, delta, power_iters, exact_max_dim)
     batch = x.shape[0]
     u = UNIT_ROUNDOFF_64
     if left.depth == 0:

@@ -78,10 +78,13 @@ class CallGuard:
         self.left_snapshot = ModuleSnapshot(model.left)
         self.right_snapshot = ModuleSnapshot(model.right) if right is None else right
 
-    def check(self) -> None:
+    def edited(self) -> bool:
         model = self.model
-        if model.left is not self.left or model.right is not self.right \
-                or not self.left_snapshot.matches(model.left) or not self.right_snapshot.matches(model.right):
+        return model.left is not self.left or model.right is not self.right \
+            or not self.left_snapshot.matches(model.left) or not self.right_snapshot.matches(model.right)
+
+    def check(self) -> None:
+        if self.edited():
             raise RuntimeError("the model was edited while a certify/predict call was running over its inputs "
                                "(a half replaced, or a tensor or layer of f_L or f_R changed); start a new call after "
                                "editing the model")

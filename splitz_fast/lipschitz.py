@@ -34,6 +34,7 @@ import scipy.sparse
 import scipy.sparse.linalg
 import torch
 
+from ._checks import check_count, check_probability
 from .bounds import BallBounds, ball_bounds, input_scale
 from .modules import LeftHalf
 from .operators import MaskedAffine
@@ -538,9 +539,14 @@ def masked_operators(
     return ops
 
 
-def _check_method(method: str) -> None:
+def _check_bound_settings(method: str, delta: float, power_iters: int, exact_max_dim: int) -> None:
+    """The settings every bound entry point takes, checked as :class:`~splitz_fast.radius.BoundOptions` checks them
+    (a ``delta`` of 0 or above 1 would make the probabilistic slack meaningless, not just loose)."""
     if method not in ("auto", "exact", "probabilistic"):
         raise ValueError(f"method must be 'auto', 'exact' or 'probabilistic', got {method!r}")
+    check_probability("delta", delta)
+    check_count("power_iters", power_iters)
+    check_count("exact_max_dim", exact_max_dim, minimum=0)
 
 
 def _bound_factors(
@@ -602,7 +608,7 @@ def lipschitz_bound(
             while the Gram dimension is ≤ ``exact_max_dim`` or the estimated cost ≤ ``EXACT_MAX_FLOPS``).
         power_iters: power steps of the probabilistic bound; the bound's slack factor is about ``(1/δ)^{1/(2·power_iters)}``.
     """
-    _check_method(method)
+    _check_bound_settings(method, delta, power_iters, exact_max_dim)
     batch = x.shape[0]
     if left.depth == 0:
         return LipschitzBound(torch.ones(batch, dtype=torch.float64), ["identity"] * batch, [0.0] * batch, True,
@@ -642,7 +648,7 @@ def bounds_from_balls(
     """:func:`bound_from_ball` of each of ``balls`` (each with its own generator), each equal to its own call; their
     exact factors are certified together, layer by layer (:func:`certified_lambda_max_many`: on CUDA one batched
     squaring and Cholesky for all of them)."""
-    _check_method(method)
+    _check_bound_settings(method, delta, power_iters, exact_max_dim)
     generators = generators if generators is not None else [None] * len(balls)
     if len(generators) != len(balls):
         raise ValueError(f"one generator per ball: {len(balls)} balls, {len(generators)} generators")
@@ -668,7 +674,7 @@ def global_lipschitz_bound(
     ``input_shape``). Input-independent; returned for a batch of one. Its Grams are the full (unmasked) ones; a
     convolution's is banded, so under ``"auto"`` e.g. LeNet-splitz split 2's conv2 (d = 25,088) is exact (~16 s,
     ~1.2 GB on a 2-core CPU; see ``EXACT_MAX_FLOPS``)."""
-    _check_method(method)
+    _check_bound_settings(method, delta, power_iters, exact_max_dim)
     if left.depth == 0:
         return LipschitzBound(torch.ones(1, dtype=torch.float64), ["identity"], [0.0], False, torch.zeros(1))
     device = left.layers[0].weight.device

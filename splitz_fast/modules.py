@@ -309,7 +309,7 @@ class LeftHalf(nn.Module):
         """Refuse, with one error that names the piece and the fix, anything in ``f_L`` *as it is now* that the bound
         code cannot bound soundly: a layer, activation, pool or standardization of another kind (or a subclass with its
         own ``forward``), an overlapping pool, a pool after the last layer, lists of different lengths, forward hooks
-        (they may change an output the bound never sees), a negative or NaN threshold.
+        (they may change an output the bound never sees), a negative or NaN threshold, NaN or Inf weights.
 
         Every bound calls this (:func:`~splitz_fast.bounds.ball_bounds`, the global bound), not only ``__init__``:
         ``f_L``'s pieces are ordinary module attributes that users replace after construction
@@ -324,6 +324,7 @@ class LeftHalf(nn.Module):
             check_standardize(self.standardize)
         for layer in self.layers:
             check_affine(layer)
+        self._check_finite_weights()
         for k in range(depth):
             act = self.activation(k)
             if act is not None:
@@ -335,6 +336,15 @@ class LeftHalf(nn.Module):
         if hooked:
             raise ValueError(f"f_L has forward hooks on {', '.join(hooked)}: a hook may change an output the Lipschitz "
                              "bound does not see; remove them (handle.remove()) before bounding or certifying")
+
+    def _check_finite_weights(self) -> None:
+        # NaN/Inf weights would reach the eigensolvers as an opaque solver error; one reduction and one host read.
+        tensors = [(f"layers[{k}].{name}", t) for k, layer in enumerate(self.layers)
+                   for name, t in (("weight", layer.weight), ("bias", layer.bias)) if t is not None]
+        if tensors and not bool(torch.stack([torch.isfinite(t).all() for _, t in tensors]).all()):
+            bad = [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+            raise ValueError(f"f_L has NaN or Inf values in {', '.join(bad)}: no Lipschitz bound exists; load a "
+                             "checkpoint without them (a diverged training run?)")
 
     @staticmethod
     def layer_input(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -444,7 +454,9 @@ def split_sequential(
     :class:`ClippedReLU` is kept, ``nn.Flatten`` is absorbed, a max-pool between two affine layers of ``f_L`` is kept
     if its windows are disjoint (:func:`check_pool`); any other module inside ``f_L`` (average pooling, BatchNorm,
     dropout, an overlapping max-pool) is an error. ``standardize`` (if given) goes to ``f_L`` for ``split_index ≥ 1`` and to the front of
-    ``f_R`` for ``split_index == 0``.
+    ``f_R`` for ``split_index == 0``. The module right after ``f_L``'s last affine layer joins ``f_L`` only if it is
+    an ``nn.ReLU`` or a :class:`ClippedReLU`; any other (BatchNorm, Tanh, GELU, ReLU6, ...) starts ``f_R``, so that
+    ``f_L`` ends with the affine output: the network's function is unchanged, the noise is added before that module.
 
     The result shares its layers with ``network`` (nothing is copied: training one changes the other); pass
     ``copy.deepcopy(network)`` to keep ``network`` as it was. ``threshold=1.0`` (the default) clips ``f_L``'s ReLUs at 1,

@@ -22,7 +22,8 @@ class CertifyResult:
     ``radius`` is in raw input units (``ABSTAIN`` prediction → radius 0). ``failure_prob`` is the total probability
     that the certificate is wrong: α plus the failure probability of every probabilistic Lipschitz bound evaluated.
     ``bound_kind`` says what produced ``lipschitz``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``,
-    ``global-exact`` or ``global-probabilistic``. ``noise_source`` says which stream drew the noise (``philox4x32-10``:
+    ``global-exact`` or ``global-probabilistic``; ``none`` for an abstention (no radius searched: ``lipschitz`` and
+    ``gamma`` are NaN); the estimate protocols' kinds end in ``-estimate``. ``noise_source`` says which stream drew the noise (``philox4x32-10``:
     the Philox stream of kernels/noise_votes.py, the same on every device and backend; or ``torch-<device>``: the
     fallback's torch generator): with the seed, it is what a rerun needs to reproduce the certificate. ``seconds`` is this
     input's share of the sampling time of the batches it was packed in, plus its own radius search.

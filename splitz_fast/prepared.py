@@ -179,7 +179,11 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     user's modules or the prepared copy, and a module that counts its calls sees the same rows in the same order each
     time); ``scores(net, batch)`` is how the engine scores a batch (its precision). Scores must agree to
     :data:`PROBE_TOLERANCE` (relative to the largest score, for the rounding differences of batch-size-dependent
-    kernels)."""
+    kernels).
+
+    It also refuses NaN scores: a NaN row has no class (``argmax`` would read the first NaN as the maximum, so an
+    ``f_R`` with NaN weights would "certify" its first class with a large radius). Infinite scores are accepted
+    (−inf for masked classes is common, and ``argmax`` orders them)."""
     if isinstance(net, CompiledOrEager):
         net = net.net  # the same function; probing the compiled one would compile it for every probe shape
 
@@ -190,6 +194,12 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     rows = noisy_rows(latent, sigma, dtype, PROBE_ROWS, channels_last, pooled)
     half = PROBE_ROWS // 2
     whole = fresh_scores(rows)
+    nan_rows = int(whole.isnan().any(dim=1).sum())
+    if nan_rows:
+        raise ValueError(
+            f"f_R returned NaN scores for {nan_rows} of {PROBE_ROWS} noisy copies of the input: the base classifier "
+            "has no class there. Check the model's weights (a checkpoint or training run with NaN/Inf), the "
+            "precision (float16 overflows above 65504) and f_R's forward")
     variants = {"the same batch again": fresh_scores(rows),
                 f"batches of {half}": fresh_scores(rows[:half], rows[half:]),
                 "a batch of 1": torch.cat([fresh_scores(rows[:1]), whole[1:]])}

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from .protocols import certificate_status
 from .attacks import ATTACK_HEADER, Attacker
 from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 from .margin import MarginCertifier
+from .models import SplitModel
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .sequential import SequentialCertifier
@@ -71,6 +73,11 @@ class RunTask(abc.ABC):
     def row(self, idx: int, label: int, result: Any) -> str:
         """The TSV line of one result (no newline)."""
 
+    @property
+    @abc.abstractmethod
+    def model(self) -> SplitModel:
+        """The model the task runs (its ``num_classes`` bounds the labels a dataset may give)."""
+
     def earlier_settings(self, previous: dict[str, Any]) -> dict[str, Any]:
         """A sidecar found on resume, read as this version of the task records it (a task whose recorded settings
         changed names or placeholders maps them here, so its earlier runs stay resumable); unchanged by default."""
@@ -89,9 +96,13 @@ class CertifyRun(RunTask):
 
     def __init__(self, certifier: Smoother | SequentialCertifier, n0: int, n: int, alpha: float,
                  batch_size: int | None = None):
-        check_certify_counts(n0, n, alpha, batch_size)
+        n0, n, alpha, batch_size = check_certify_counts(n0, n, alpha, batch_size)
         self.certifier, self.n0, self.n, self.alpha, self.batch_size = certifier, n0, n, alpha, batch_size
         self.certificate = certifier.protocol.certificate
+
+    @property
+    def model(self) -> SplitModel:
+        return self.certifier.model
 
     def settings(self) -> dict[str, Any]:
         settings = {"kind": self.kind, "n0": self.n0, "n": self.n, "alpha": self.alpha, "sigma": self.certifier.sigma}
@@ -119,8 +130,12 @@ class PredictRun(RunTask):
     kind, header = "predict", PREDICT_HEADER
 
     def __init__(self, smoother: Smoother, n: int, alpha: float, batch_size: int | None = None):
-        check_certify_counts(None, n, alpha, batch_size)
+        _, n, alpha, batch_size = check_certify_counts(None, n, alpha, batch_size)
         self.smoother, self.n, self.alpha, self.batch_size = smoother, n, alpha, batch_size
+
+    @property
+    def model(self) -> SplitModel:
+        return self.smoother.model
 
     def settings(self) -> dict[str, Any]:
         # n0 = 0: PREDICT draws no selection samples (recorded so that sidecars written before stay resumable).
@@ -144,6 +159,10 @@ class MarginRun(RunTask):
 
     def __init__(self, certifier: MarginCertifier):
         self.certifier = certifier
+
+    @property
+    def model(self) -> SplitModel:
+        return self.certifier.model
 
     def settings(self) -> dict[str, Any]:
         return {"kind": self.kind}
@@ -173,8 +192,12 @@ class AttackRun(RunTask):
     kind, header = "attack", ATTACK_HEADER
 
     def __init__(self, attacker: Attacker, n: int, alpha: float, batch_size: int | None = None):
-        check_certify_counts(None, n, alpha, batch_size)
+        _, n, alpha, batch_size = check_certify_counts(None, n, alpha, batch_size)
         self.attacker, self.n, self.alpha, self.batch_size = attacker, n, alpha, batch_size
+
+    @property
+    def model(self) -> SplitModel:
+        return self.attacker.model
 
     def settings(self) -> dict[str, Any]:
         # n0 = 0 as for PREDICT (sidecars written before stay resumable); the attack's own settings come from the caller.
@@ -527,6 +550,10 @@ def run_over_dataset(
     # Check every argument before the output file is created, so a typo leaves nothing behind.
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")
+    repeated = [i for i, times in Counter(indices).items() if times > 1]
+    if repeated:
+        raise ValueError(f"indices must be distinct (one row per input): {repeated[0]} is given "
+                         f"{indices.count(repeated[0])} times")
     out_path = check_output_file("output file", out_path)
     settings = run_settings(task, settings, seed=seed, indices=indices, checkpoint=checkpoint,
                             checkpoint_format=checkpoint_format)
@@ -534,6 +561,7 @@ def run_over_dataset(
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
     lock = _lock_sidecar(out_path)
+    created, written = not out_path.exists(), 0
     try:
         done = _prepare_output(out_path, task, settings, resume, indices)
         if lock is None:  # a fresh run: its sidecar exists now
@@ -543,10 +571,12 @@ def run_over_dataset(
             todo = todo[:stop_after]
         labels: dict[int, int] = {}
 
+        classes = task.model.num_classes
+
         def pairs():
             for idx in todo:
                 x, label = dataset[idx]
-                labels[idx] = int(label)
+                labels[idx] = _checked_label(label, idx, classes)
                 yield x, labels[idx]
 
         results = task.results(pairs(), [seed + idx for idx in todo])
@@ -555,15 +585,32 @@ def run_over_dataset(
             for idx, result in zip(todo, results):
                 fh.write(task.row(idx, labels.pop(idx), result) + "\n")
                 fh.flush()
+                written += 1
                 bar.update()
                 if on_row is not None:
                     on_row(idx, result)
         if done:
             _put_in_selection_order(out_path, task.header, indices)
+    except Exception:  # an error, not an interruption (whose message says how to --resume the file it leaves)
+        if created and not written:  # nothing computed: no files left behind, so the corrected rerun starts afresh
+            out_path.unlink(missing_ok=True)
+            _sidecar(out_path).unlink(missing_ok=True)
+        raise
     finally:
         if lock is not None:
             os.close(lock)
     return out_path
+
+
+def _checked_label(label: Any, idx: int, classes: int) -> int:
+    """A dataset label as an int in ``[0, classes)``: a label outside would make every "correct" entry of the file
+    silently wrong (e.g. an ImageFolder holding some of ImageNet's classes numbers them from 0)."""
+    value = int(label)
+    if not 0 <= value < classes:
+        raise ValueError(f"dataset item {idx} has label {value}, outside the model's {classes} classes [0, {classes}); "
+                         "use a dataset labelled as the model was trained (an ImageFolder numbers its own class "
+                         "folders from 0 in sorted order: give it every class of the model, or remap its targets)")
+    return value
 
 
 def _put_in_selection_order(out_path: Path, header: str, indices: Sequence[int]) -> None:

@@ -46,6 +46,7 @@ from scipy.stats import norm
 
 from ._checks import check_certify_counts, check_count, check_positive, check_probability
 from .lipschitz import lipschitz_bound
+from .modules import SplitModel
 from .protocols import CertificationProtocol
 from .sampling import NoiseStream, SamplingJob
 from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
@@ -397,6 +398,10 @@ class SequentialCertifier:
         self.first, self.growth, self.give_up, self.prior = first, growth, give_up, tuple(prior)
 
     @property
+    def model(self) -> SplitModel:
+        return self.smoother.model
+
+    @property
     def sigma(self) -> float:
         return self.smoother.sigma
 
@@ -420,7 +425,7 @@ class SequentialCertifier:
         """:meth:`certify` for every input (a ``[M, *input_shape]`` tensor or an iterable, consumed lazily), one seed
         per input (``None``: fresh random seeds); results in order. Same call shape as ``Smoother.certify_many`` with
         ``n = budget``, so a :class:`~splitz_fast.runs.CertifyRun` takes this object in place of a Smoother."""
-        check_certify_counts(n0, budget, alpha, batch_size, n_name="budget")
+        n0, budget, alpha, batch_size = check_certify_counts(n0, budget, alpha, batch_size, n_name="budget")
         return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, budget, alpha, batch_size)
 
     def _certify_stream(self, seeded, n0, budget, alpha, batch_size) -> Iterator[SequentialCertifyResult]:

@@ -11,6 +11,7 @@ certificate bound (:mod:`splitz_fast.radius`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -148,7 +149,7 @@ class Smoother:
         (:func:`~splitz_fast.inputs.with_seeds`). Editing the model while the results are being consumed stops the call
         with a ``RuntimeError`` before the next result (start a new call to certify the edited model).
         """
-        check_certify_counts(n0, n, alpha, batch_size)
+        n0, n, alpha, batch_size = check_certify_counts(n0, n, alpha, batch_size)
         return certify_stream(self, with_seeds(inputs_of(inputs), seeds), n0, n, alpha, batch_size)
 
     def engine_and_guard(self) -> tuple[SamplingEngine, CallGuard]:
@@ -156,7 +157,7 @@ class Smoother:
         model is edited while it runs (:class:`~splitz_fast.inputs.CallGuard`, sharing the snapshot of ``f_R`` that
         the engine has just checked instead of copying ``f_R`` again). Lazy calls of other certifiers built on this
         smoother (:class:`~splitz_fast.sequential.SequentialCertifier`) start with it too."""
-        self.model.check_structure()
+        _check_sampled_as_given(self.model)
         engine = self.engine()
         return engine, CallGuard(self.model, right=engine.prepared.snapshot)
 
@@ -173,8 +174,26 @@ class Smoother:
                      ) -> Iterator[PredictResult]:
         """PREDICT every input (as :meth:`certify_many`: shared batches, results in order, one per seed; an edit of
         the model while the results are consumed stops the call before the next result)."""
-        check_certify_counts(None, n, alpha, batch_size)
+        _, n, alpha, batch_size = check_certify_counts(None, n, alpha, batch_size)
         return predict_stream(self, with_seeds(inputs_of(inputs), seeds), n, alpha, batch_size)
+
+
+def _check_sampled_as_given(model: SplitModel) -> None:
+    """:meth:`SplitModel.check_structure`, and refuse what sampling ``f_R(f_L(x) + noise)`` would silently leave out:
+    hooks on the SplitModel itself (its ``forward`` is never called), and a model kept in another floating dtype
+    (inputs, latents and bounds are float32, float64 inside the bounds; a reduced-precision f_R is a labelled sampling
+    setting, not a dtype of the weights)."""
+    model.check_structure()
+    if model._forward_hooks or model._forward_pre_hooks:
+        raise ValueError("the SplitModel has forward hooks: certifiers call model.left and model.right, never "
+                         "model(x), so a hook there would not take part in what is certified; register it on "
+                         "model.right (f_R) instead, or remove it (handle.remove())")
+    found = sorted({str(t.dtype).removeprefix("torch.") for t in itertools.chain(model.parameters(), model.buffers())
+                    if t.is_floating_point() and t.dtype != torch.float32})
+    if found:
+        raise TypeError(f"the model's weights must be float32, found {', '.join(found)}: convert it with "
+                        "model.float(), and for a reduced-precision f_R pass precision='bfloat16' or 'float16' to the "
+                        "Smoother")
 
 
 __all__ = ["ABSTAIN", "CertifyResult", "PredictResult", "Smoother", "PRECISIONS", "about_given_input"]

@@ -45,14 +45,21 @@ def certify_stream(smoother: "Smoother", seeded, n0, n, alpha, batch_size) -> It
         engine, guard = smoother.engine_and_guard()
         overlap = smoother.device.type == "cuda" if smoother.overlap_bounds is None else smoother.overlap_bounds
         with ThreadPoolExecutor(max_workers=1) if overlap else contextlib.nullcontext() as pool:
-            finishing = None  # the previous window's radius searches, running on the worker
-            for window, batch, counts, seconds in sample_windows(smoother, engine, guard, seeded, n0, n, batch_size):
-                if pool is None:
-                    yield from checked(guard, finish_window(smoother, guard, window, counts, seconds, n, alpha))
-                    continue
-                if finishing is not None:
+            finishing = None  # the previous window's radius searches, running on the worker (results not yet given)
+            try:
+                for window, batch, counts, seconds in sample_windows(smoother, engine, guard, seeded, n0, n,
+                                                                     batch_size):
+                    if pool is None:
+                        yield from checked(guard, finish_window(smoother, guard, window, counts, seconds, n, alpha))
+                        continue
+                    if finishing is not None:
+                        done, finishing = finishing, None
+                        yield from checked(guard, done.result())
+                    finishing = pool.submit(finish_on_side_stream, smoother, guard, window, counts, seconds, n, alpha)
+            except Exception:
+                if finishing is not None:  # a bad input ends the stream: the results before it still come out first
                     yield from checked(guard, finishing.result())
-                finishing = pool.submit(finish_on_side_stream, smoother, guard, window, counts, seconds, n, alpha)
+                raise
             if finishing is not None:
                 yield from checked(guard, finishing.result())
 
@@ -68,21 +75,29 @@ def predict_stream(smoother: "Smoother", seeded, n, alpha, batch_size) -> Iterat
 
 
 def sample_windows(smoother: "Smoother", engine, guard: CallGuard, seeded, n0, n, batch_size):
-    """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``."""
+    """Groups of inputs sampled together: yields ``(window, batch, counts [2, W, C] on the host, seconds)``.
+
+    An input that cannot be taken (a wrong shape, NaN, a seed missing, an error of the caller's iterator) ends the
+    stream with its error, after the window of the inputs before it: no result that could be computed is lost."""
     window: list[PendingInput] = []
     batch = None
-    for x, seed in seeded:
-        x = prepare_input(smoother.model, x)
-        stream = NoiseStream(resolve_seed(seed), smoother.device)
-        guard.check()
-        latent = smoother.latent(x.x)
-        if batch is None:
-            batch = smoother.batch_size_for(engine, latent, batch_size)
-        window.append(PendingInput(x, latent, stream, SamplingJob(latent, stream, n0, _zero_counts(smoother)),
-                               SamplingJob(latent, stream, n, _zero_counts(smoother))))
-        if len(window) * (n0 + n) >= WINDOW_BATCHES * batch:
+    try:
+        for x, seed in seeded:
+            x = prepare_input(smoother.model, x)
+            stream = NoiseStream(resolve_seed(seed), smoother.device)
+            guard.check()
+            latent = smoother.latent(x.x)
+            if batch is None:
+                batch = smoother.batch_size_for(engine, latent, batch_size)
+            window.append(PendingInput(x, latent, stream, SamplingJob(latent, stream, n0, _zero_counts(smoother)),
+                                       SamplingJob(latent, stream, n, _zero_counts(smoother))))
+            if len(window) * (n0 + n) >= WINDOW_BATCHES * batch:
+                full, window = window, []
+                yield _sample(smoother, engine, full, batch)
+    except Exception:
+        if window and not guard.edited():  # an edited model's inputs get no results (the guard's error follows)
             yield _sample(smoother, engine, window, batch)
-            window = []
+        raise
     if window:
         yield _sample(smoother, engine, window, batch)
 

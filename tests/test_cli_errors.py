@@ -267,6 +267,27 @@ def test_checkpoint_of_another_split_is_one_line_not_a_key_dump(tmp_path, capsys
     assert "Missing key" not in err and not (tmp_path / "out.tsv").exists()
 
 
+@pytest.mark.parametrize("sigma", ["0.75", -1.0, float("nan")])
+def test_a_checkpoint_recording_an_invalid_sigma_is_refused_at_load(tmp_path, checkpoint, sigma):
+    import splitz_fast as sz
+
+    ckpt = load_checkpoint_file(checkpoint)
+    ckpt["config"]["sigma"] = sigma
+    torch.save(ckpt, tmp_path / "edited.pt")
+    with pytest.raises(ValueError, match="records an invalid training noise level"):
+        sz.load_checkpoint(tmp_path / "edited.pt")
+
+
+@pytest.mark.parametrize("device,reason", [("gpu0", "is not a device"),
+                                           pytest.param("cuda", "is unavailable on this machine", marks=pytest.mark.skipif(
+                                               torch.cuda.is_available(), reason="needs a machine without CUDA"))])
+def test_a_bad_device_is_named_not_read_as_a_damaged_file(checkpoint, device, reason):
+    import splitz_fast as sz
+
+    with pytest.raises(ValueError, match=f"device '{device}' {reason}"):
+        sz.load_checkpoint(checkpoint, device=device)
+
+
 def test_train_numbers_epochs_from_0_as_its_log_and_checkpoints_do(tmp_path, capsys, tiny):
     run = tmp_path / "run"
     assert main(["train", "tiny", "mlp", str(run), *TRAIN[:3], "3", *TRAIN[4:]]) == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import warnings
 
 import pytest
@@ -81,6 +82,40 @@ def test_certify_many_with_overlapped_bounds_equals_inline():
                                                                             seeds=seeds))
     assert [(r.prediction, r.count_a, r.radius) for r in inline] == \
            [(r.prediction, r.count_a, r.radius) for r in overlapped]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("bad_at", [0, 1, 5, 6])
+def test_certify_many_gives_every_result_before_a_bad_input_then_its_error(bad_at, overlap):
+    """Windows of 5 inputs here (4 batches of 64 samples, 60 per input): a bad input at the start, inside the first
+    window, at the start of the second and inside it. The results before it come out (equal to a clean run's),
+    then its error; none is lost with the unfinished window or with the overlapped searches of the previous one."""
+    model, xs = _small_splitz(1)
+    smoother = Smoother(model, 0.4, overlap_bounds=overlap)
+    clean = list(smoother.certify_many(xs, 10, 50, 0.01, batch_size=64, seeds=range(len(xs))))
+    inputs = [*xs[:bad_at], torch.full_like(xs[0], math.nan), *xs[bad_at:]]
+    got = []
+    with pytest.raises(ValueError, match="NaN"):
+        for result in smoother.certify_many(iter(inputs), 10, 50, 0.01, batch_size=64, seeds=range(len(inputs))):
+            got.append(result)
+    key = lambda r: (r.prediction, r.count_a, r.radius, r.seed)  # noqa: E731
+    assert [key(r) for r in got] == [key(r) for r in clean[:bad_at]]
+
+
+def test_predict_many_and_a_seed_list_too_short_give_the_results_before_the_error():
+    model, xs = _small_splitz(2)
+    smoother = Smoother(model, 0.6)
+    got = []
+    with pytest.raises(ValueError, match="NaN"):
+        for result in smoother.predict_many([*xs[:6], torch.full_like(xs[0], math.inf)], 60, 0.05, batch_size=64,
+                                            seeds=range(7)):
+            got.append(result)
+    assert [r.seed for r in got] == list(range(6))
+    short = []
+    with pytest.raises(ValueError, match="seed"):
+        for result in smoother.certify_many(iter(xs), 10, 50, 0.01, batch_size=64, seeds=range(6)):
+            short.append(result)  # a lazy iterable: the missing seed shows at the seventh input
+    assert [r.seed for r in short] == list(range(6))
 
 
 def test_predict_many_equals_one_by_one_and_counts_every_sample():

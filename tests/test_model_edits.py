@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -331,8 +332,8 @@ def test_a_batch_dependent_f_r_is_refused(model, match):
 
 
 class _MaskedScores(nn.Module):
-    """Scores with fixed infinities (−inf for masked classes, +inf for one) and, on some rows, NaN: the same on every
-    call, whatever the batch (``inf − inf`` is NaN, which must not read as a batch dependence)."""
+    """Scores with a fixed value in the last class (−inf for a masked class, +inf, or NaN): the same on every call,
+    whatever the batch (``inf − inf`` is NaN, which must not read as a batch dependence)."""
 
     def __init__(self, inner: nn.Module, fill: float):
         super().__init__()
@@ -344,14 +345,28 @@ class _MaskedScores(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("fill", [-math.inf, math.inf, math.nan])
-def test_infinite_or_nan_scores_that_do_not_depend_on_the_batch_are_accepted(fill):
+@pytest.mark.parametrize("fill", [-math.inf, math.inf])
+def test_infinite_scores_that_do_not_depend_on_the_batch_are_accepted(fill):
     model = _head(lambda inner: _MaskedScores(inner, fill))
     r = Smoother(model, SIGMA).certify(_x(), **COUNTS, batch_size=64, seed=0)
     assert r.n == COUNTS["n"]
-    # votes as torch.argmax counts them: +inf or NaN in the last class wins every row, −inf never does
+    # votes as torch.argmax counts them: +inf in the last class wins every row, −inf never does
     last = model.num_classes - 1
-    assert (r.prediction == last) == (fill != -math.inf)
+    assert (r.prediction == last) == (fill == math.inf)
+
+
+def test_nan_scores_are_refused_by_certify_and_predict():
+    """argmax reads a NaN as the maximum: without the check, NaN weights in f_R "certify" a class with a radius."""
+    model = _head(lambda inner: _MaskedScores(inner, math.nan))
+    with pytest.raises(ValueError, match="NaN scores"):
+        Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0)
+    with pytest.raises(ValueError, match="NaN scores"):
+        Smoother(model, SIGMA).predict(_x(), COUNTS["n"], COUNTS["alpha"], seed=0)
+    broken = _head(lambda inner: inner)
+    with torch.no_grad():
+        next(broken.right.parameters()).fill_(math.nan)
+    with pytest.raises(ValueError, match="NaN scores"):
+        Smoother(broken, SIGMA).certify(_x(), **COUNTS, seed=0)
 
 
 def test_batchnorm_with_running_statistics_is_accepted():
@@ -360,6 +375,47 @@ def test_batchnorm_with_running_statistics_is_accepted():
     r = Smoother(model, SIGMA).certify(_x((3,)), **COUNTS, seed=0)
     assert r.n == COUNTS["n"]
     assert model.training  # the caller's mode is restored
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_model_in_another_dtype_is_told_to_use_precision_instead(dtype):
+    model = _image_model().to(dtype)
+    with pytest.raises(TypeError, match=f"must be float32, found {str(dtype)[6:]}.*precision="):
+        Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0)
+
+
+def test_a_hook_on_the_split_model_itself_is_refused():
+    """Certifiers never call model(x): a pre-hook there (e.g. an input transform) would not be certified."""
+    model = _image_model()
+    handle = model.register_forward_pre_hook(lambda module, args: (args[0].flip(-1),))
+    with pytest.raises(ValueError, match="SplitModel has forward hooks"):
+        Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0)
+    handle.remove()
+    assert Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0).n == COUNTS["n"]
+
+
+def test_nan_weights_in_f_l_are_named_before_any_solver_runs():
+    model = _image_model()
+    with torch.no_grad():
+        model.left.layers[1].bias[0] = math.inf
+    with pytest.raises(ValueError, match=r"NaN or Inf values in layers\[1\]\.bias"):
+        Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0)
+    with pytest.raises(ValueError, match=r"NaN or Inf values in layers\[1\]\.bias"):
+        sz.lipschitz_bound(model.left, _x()[None], 0.1, method="exact")
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(delta=0.0), "delta"), (dict(delta=2.0), "delta"),
+                                          (dict(power_iters=0), "power_iters"), (dict(exact_max_dim=-1), "exact_max_dim")])
+def test_lipschitz_bound_checks_its_settings_as_bound_options_does(kwargs, match):
+    model = _image_model()
+    with pytest.raises(ValueError, match=match):
+        sz.lipschitz_bound(model.left, _x()[None], 0.1, method="probabilistic", **kwargs)
+
+
+@pytest.mark.parametrize("count", [np.int64(300), torch.tensor(300)])
+def test_numpy_and_tensor_counts_come_back_as_python_ints(count):
+    r = Smoother(_image_model(), SIGMA).certify(_x(), 20, count, 0.01, seed=0)
+    assert type(r.n) is int and r.n == 300
 
 
 # ====================================================================== float64 inputs

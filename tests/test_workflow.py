@@ -183,6 +183,53 @@ def test_run_over_dataset_checks_arguments_before_writing(tmp_path, mnist_small)
         select_indices(10, 0, -1)
 
 
+def test_run_over_dataset_refuses_repeated_indices_before_writing(tmp_path, mnist_small):
+    out = tmp_path / "d.tsv"
+    with pytest.raises(ValueError, match="distinct.*1 is given 2 times"):
+        run_over_dataset(CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 10, 0.01, 10), mnist_small, out,
+                         settings={}, indices=[1, 1, 2], seed=0, progress=False)
+    assert not out.exists() and not out.with_name("d.tsv.json").exists()
+
+
+def _digits(*inputs, labels=None):
+    """A map-style dataset of ``(input, label)`` items (a list: its inputs may differ in shape)."""
+    return list(zip(inputs, [0] * len(inputs) if labels is None else labels))
+
+
+def test_a_run_that_fails_before_its_first_row_leaves_no_file_and_a_rerun_starts_afresh(tmp_path):
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    good, out = torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(0)), tmp_path / "o.tsv"
+    args = dict(settings={}, indices=[0, 1], seed=0, progress=False)
+    with pytest.raises(ValueError, match="shape"):
+        run_over_dataset(task, _digits(torch.rand(3, 28, 28), good), out, **args)
+    assert list(tmp_path.iterdir()) == []  # before, a header-only TSV and its sidecar made the rerun a FileExistsError
+    run_over_dataset(task, _digits(good, good), out, **args)
+    assert [row[0] for row in _certify_rows(out)] == ["0", "1"]
+
+
+def test_rows_before_a_bad_input_are_kept_and_resume_after_the_fix(tmp_path):
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    gen = torch.Generator().manual_seed(1)
+    good = [torch.rand(1, 28, 28, generator=gen) for _ in range(3)]
+    out, args = tmp_path / "o.tsv", dict(settings={}, indices=[0, 1, 2, 3], seed=0, progress=False)
+    with pytest.raises(ValueError, match="NaN"):
+        run_over_dataset(task, _digits(*good, torch.full((1, 28, 28), math.nan)), out, **args)
+    assert [row[0] for row in _certify_rows(out)] == ["0", "1", "2"]
+    run_over_dataset(task, _digits(*good, good[0]), out, resume=True, **args)
+    assert [row[0] for row in _certify_rows(out)] == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("label", [10, 57, -1])
+def test_labels_outside_the_models_classes_are_refused(tmp_path, label):
+    """A label the model cannot predict would make every `correct` entry wrong without a word."""
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    x = torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=f"dataset item 1 has label {label}, outside the model's 10 classes"):
+        run_over_dataset(task, _digits(x, x, labels=[3, label]), tmp_path / "l.tsv", settings={}, indices=[0, 1],
+                         seed=0, progress=False)
+    assert [row[:2] for row in _certify_rows(tmp_path / "l.tsv")] == [["0", "3"]]
+
+
 # ------------------------------------------------------------------------------------------------ command line
 @pytest.mark.slow  # ~1 min on 2 CPU cores
 @needs_mnist
