@@ -344,6 +344,31 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
 
 
+ASSESS_COMPILED_ROWS = r'''
+import json, sys
+sys.path.insert(0, "benchmarks")
+import targets
+
+# 4 ms against an 8 ms target, 25x the loop, 1.3x the fused floor: every target met, as long as nothing compiled.
+row = dict(ours_s_per_image=0.004, target_s=0.008, naive_s_per_image=0.10, floor_s=0.003, fused_floor_s=0.003)
+print(json.dumps([targets.assess(dict(row, **compiled)) for compiled in
+                  ({}, dict(compiled_in_timed_region=True), dict(naive_compiled_in_timed_region=True))]))
+'''
+
+
+def test_a_row_that_compiled_in_a_timed_region_meets_no_target():
+    """A made-up GPU row whose times meet all three targets: met without compilation, not met when our timed region or
+    the loop's compiled (the time is not the steady state; the loop's would inflate the ratio)."""
+    done = subprocess.run([sys.executable, "-c", ASSESS_COMPILED_ROWS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    clean, ours_compiled, loop_compiled = json.loads(done.stdout)
+    for verdicts in (clean, ours_compiled, loop_compiled):
+        assert verdicts["target_met"] is verdicts["vs_loop_met"] is verdicts["fused_floor_met"] is True
+    assert clean["all_targets_met"] is True
+    assert ours_compiled["all_targets_met"] is False and loop_compiled["all_targets_met"] is False
+
+
 def test_the_fused_kernel_rows_measure_both_settings(tmp_path: Path):
     """The A/B rows of the fused f_R copy against the plain one (stage 2b runs them on CUDA; the default measures the
     same choice at run time) in quick mode on the CPU, in a process of their own (as the script runs them): one row
