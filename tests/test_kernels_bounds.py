@@ -500,14 +500,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from splitz_fast.kernels.interval_clip import LAUNCH_OPTIONS, _kernels as interval_kernels
-from splitz_fast.kernels.masked_linear import _kernels as linear_kernels
 
 import itertools, time
 LIMIT_S = float(sys.argv[1])  # per specialisation: a slow one would stall the first GPU call that needs it
 slowest = (0.0, None)
+built, total = 0, 0.0
 
 def build(fn, types, consts, attrs=None, **options):
-    global slowest
+    global slowest, built, total
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types(n)) for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -517,15 +517,22 @@ def build(fn, types, consts, attrs=None, **options):
     label = (fn.__name__, consts)
     assert seconds <= LIMIT_S, f"{label} took {seconds:.1f} s to compile for sm_90 (limit {LIMIT_S} s)"
     slowest = max(slowest, (seconds, label), key=lambda item: item[0])
+    built, total = built + 1, total + seconds
     return asm
 
-# The float64 interval step (the certificate's) in every flag combination the launcher can derive from its
-# arguments; the float32 one (training) with every flag on.
+# Each kernel in every combination of its constexpr flags that its launcher can derive from its arguments (the
+# tiles: those the launcher picks, or for the autotuned kernel those the tuner times), in each dtype it accepts.
+def flag_sets(**choices):  # every combination of the flags' values, as dicts
+    return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
+
+BOOL = (False, True)
+
+# The interval step: float64 (the certificate's) and float32 (training).
 fn = interval_kernels()
 flags = ("R_PER_SAMPLE", "HAS_GAMMA", "HAS_MARGIN", "MARGIN_PER_SAMPLE", "HAS_REL", "NEED_NEXT")
 for dt in ("fp32", "fp64"):
     for mode in (0, 1, 2, 3):
-        for values in itertools.product((False, True), repeat=len(flags)) if dt == "fp64" else [(True,) * len(flags)]:
+        for values in itertools.product(BOOL, repeat=len(flags)):
             consts = dict(zip(flags, values), THETA_MODE=mode, BLOCK=1024)
             if consts["MARGIN_PER_SAMPLE"] and not consts["HAS_MARGIN"]:
                 continue  # not a launch the wrapper makes
@@ -533,72 +540,99 @@ for dt in ("fp32", "fp64"):
             ptx = build(fn, types, consts, **LAUNCH_OPTIONS)["ptx"]  # the options the launcher uses
             assert "fma." not in ptx, (dt, consts, "contracted multiply-add")
             assert dt == "fp32" or ".f32" not in ptx, (consts, "float32 arithmetic in the float64 kernel")
-mm, outer = linear_kernels()
-for dt, use_dot, blocks in (("fp32", True, (64, 64, 32)), ("fp64", False, (16, 32, 8))):
-    flags = dict(USE_DOT=use_dot, ALLOW_TF32=False, BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2])
-    types = lambda n: ("*u8" if n in ("PRE", "POST", "PM", "QM") else "i32" if n in ("M", "N", "K")
-                       or n.startswith("stride") else "*" + dt)
-    build(mm, types, dict(HAS_PRE=True, HAS_PRE_S=True, HAS_POST=True, HAS_POST_S=True, **flags), num_warps=4)
-    build(outer, types, dict(HAS_PM=True, HAS_QM=True, HAS_QS=True, **flags), num_warps=4)
+# The masked products: every flag set with bool masks (uint8 views) at the largest tile; the other tiles, and masks as
+# float factors in the weight's dtype, with every mask on. A·x takes the input mask and scale before the product and
+# the output mask after it, Aᵀ·x the reverse: never both scales.
+import torch
+from splitz_fast.kernels import masked_linear as linear
+mm, outer = linear._kernels()
+for dtype, dt in ((torch.float32, "fp32"), (torch.float64, "fp64")):
+    tiles = sorted({linear._blocks(dtype, m) for m in (1, 17, 33)})  # the launcher's tiles for every batch size
+    for mask in ("u8", dt):
+        types = lambda n: ("*" + mask if n in ("PRE", "POST", "PM", "QM") else "i32" if n in ("M", "N", "K")
+                           or n.startswith("stride") else "*" + dt)
+        for (block_m, block_n, block_k, use_dot), tf32 in itertools.product(tiles, BOOL if dt == "fp32" else (False,)):
+            tile = dict(USE_DOT=use_dot, ALLOW_TF32=tf32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            every = (block_m, mask) == (tiles[-1][0], "u8")  # every flag set at one tile; the others fully masked
+            for consts in flag_sets(HAS_PRE=BOOL, HAS_PRE_S=BOOL, HAS_POST=BOOL, HAS_POST_S=BOOL) if every else \
+                    [dict(HAS_PRE=True, HAS_PRE_S=True, HAS_POST=True, HAS_POST_S=False)]:
+                if not (consts["HAS_PRE_S"] and consts["HAS_POST_S"]):
+                    build(mm, types, dict(consts, **tile), num_warps=4)
+        # The weight gradient: its own tile for tl.dot, as the launcher sets it.
+        block_m, block_n, block_k, use_dot = linear._blocks(dtype, 64)
+        if use_dot:
+            block_m, block_k = 32, 16
+        for tf32 in BOOL if use_dot else (False,):
+            tile = dict(USE_DOT=use_dot, ALLOW_TF32=tf32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            for consts in flag_sets(HAS_PM=BOOL, HAS_QM=BOOL, HAS_QS=BOOL) if mask == "u8" else \
+                    [dict(HAS_PM=True, HAS_QM=True, HAS_QS=True)]:
+                build(outer, types, dict(consts, **tile), num_warps=4)
 # The implicit-GEMM kernels, which call the shared index helpers of kernels/_conv_indexing.py.
-from splitz_fast.kernels.first_layer_bounds import _kernel as first_layer_kernel
-from splitz_fast.kernels.masked_conv2d import _kernels as conv_kernels
+from splitz_fast.kernels import first_layer_bounds as first_layer, masked_conv2d as conv
 for dt in ("fp32", "fp64"):
-    pointers = {"V": dt, "U": dt, "W": dt, "OUT": dt, "FAC": "u8", "MOUT": "u8"}
-    types = lambda n: "*" + pointers[n] if n in pointers else "i32"
-    for fn in conv_kernels():
-        build(fn, types, dict(HAS_FAC=True, HAS_MOUT=True, BLOCK_M=64, BLOCK_N=32))
+    for fac in ("u8", dt):  # a bool mask or a float factor
+        pointers = {"V": dt, "U": dt, "W": dt, "OUT": dt, "FAC": fac, "MOUT": "u8"}
+        types = lambda n: "*" + pointers[n] if n in pointers else "i32"
+        for fn in conv._kernels():
+            for consts in flag_sets(HAS_FAC=BOOL, HAS_MOUT=BOOL) if fac == "u8" else [dict(HAS_FAC=True, HAS_MOUT=True)]:
+                build(fn, types, dict(consts, BLOCK_M=conv._BLOCK_M, BLOCK_N=conv._BLOCK_N))
     pointers = dict.fromkeys(("X", "W", "BIAS", "MEAN", "STD", "GAMMA", "THETA", "LO", "UP", "CEN", "RAD", "LAT"), dt)
     pointers["MASK"] = "u8"
     types = lambda n: "*" + pointers[n] if n in pointers else "fp32" if n == "rel_rounding" else "i32"
-    build(first_layer_kernel(), types, dict(HAS_BIAS=True, STANDARDIZE=True, HAS_MARGIN=True, THETA_MODE=1,
-                                            NEED_NEXT=True, NEED_LATENT=True, BLOCK_M=32, BLOCK_N=16))
+    for consts in flag_sets(HAS_BIAS=BOOL, STANDARDIZE=BOOL, HAS_MARGIN=BOOL, THETA_MODE=(0, 1, 2, 3), NEED_NEXT=BOOL,
+                            NEED_LATENT=BOOL):
+        build(first_layer._kernel(), types, dict(consts, BLOCK_M=first_layer._BLOCK_M, BLOCK_N=first_layer._BLOCK_N))
 # The sampling engine's noise kernels: the plain draw (one element or one pair per lane) and the draw through a 2x2 max
 # pool (float32 and bfloat16 out).
 from splitz_fast.kernels.noise_votes import _kernels as noise_kernels
 kernels = noise_kernels()
 for out in ("fp32", "bf16"):
     types = lambda n: {"latent_ptr": "*fp32", "out_ptr": "*" + out, "sigma": "fp32"}.get(n, "i32")
-    build(kernels.noise, types, dict(CHANNELS_LAST=True, BF16=out == "bf16", BLOCK_S=1, BLOCK_E=1024))
-    for channels_last in (True, False):
+    for channels_last in BOOL:
+        build(kernels.noise, types, dict(CHANNELS_LAST=channels_last, BF16=out == "bf16", BLOCK_S=1, BLOCK_E=1024))
         build(kernels.noise_pairs, types, dict(CHANNELS_LAST=channels_last, BF16=out == "bf16", BLOCK_S=1, BLOCK_P=512))
     build(kernels.noise_maxpool2, types, dict(BF16=out == "bf16", BLOCK_S=1, BLOCK_E=512))
-# The vote count (every batch of the certify path): bf16 and float64 logits, 10 and 1000 classes as the launcher tiles
-# them (a block histogram with one atomic per bin, or one atomic per row).
+# The vote count (every batch of the certify path): bf16 and float64 logits, 10, 1000 and 2000 classes as the launcher
+# tiles them (a block histogram with one atomic per bin up to 1024 classes, one atomic per row above).
 import triton.language as tl
 for logits, value in (("bf16", tl.float32), ("fp64", tl.float64)):
     types = lambda n: {"logits_ptr": "*" + logits, "counts_ptr": "*i64"}.get(n, "i32")
-    for classes in (10, 1000):
+    for classes in (10, 1000, 2000):
         block_c = min(triton.next_power_of_2(classes), 512)
         block_r = max(1, min(64, 4096 // block_c))
         block_h = triton.next_power_of_2(classes)
         build(kernels.votes, types, dict(VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h,
                                          LOCAL_HIST=block_r * block_h <= 8192))
-# f_R's fused convolution + ReLU + 2x2 max pool (IEEE float32, TF32, bf16; the launcher's channel tiles), specialised
-# as a launch on LeNet's channels_last activations is (pointers and the sizes/strides that are multiples of 16 marked
-# so): the tap-aligned loop must load through asynchronous copies into shared memory, not element by element.
+# f_R's fused convolution + ReLU + 2x2 max pool, specialised as a launch on LeNet's channels_last activations is
+# (pointers and the sizes/strides that are multiples of 16 marked so): every tile the tuner times (CONFIGS, the
+# launcher's channel tiles) at the flags of LeNet's layers (bias; IEEE float32, TF32, bf16), and every flag set the
+# launcher can pass at the first tile. The tap-aligned loop must load through asynchronous copies into shared memory,
+# not element by element.
 from splitz_fast.kernels.conv_relu_pool import CONFIGS, GATHER_MAX_BLOCK_M, _kernel as conv_pool_kernel
 fn = conv_pool_kernel()
 aligned16 = {fn.arg_names.index(n) for n in ("X", "WK", "OUT", "BIAS", "C_IN", "C_OUT", "K_TOTAL", "sx_b", "sx_h",
                                               "sx_w")}
-for dt, tf32 in (("fp32", False), ("fp32", True), ("bf16", False)):
+lenet = {("fp32", False, True), ("fp32", True, True), ("bf16", False, True)}
+for dt, tf32, has_bias in itertools.product(("fp32", "bf16", "fp16"), BOOL, BOOL):
     pointers = {"X": dt, "WK": dt, "OUT": dt, "BIAS": "fp32"}
     types = lambda n: "*" + pointers[n] if n in pointers else "i32"
-    for tap_aligned in (False, True):
-        for (block_m, warps), block_n in itertools.product(CONFIGS, (16, 32, 64)):  # what the tuner times
+    tiles = list(itertools.product(CONFIGS, (16, 32, 64))) if (dt, tf32, has_bias) in lenet else [(CONFIGS[0], 64)]
+    for tap_aligned in BOOL:
+        for (block_m, warps), block_n in tiles:
             if block_m > GATHER_MAX_BLOCK_M and not tap_aligned:
                 continue
-            ttgir = build(fn, types, dict(HAS_BIAS=True, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
+            ttgir = build(fn, types, dict(HAS_BIAS=has_bias, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
                                           TAP_ALIGNED=tap_aligned, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32),
                           attrs={(i,): [["tt.divisibility", 16]] for i in aligned16}, num_warps=warps,
                           num_stages=3)["ttgir"]
             if tap_aligned:  # after software pipelining only the epilogue's bias is a plain load
-                assert ttgir.count("tt.load ") == 1 and "ttg.async_copy_global_to_local" in ttgir, \
-                    (dt, tf32, block_m, block_n, "operand loads not pipelined as asynchronous copies")
-print(f"compiled with triton {triton.__version__}; slowest specialisation {slowest[0]:.2f} s: {slowest[1]}")
+                assert ttgir.count("tt.load ") == has_bias and "ttg.async_copy_global_to_local" in ttgir, \
+                    (dt, tf32, has_bias, block_m, block_n, "operand loads not pipelined as asynchronous copies")
+print(f"compiled {built} specialisations with triton {triton.__version__} in {total:.0f} s; slowest {slowest[0]:.2f} s: "
+      f"{slowest[1]}")
 """
 
-# Seconds one kernel specialisation may take to compile for sm_90 on this CPU. Each takes under 2 s here (2 cores);
+# Seconds one kernel specialisation may take to compile for sm_90 on this CPU. Each takes under 3 s here (2 cores);
 # the limit leaves room for a loaded machine and still names a specialisation that would stall a GPU run.
 COMPILE_LIMIT_S = 30.0
 
@@ -620,7 +654,7 @@ def gpu_machine_triton(tmp_path_factory) -> str:
     return str(target)
 
 
-@pytest.mark.slow  # ~1 min on 2 CPU cores per Triton (plus ~20 s to install the GPU machines' one)
+@pytest.mark.slow  # ~4 min on 2 CPU cores per Triton, ~830 builds (plus ~20 s to install the GPU machines' one)
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("stack", ["this machine", "the GPU machines"])
 def test_kernels_compile_for_sm90_quickly_without_fma_in_the_float64_interval_step(stack, request, tmp_path):
