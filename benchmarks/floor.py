@@ -245,5 +245,24 @@ def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidt
     return row
 
 
-__all__ = ["CARDS", "Card", "Cost", "ELEMENT_SIZE", "card_for", "count_cost", "floors", "measure_copy_bandwidth",
-           "peak_for"]
+# The noise kernel, where it must write the noisy batch, at ≥ this fraction of the card's measured copy bandwidth.
+WRITE_BANDWIDTH_TARGET = 0.70
+
+
+def write_bandwidth(bytes_written: int, milliseconds: dict[str, float], copy_bandwidth: float | None) -> dict:
+    """The bandwidth fields of a kernel row that writes ``bytes_written`` bytes, for each kernel timed
+    (``milliseconds``, e.g. ``{"cuda": 1.2, "triton": 1.1}``): ``{kernel}_write_Bps`` (bytes written ÷ time) and,
+    with a measured ``copy_bandwidth`` (bytes/s, :func:`measure_copy_bandwidth`), ``{kernel}_of_copy_bandwidth`` and
+    ``write_bandwidth_met``: whether the best kernel reaches :data:`WRITE_BANDWIDTH_TARGET` of it (``None`` without a
+    measurement)."""
+    row = dict(bytes_written=bytes_written, copy_bandwidth_Bps=copy_bandwidth)
+    for kernel, ms in milliseconds.items():
+        row[f"{kernel}_write_Bps"] = bytes_written / (ms / 1e3)
+        row[f"{kernel}_of_copy_bandwidth"] = row[f"{kernel}_write_Bps"] / copy_bandwidth if copy_bandwidth else None
+    row["write_bandwidth_met"] = (max(row[f"{k}_of_copy_bandwidth"] for k in milliseconds) >= WRITE_BANDWIDTH_TARGET
+                                  if copy_bandwidth else None)
+    return row
+
+
+__all__ = ["CARDS", "Card", "Cost", "ELEMENT_SIZE", "WRITE_BANDWIDTH_TARGET", "card_for", "count_cost", "floors",
+           "measure_copy_bandwidth", "peak_for", "write_bandwidth"]

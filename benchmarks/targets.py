@@ -43,7 +43,8 @@ against the plain one (:func:`run_fused_kernels_comparison`), ``torch.compile``,
 bisection, the exact bound's pieces (the Gram built gathered against tap by tap, the squaring against the eigvalsh
 estimate, a round's certificates batched against one by one), the fused noise + max-pool kernel, CUDA graphs against
 eager — then the CUDA kernels of csrc/noise_votes_cuda.cu against the Triton ones (benchmarks/test_bench_kernels.py's
-cases). CUDA only (recorded as skipped elsewhere).
+cases; for the noise kernels also the bytes written per second and their fraction of the card's copy bandwidth,
+measured in the part, with whether the better kernel reaches ``floor.WRITE_BANDWIDTH_TARGET``). CUDA only (recorded as skipped elsewhere).
 
 Every part merges its rows into DIR/targets.json (environment: device name, torch, triton, CUDA, TF32 settings) and
 rewrites DIR/targets.csv and DIR/targets.md (tables ready to paste into benchmarks/RESULTS.md, the card named) after
@@ -76,7 +77,8 @@ from splitz_fast.windows import WINDOW_BATCHES  # noqa: E402
 from splitz_fast.kernels import conv_relu_pool  # noqa: E402
 from compile_watch import BatchShapes, CompileCounter, timed_region_record  # noqa: E402
 from conftest import environment  # noqa: E402
-from floor import card_for, count_cost, floors, measure_copy_bandwidth  # noqa: E402
+from floor import (WRITE_BANDWIDTH_TARGET, card_for, count_cost, floors, measure_copy_bandwidth,  # noqa: E402
+                   write_bandwidth)
 from test_bench_certify import cohen_style_certify  # noqa: E402  (the faithful naive loop, shared)
 
 N0, ALPHA, SIGMA = 100, 0.001, 0.25
@@ -706,12 +708,16 @@ def run_native(recorder: Recorder, images: int, device: torch.device, quick: boo
         return
     from test_bench_kernels import CUDA_KERNEL_CASES, cuda_kernel_case
 
+    bandwidth = measure_copy_bandwidth(device)  # what the noise kernels' write bandwidth is a fraction of
     for case in CUDA_KERNEL_CASES:
         row = dict(what=f"kernel: {case}", device=device_name(device))
         try:
             result = cuda_kernel_case(case, 1000 if quick else 10_000)
             result.pop("run")  # the timed callable (pytest-benchmark's round)
             row.update(result, status="ok")
+            if "bytes_written" in result:
+                row.update(write_bandwidth(result["bytes_written"], dict(cuda=result["cuda_ms"],
+                                                                         triton=result["triton_ms"]), bandwidth))
         except Exception as exc:
             traceback.print_exc()
             row.update(status="error", error=error_text(exc))
@@ -730,7 +736,8 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "fused_memory_floor_s", "floor_s", "fused_floor_s", "ours_over_floor", "ours_over_fused_floor",
               "compiled_in_timed_region", "naive_compiled_in_timed_region", "engine_batch", "setup_s", "certified",
               "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
-              "reference_ms", "cuda_vs_triton",
+              "reference_ms", "cuda_vs_triton", "bytes_written", "copy_bandwidth_Bps", "cuda_write_Bps",
+              "triton_write_Bps", "cuda_of_copy_bandwidth", "triton_of_copy_bandwidth", "write_bandwidth_met",
               "unfused_s_per_image", "fused_s_per_image", "fused_speedup", "eager_s_per_image", "graph_s_per_image",
               "graph_speedup", "compiled_s_per_image", "compile_speedup", "bisection_s_per_image",
               "gamma_batch_4_s_per_image", "gamma_batch_speedup", "cuda_graphs_setting", "eigvalsh_ms", "squaring_ms",
@@ -820,14 +827,25 @@ def markdown(data: dict) -> str:
             if r.get("status") != "ok":
                 lines.append(f"| {r.get('what')} | {r.get('status')} {r.get('error', '')} | | | |")
             elif "cuda_ms" in r:
-                lines.append(f"| {r['what']} | {r['cuda_ms']:.3f} ms | {r['triton_ms']:.3f} ms | "
-                             f"{r['reference_ms']:.3f} ms | {r['cuda_vs_triton']:.2f}× |")
+                lines.append(f"| {r['what']} | {r['cuda_ms']:.3f} ms{write_cell(r, 'cuda')} | {r['triton_ms']:.3f} ms"
+                             f"{write_cell(r, 'triton')} | {r['reference_ms']:.3f} ms | {r['cuda_vs_triton']:.2f}× |")
             elif "compared" in r:  # an A/B row: the second setting in the first column, its speedup last
                 lines.append(ab_cell(r))
             else:
                 lines.append(f"| {r['what']} | {r['status']} in {r.get('seconds', 0):.1f} s | | | |")
         lines.append("")
     return "\n".join(lines)
+
+
+def write_cell(row: dict, kernel: str) -> str:
+    """A noise kernel's write bandwidth after its time: `` (0.78 TB/s written, 25 % of copy)``, the fraction marked
+    where the row's best kernel misses WRITE_BANDWIDTH_TARGET; empty for a row that writes no batch."""
+    if "bytes_written" not in row:
+        return ""
+    fraction = row.get(f"{kernel}_of_copy_bandwidth")
+    share = "" if fraction is None else f", {fraction:.0%} of copy" + ("" if row["write_bandwidth_met"] else " **(< "
+                                                                        f"{WRITE_BANDWIDTH_TARGET:.0%})**")
+    return f" ({row[f'{kernel}_write_Bps'] / 1e12:.2f} TB/s written{share})"
 
 
 def ab_cell(row: dict) -> str:

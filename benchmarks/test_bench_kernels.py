@@ -154,8 +154,9 @@ def cuda_kernel_case(case: str, samples: int) -> dict:
         triton_fn = lambda: count_votes_triton(logits, counts)  # noqa: E731
         reference = lambda: count_votes_reference(logits, counts)  # noqa: E731
     cuda_ms, triton_ms, reference_ms = _cuda_ms(cuda_fn), _cuda_ms(triton_fn), _cuda_ms(reference)
+    written = dict(bytes_written=out.numel() * out.element_size()) if case.startswith("noise") else {}
     return dict(op=f"{case}, {samples} rows", cuda_ms=cuda_ms, triton_ms=triton_ms, reference_ms=reference_ms,
-                cuda_vs_triton=triton_ms / cuda_ms, cuda_vs_reference=reference_ms / cuda_ms, run=cuda_fn)
+                cuda_vs_triton=triton_ms / cuda_ms, cuda_vs_reference=reference_ms / cuda_ms, **written, run=cuda_fn)
 
 
 @pytest.mark.parametrize("case", CUDA_KERNEL_CASES)

@@ -273,6 +273,7 @@ import json, sys
 sys.path.insert(0, "benchmarks")
 import floor, targets
 
+NOISE_BYTES = 10_000 * 32 * 28 * 28 * 4  # 10,000 float32 LeNet s = 1 latents
 cost = floor.Cost(8.9e6, 7.6e6, 1.3e6, 88_000, 9_600, 784, {})
 row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, precision="bfloat16", n0=100,
            n=100_000, images=3, weights="random", inputs="synthetic", status="ok", gamma_search="bisection",
@@ -301,10 +302,14 @@ ab_rows = [dict(what="fused noise + max pool", images=2, status="ok", unfused_s_
            dict(what="exact bounds of one search round (6 Grams): batched vs one by one", status="ok", batched_ms=4.0,
                 one_by_one_ms=16.0, batched_vs_one_by_one=4.0, bound_relative_difference=3e-16,
                 compared=["one_by_one", "batched"], speedup_key="batched_vs_one_by_one")]
+kernel_row = dict(what="kernel: noise fp32 channels_last", status="ok", cuda_ms=1.279, triton_ms=1.127,
+                  reference_ms=9.5, cuda_vs_triton=1.127 / 1.279,
+                  **floor.write_bandwidth(NOISE_BYTES, dict(cuda=1.279, triton=1.127), 3.1e12))
 settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=floor.asdict(floor.H100_SXM),
                 copy_bandwidth_Bps=3.1e12, tf32_conv=True, tf32_matmul=False)
 data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row]),
-                                                                      native=dict(rows=[graph_row, bound_row, *ab_rows])))
+                                                                      native=dict(rows=[graph_row, bound_row, *ab_rows,
+                                                                                        kernel_row])))
 print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
 '''
 
@@ -342,6 +347,26 @@ def test_a_gpu_row_with_floors_renders_with_its_verdicts():
             "| — | 4.00× (batched vs one by one) (bounds 3.0e-16 apart) |") in md
     assert "H100 SXM" in md and "3.10 TB/s measured" in md and "2.4x the fused floor" in out["summary"]
     assert "COMPILED IN THE TIMED REGION" in out["summary"]
+    assert ("| kernel: noise fp32 channels_last | 1.279 ms (0.78 TB/s written, 25% of copy **(< 70%)**) | 1.127 ms "
+            "(0.89 TB/s written, 29% of copy **(< 70%)**) | 9.500 ms | 0.88× |") in md
+
+
+def test_the_noise_kernels_write_bandwidth_is_a_fraction_of_the_copy_bandwidth():
+    """Stage 2b's noise kernel rows: bytes written ÷ time per kernel, as a fraction of the card's measured copy
+    bandwidth, met where the better kernel reaches 70 % of it (issue #28's target); made-up timings."""
+    written = 10_000 * 32 * 28 * 28 * 4  # 10,000 float32 LeNet s = 1 latents, about 1 GB
+    row = floor.write_bandwidth(written, dict(cuda=1.279, triton=1.127), 3.1e12)
+    assert row["bytes_written"] == 1_003_520_000 and row["copy_bandwidth_Bps"] == 3.1e12
+    assert row["cuda_write_Bps"] == pytest.approx(7.846e11, rel=1e-3)
+    assert row["triton_write_Bps"] == pytest.approx(8.904e11, rel=1e-3)
+    assert row["triton_of_copy_bandwidth"] == pytest.approx(0.2872, rel=1e-3)
+    assert row["cuda_of_copy_bandwidth"] == pytest.approx(0.2531, rel=1e-3)
+    assert floor.WRITE_BANDWIDTH_TARGET == 0.70 and row["write_bandwidth_met"] is False
+    fast = floor.write_bandwidth(written, dict(cuda=1.279, triton=0.46), 3.1e12)  # 2.18 TB/s: 70.4 % of 3.1 TB/s
+    assert fast["triton_of_copy_bandwidth"] == pytest.approx(0.7037, rel=1e-3) and fast["write_bandwidth_met"] is True
+    unmeasured = floor.write_bandwidth(written, dict(cuda=1.279, triton=0.46), None)  # no copy bandwidth: no verdict
+    assert unmeasured["triton_of_copy_bandwidth"] is None and unmeasured["write_bandwidth_met"] is None
+    assert unmeasured["triton_write_Bps"] == fast["triton_write_Bps"]
 
 
 ASSESS_COMPILED_ROWS = r'''
