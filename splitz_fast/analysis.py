@@ -200,6 +200,8 @@ def read_certification(path: PathLike) -> CertificationTable:
             raise ValueError(f"{where}: radius must be finite and >= 0, got {row['radius']!r}")
         if values["correct"] not in (0, 1):
             raise ValueError(f"{where}: correct must be 0 or 1, got {row['correct']!r}")
+        if values["label"] < 0:  # else a label of -1 would make an abstention "correct"
+            raise ValueError(f"{where}: label must be a class index >= 0, got {row['label']!r}")
         if values["correct"] != int(values["predict"] == values["label"]):
             raise ValueError(f"{where}: correct={values['correct']} disagrees with "
                              f"predict={values['predict']}, label={values['label']}")
@@ -539,6 +541,10 @@ def load_runs(paths_or_named: RunsArg) -> dict[str, CertificationTable]:
         named = dict(paths_or_named)
     else:
         paths = list(paths_or_named)
+        resolved = [Path(p).resolve() for p in paths]
+        repeated = next((p for p, r in zip(paths, resolved) if resolved.count(r) > 1), None)
+        if repeated is not None:  # the names would collide and one run would silently be left out
+            raise ValueError(f"{os.fspath(repeated)} is given more than once; give each run once")
         named = dict(zip(_run_names(paths), paths))
     if not named:
         raise ValueError("no result files given")

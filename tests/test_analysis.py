@@ -362,6 +362,27 @@ def test_analyze_names_runs(tmp_path, table_b):
         an.analyze([], [0.25])
 
 
+def test_a_run_given_twice_or_two_runs_of_one_name_are_refused(tmp_path, monkeypatch, capsys):
+    """Runs are keyed by name: a second one of the same name silently replaced the first before."""
+    from splitz_fast.cli import main
+
+    a = write(tmp_path / "A.tsv", SPLITZ_HEADER, A_ROWS)
+    (tmp_path / "other").mkdir()
+    b = write(tmp_path / "other" / "B.tsv", SPLITZ_HEADER, A_ROWS)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="given more than once"):
+        an.load_runs([a, "A.tsv"])
+    assert main(["analyze", str(a), str(b), "--names", "X", "X", "--radii", "0", "--out", str(tmp_path / "r")]) == 2
+    assert "--names gives a name twice" in capsys.readouterr().err
+
+
+def test_a_negative_label_is_refused_so_an_abstention_cannot_count_as_correct(tmp_path):
+    rows = A_ROWS + ["9\t-1\t-1\t0\t1\t0.1\t1.0\t0.0\t0.0\t0.2\tnone\tnan"]
+    path = write(tmp_path / "A.tsv", SPLITZ_HEADER, rows)
+    with pytest.raises(ValueError, match="label must be a class index >= 0"):
+        an.read_certification(path)
+
+
 @pytest.mark.parametrize("radius,failure", [(0.1234567891, 0.0010005), (1.9999999, 0.001 + 4.9e-7), (0.5, 0.001)])
 def test_rows_never_round_a_certificate_in_the_users_disfavour(radius, failure):
     """A printed radius is never above the certified one, a printed failure probability never below the true one."""

@@ -60,8 +60,8 @@ def test_names_splits_and_options_are_validated():
     }
     with pytest.raises(ValueError, match="valid names: mnist, cifar10, imagenet"):
         get_dataset("svhn", "test")
-    with pytest.raises(ValueError, match="valid splits: train, val"):
-        get_dataset("imagenet", "test", root="/nonexistent")
+    with pytest.raises(ValueError, match="valid splits: train, val, test"):
+        get_dataset("imagenet", "valid", root="/nonexistent")
     with pytest.raises(ValueError, match="valid splits: train, test"):
         get_dataset("adult", "valid")
     with pytest.raises(TypeError, match="valid options: seed, test_fraction"):
@@ -225,6 +225,8 @@ def test_imagenet_imagefolder_root(tmp_path):
     x, y = val.dataset[5]
     assert x.shape == (3, 224, 224) and x.dtype == torch.float32 and y == 2
     assert torch.equal(x, val.dataset[5][0])  # deterministic eval transform
+    test = get_dataset("imagenet", "test", root=tmp_path)  # Cohen et al.'s name for the val folder
+    assert test.dataset.root == val.dataset.root and torch.equal(test.dataset[5][0], x)
     train = get_dataset("imagenet", "train", root=tmp_path)
     assert train.dataset[0][0].shape == (3, 224, 224)
     plain = get_dataset("imagenet", "train", root=tmp_path, augment=False).dataset

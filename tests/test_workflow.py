@@ -108,6 +108,13 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path, mnist_small):
     assert [json.loads(line)["epoch"] for line in log_lines] == [0, 1, 2]  # nothing lost, nothing repeated
 
 
+def test_a_diverged_training_stops_before_saving_a_nan_model(tmp_path, mnist_small):
+    config = _config(optimizer="sgd", lr=1e30, epochs=2, max_batches=3)
+    with pytest.raises(ValueError, match=r"training diverged in epoch 0: mean loss nan, non-finite weights in "):
+        train(_model(), mnist_small, config, tmp_path / "run", model_spec={"name": "lenet"})
+    assert not (tmp_path / "run" / "best.pt").exists() and not (tmp_path / "run" / "last.pt").exists()
+
+
 def test_training_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, mnist_small):
     config = _config(epochs=1, max_batches=1)
     train(_model(), mnist_small, config, tmp_path, model_spec={"name": "lenet"})
