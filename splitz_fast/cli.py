@@ -241,7 +241,7 @@ def _held_out_dataset(args: argparse.Namespace, ckpt: dict):
 
 def _model_and_dataset(args: argparse.Namespace):
     """The checkpoint's model and the dataset split, refused with a clear message when they do not fit together."""
-    from .datasets import get_dataset
+    from .datasets import class_names_of, get_dataset
 
     checkpoint_format = getattr(args, "checkpoint_format", "splitz")
     model, ckpt = load_model(args.checkpoint, args.device, format=checkpoint_format)
@@ -259,6 +259,12 @@ def _model_and_dataset(args: argparse.Namespace):
     if model.input_shape != tuple(info.input_shape) or model.num_classes != info.num_classes:
         raise ValueError(f"checkpoint model takes {model.input_shape} with {model.num_classes} classes, but "
                          f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
+    trained_classes, classes = ckpt.get("class_names"), class_names_of(info.dataset)
+    if trained_classes is not None and classes is not None and list(trained_classes) != classes:
+        k = next(k for k, (a, b) in enumerate(zip(trained_classes, classes)) if a != b)
+        raise ValueError(f"the {args.split} split's class {k} is {classes[k]!r}, but the checkpoint was trained with "
+                         f"{trained_classes[k]!r} as class {k}: its labels would name other classes; give a folder "
+                         "with the training run's class folders (the same names)")
     trained_sigma = (ckpt.get("config") or {}).get("sigma")
     if getattr(args, "sigma", None) is not None and trained_sigma is not None and trained_sigma != args.sigma:
         # Valid (the certificate is about the classifier smoothed at SIGMA), but usually a slip: say it once.

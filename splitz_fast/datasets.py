@@ -136,6 +136,14 @@ class DatasetInfo:
         return len(self.dataset)  # type: ignore[arg-type]
 
 
+def class_names_of(dataset: Dataset) -> list[str] | None:
+    """The names a torchvision dataset gives its labels 0, 1, ... (``classes``: an ``ImageFolder``'s sorted folder
+    names), or ``None``. A checkpoint records them, so that a folder with other classes is not certified against
+    labels that mean something else."""
+    names = getattr(dataset, "classes", None)
+    return [str(name) for name in names] if isinstance(names, (list, tuple)) else None
+
+
 def get_dataset(name: str, split: str, root: str | os.PathLike | None = None, **options: Any) -> DatasetInfo:
     """Load dataset ``name`` (one of :data:`DATASETS`), split ``split`` (see :data:`SPLITS`), without downloading.
 

@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from ._checks import check_count, check_nonnegative, check_positive, check_tensor
 from .lipschitz import PowerIterationState, lipschitz_estimate
+from .datasets import class_names_of
 from .models import build_model
 from .modules import SplitModel
 from .bounds import (BallBounds, ball_bounds, first_layer_row_norms, input_scale, linear_part,
@@ -907,6 +908,7 @@ def train(
     last_path = out / "last.pt"
     config_dict = dataclasses.asdict(config)
     spec = dict(model_spec or {})
+    class_names = class_names_of(train_set)
 
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -963,6 +965,8 @@ def train(
                     "multiplier": multiplier,
                     "history": result.history, "best_epoch": result.best_epoch,
                     "best_val_noisy_acc": result.best_val_noisy_acc}
+            if class_names is not None:
+                ckpt["class_names"] = class_names
             _save_epoch(ckpt, out, improved, timed_record)
             if on_epoch_end is not None:
                 on_epoch_end(timed_record)

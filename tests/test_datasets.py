@@ -217,6 +217,26 @@ def _write_fake_imagefolder(root, classes=("n01", "n02", "n03"), per_class=2, si
 
 
 @needs_torchvision
+def test_a_folder_with_other_class_names_than_training_had_is_refused(tmp_path, capsys):
+    """An ImageFolder numbers its class folders in sorted order: certifying a folder of other classes against a model
+    trained on these would count an unseen class as the one with its number."""
+    from splitz_fast.cli import main
+
+    _write_fake_imagefolder(tmp_path / "a", classes=("cat", "dog", "fish"), per_class=2, size=(64, 64))
+    _write_fake_imagefolder(tmp_path / "b", classes=("cat", "dog", "eel"), per_class=1, size=(64, 64))
+    assert main(["train", "imagenet", "imagenet_resnet50", str(tmp_path / "run"), "--root", str(tmp_path / "a"),
+                 "--sigma", "0.5", "--epochs", "1", "--max-batches", "1", "--batch", "2", "--val-fraction", "0.34",
+                 "--threads", "1"]) == 0
+    assert torch.load(tmp_path / "run" / "best.pt", weights_only=True)["class_names"] == ["cat", "dog", "fish"]
+    capsys.readouterr()
+    out = tmp_path / "out.tsv"
+    assert main(["certify", "imagenet", str(tmp_path / "run" / "best.pt"), "0.5", str(out), "--root",
+                 str(tmp_path / "b"), "--split", "val", "--N0", "2", "--N", "4", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "class 2 is 'eel', but the checkpoint was trained with 'fish' as class 2" in err and not out.exists()
+
+
+@needs_torchvision
 def test_imagenet_imagefolder_root(tmp_path):
     _write_fake_imagefolder(tmp_path)
     val = get_dataset("imagenet", "val", root=tmp_path)
