@@ -226,10 +226,17 @@ def _unavailable(name: str, problem: str) -> DatasetUnavailableError:
     return DatasetUnavailableError(f"{name}: {problem}; expected layout: {_ROOT_LAYOUT[name]} ({_NO_DOWNLOAD})")
 
 
+def _reason(err: Exception) -> str:
+    """torchvision's message without its advice to pass ``download=True``, which this library never does."""
+    return re.sub(r"\s*You can use download=True to download it\.?", "", str(err)).strip() or type(err).__name__
+
+
 def _existing_root(name: str, root: str | os.PathLike | None) -> Path:
     if root is None:
         raise _unavailable(name, "needs root=<your data folder>")
     path = Path(root).expanduser()
+    if path.exists() and not path.is_dir():
+        raise _unavailable(name, f"root {str(path)!r} is a file, not a folder")
     if not path.is_dir():
         raise _unavailable(name, f"root folder {str(path)!r} does not exist")
     return path
@@ -272,7 +279,8 @@ def _load_mnist(split: str, root: Path | None) -> DatasetInfo:
                 str(root), train=split == "train", download=False, transform=tv.transforms.ToTensor()
             )
         except RuntimeError as err:
-            raise _unavailable("mnist", f"torchvision could not read MNIST under {str(root)!r} ({err})") from None
+            raise _unavailable("mnist", f"torchvision could not read MNIST under {str(root)!r} "
+                                        f"({_reason(err)})") from None
         source = f"torchvision MNIST at {root}"
     return DatasetInfo(
         dataset=dataset,
@@ -296,7 +304,7 @@ def _load_cifar10(split: str, root: Path, augment: bool) -> DatasetInfo:
         dataset = tv.datasets.CIFAR10(str(root), train=train, download=False, transform=transform)
     except RuntimeError as err:
         raise _unavailable(
-            "cifar10", f"torchvision found no intact CIFAR-10 under {str(root)!r} ({err})"
+            "cifar10", f"torchvision found no intact CIFAR-10 under {str(root)!r} ({_reason(err)})"
         ) from None
     aug = " with crop+flip augmentation" if train and augment else ""
     return DatasetInfo(

@@ -85,7 +85,8 @@ class ClippedReLU(nn.Module):
         if bool((torch.isnan(self.threshold) | (self.threshold < 0)).any()):
             raise ValueError(
                 "ClippedReLU has a negative or NaN threshold; call .project_() after each optimizer step "
-                "(bounds for negative thresholds are not defined)"
+                "(bounds for negative thresholds are not defined); a NaN one in training means the run diverged "
+                "(lower the learning rate)"
             )
 
     def extra_repr(self) -> str:

@@ -164,7 +164,9 @@ class TrainConfig:
         if self.lr_schedule not in ("step", "half-cosine", "cosine", "none"):
             raise ValueError(f"lr_schedule must be step, half-cosine, cosine or none, got {self.lr_schedule!r}")
         check_count("lr_step", self.lr_step)
-        check_positive("lr_decay", self.lr_decay)
+        if not 0.0 < check_positive("lr_decay", self.lr_decay) <= 1.0:
+            raise ValueError(f"lr_decay multiplies the learning rate every lr_step epochs: it must lie in (0, 1], got "
+                             f"{self.lr_decay}")
         check_nonnegative("lr_min", self.lr_min)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {self.val_fraction}")
@@ -904,7 +906,6 @@ def train(
     group.check_process_group()
     device = torch.device(device)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     last_path = out / "last.pt"
     config_dict = dataclasses.asdict(config)
     spec = dict(model_spec or {})
@@ -934,6 +935,7 @@ def train(
         warm_start_(model, load_checkpoint_file(config.init_checkpoint, device), config)
     # Every rank has read last.pt (or found none) before rank 0 can write one: this is a collective.
     group.broadcast_from_rank0(model)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
 
     train_part = _DatasetPart(train_set, train_indices, device, config.num_workers)
     val_part = _DatasetPart(train_set, val_indices, device, config.num_workers)

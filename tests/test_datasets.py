@@ -83,6 +83,17 @@ def test_root_datasets_without_root_say_which_layout(tmp_path, name, split, hint
         assert hint in str(err.value)
     with pytest.raises(DatasetUnavailableError, match="does not exist"):
         get_dataset(name, split, root=tmp_path / "missing")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(DatasetUnavailableError, match="is a file, not a folder"):
+        get_dataset(name, split, root=tmp_path / "a-file")
+
+
+@needs_torchvision
+def test_a_damaged_cifar10_folder_does_not_advise_download(tmp_path):
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    with pytest.raises(DatasetUnavailableError, match="no intact CIFAR-10") as err:
+        get_dataset("cifar10", "test", root=tmp_path)
+    assert "download=True" not in str(err.value) and "never downloads" in str(err.value)
 
 
 @pytest.mark.parametrize("name,split,pip_line", [

@@ -82,7 +82,8 @@ def test_schedules():
 
 
 @pytest.mark.parametrize("field, value", [("sigma", 0.0), ("lambda_start", 1.5), ("optimizer", "rmsprop"),
-                                          ("val_fraction", 1.0), ("noise_samples", 0), ("theta_lip", -1.0)])
+                                          ("val_fraction", 1.0), ("noise_samples", 0), ("theta_lip", -1.0),
+                                          ("lr_decay", 5.0)])
 def test_train_config_rejects_bad_values(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
         _config(**{field: value}).validate()
@@ -113,6 +114,18 @@ def test_a_diverged_training_stops_before_saving_a_nan_model(tmp_path, mnist_sma
     with pytest.raises(ValueError, match=r"training diverged in epoch 0: mean loss nan, non-finite weights in "):
         train(_model(), mnist_small, config, tmp_path / "run", model_spec={"name": "lenet"})
     assert not (tmp_path / "run" / "best.pt").exists() and not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_a_refused_warm_start_leaves_no_output_folder(tmp_path, mnist_small):
+    from splitz_fast.checkpoints import CHECKPOINT_FORMAT
+
+    rs = sz.lenet(split_index=0)
+    torch.save({"format": CHECKPOINT_FORMAT, "model": rs.state_dict(), "config": {"sigma": 0.25},
+                "model_spec": {"name": "lenet", "kwargs": {"split_index": 0}}}, tmp_path / "rs.pt")
+    with pytest.raises(ValueError, match="same σ"):
+        train(_model(), mnist_small, _config(init_checkpoint=str(tmp_path / "rs.pt")), tmp_path / "run",
+              model_spec={"name": "lenet"})
+    assert not (tmp_path / "run").exists()
 
 
 def test_training_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, mnist_small):
