@@ -261,10 +261,12 @@ def _model_and_dataset(args: argparse.Namespace):
                          f"{args.dataset} has {tuple(info.input_shape)} with {info.num_classes} classes")
     trained_classes, classes = ckpt.get("class_names"), class_names_of(info.dataset)
     if trained_classes is not None and classes is not None and list(trained_classes) != classes:
-        k = next(k for k, (a, b) in enumerate(zip(trained_classes, classes)) if a != b)
-        raise ValueError(f"the {args.split} split's class {k} is {classes[k]!r}, but the checkpoint was trained with "
-                         f"{trained_classes[k]!r} as class {k}: its labels would name other classes; give a folder "
-                         "with the training run's class folders (the same names)")
+        k = next((k for k, (a, b) in enumerate(zip(trained_classes, classes)) if a != b), None)
+        which = (f"class {k} is {classes[k]!r}, but the checkpoint was trained with {trained_classes[k]!r} as class "
+                 f"{k}" if k is not None else f"has {len(classes)} classes, the checkpoint's training set "
+                 f"{len(trained_classes)}")
+        raise ValueError(f"the {args.split} split's {which}: its labels would name other classes; give a folder with "
+                         "the training run's class folders (the same names)")
     trained_sigma = (ckpt.get("config") or {}).get("sigma")
     if getattr(args, "sigma", None) is not None and trained_sigma is not None and trained_sigma != args.sigma:
         # Valid (the certificate is about the classifier smoothed at SIGMA), but usually a slip: say it once.

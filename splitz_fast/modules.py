@@ -80,9 +80,13 @@ class ClippedReLU(nn.Module):
         """Clamp θ to ≥ 0 in place (the projection step after an optimizer update)."""
         self.threshold.clamp_(min=0.0)
 
+    def valid(self) -> torch.Tensor:
+        """A 0-d bool tensor on θ's device, True when no θ is negative or NaN (not read on the host: callers batch
+        this read with others, see :meth:`LeftHalf.check_structure`)."""
+        return ~(torch.isnan(self.threshold) | (self.threshold < 0)).any()
+
     def check_valid(self) -> None:
-        # One reduction and one host read (on a GPU a sync), as the radius search calls this for every bound.
-        if bool((torch.isnan(self.threshold) | (self.threshold < 0)).any()):
+        if not bool(self.valid()):
             raise ValueError(
                 "ClippedReLU has a negative or NaN threshold; call .project_() after each optimizer step "
                 "(bounds for negative thresholds are not defined); a NaN one in training means the run diverged "
@@ -325,11 +329,8 @@ class LeftHalf(nn.Module):
             check_standardize(self.standardize)
         for layer in self.layers:
             check_affine(layer)
-        self._check_finite_weights()
+        self._check_values()
         for k in range(depth):
-            act = self.activation(k)
-            if act is not None:
-                act.check_valid()
             if self.pool(k) is not None and k == depth - 1:
                 raise ValueError("a pool after the last affine layer of f_L belongs to f_R (the latent is taken "
                                  "before it)")
@@ -338,14 +339,22 @@ class LeftHalf(nn.Module):
             raise ValueError(f"f_L has forward hooks on {', '.join(hooked)}: a hook may change an output the Lipschitz "
                              "bound does not see; remove them (handle.remove()) before bounding or certifying")
 
-    def _check_finite_weights(self) -> None:
-        # NaN/Inf weights would reach the eigensolvers as an opaque solver error; one reduction and one host read.
-        tensors = [(f"layers[{k}].{name}", t) for k, layer in enumerate(self.layers)
+    def _check_values(self) -> None:
+        """Refuse NaN/Inf weights (they would reach the eigensolvers as an opaque solver error) and negative or NaN
+        thresholds, with one host read for all of them (on a GPU one sync): the radius search calls this for every
+        bound."""
+        weights = [(f"layers[{k}].{name}", t) for k, layer in enumerate(self.layers)
                    for name, t in (("weight", layer.weight), ("bias", layer.bias)) if t is not None]
-        if tensors and not bool(torch.stack([torch.isfinite(t).all() for _, t in tensors]).all()):
-            bad = [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+        activations = [act for k in range(len(self.layers)) if (act := self.activation(k)) is not None]
+        flags = [torch.isfinite(t).all() for _, t in weights] + [act.valid() for act in activations]
+        if not flags or bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all()):
+            return
+        bad = [name for name, t in weights if not bool(torch.isfinite(t).all())]
+        if bad:
             raise ValueError(f"f_L has NaN or Inf values in {', '.join(bad)}: no Lipschitz bound exists; load a "
                              "checkpoint without them (a diverged training run?)")
+        for act in activations:
+            act.check_valid()
 
     @staticmethod
     def layer_input(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:

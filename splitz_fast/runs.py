@@ -74,9 +74,10 @@ class RunTask(abc.ABC):
         """The TSV line of one result (no newline)."""
 
     @property
-    @abc.abstractmethod
-    def model(self) -> SplitModel:
-        """The model the task runs (its ``num_classes`` bounds the labels a dataset may give)."""
+    def model(self) -> SplitModel | None:
+        """The model the task runs: its ``num_classes`` bounds the labels a dataset may give (``None``: labels
+        unchecked)."""
+        return None
 
     def earlier_settings(self, previous: dict[str, Any]) -> dict[str, Any]:
         """A sidecar found on resume, read as this version of the task records it (a task whose recorded settings
@@ -561,22 +562,23 @@ def run_over_dataset(
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)
     lock = _lock_sidecar(out_path)
-    created, written = not out_path.exists(), 0
+    created, written = False, 0  # created: this call wrote the files and holds their lock
     try:
         done = _prepare_output(out_path, task, settings, resume, indices)
         if lock is None:  # a fresh run: its sidecar exists now
             lock = _lock_sidecar(out_path)
+            created = True
         todo = [i for i in indices if i not in done]
         if stop_after is not None:
             todo = todo[:stop_after]
         labels: dict[int, int] = {}
 
-        classes = task.model.num_classes
+        classes = None if task.model is None else task.model.num_classes
 
         def pairs():
             for idx in todo:
                 x, label = dataset[idx]
-                labels[idx] = _checked_label(label, idx, classes)
+                labels[idx] = int(label) if classes is None else _checked_label(label, idx, classes)
                 yield x, labels[idx]
 
         results = task.results(pairs(), [seed + idx for idx in todo])

@@ -11,7 +11,6 @@ certificate bound (:mod:`splitz_fast.radius`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -188,8 +187,8 @@ def _check_sampled_as_given(model: SplitModel) -> None:
         raise ValueError("the SplitModel has forward hooks: certifiers call model.left and model.right, never "
                          "model(x), so a hook there would not take part in what is certified; register it on "
                          "model.right (f_R) instead, or remove it (handle.remove())")
-    found = sorted({str(t.dtype).removeprefix("torch.") for t in itertools.chain(model.parameters(), model.buffers())
-                    if t.is_floating_point() and t.dtype != torch.float32})
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                    if p.is_floating_point() and p.dtype != torch.float32})
     if found:
         raise TypeError(f"the model's weights must be float32, found {', '.join(found)}: convert it with "
                         "model.float(), and for a reduced-precision f_R pass precision='bfloat16' or 'float16' to the "

@@ -164,7 +164,7 @@ class TrainConfig:
         if self.lr_schedule not in ("step", "half-cosine", "cosine", "none"):
             raise ValueError(f"lr_schedule must be step, half-cosine, cosine or none, got {self.lr_schedule!r}")
         check_count("lr_step", self.lr_step)
-        _check_unit_fraction("lr_decay", check_positive("lr_decay", self.lr_decay))  # a decay: never a growth
+        check_positive("lr_decay", self.lr_decay)
         check_nonnegative("lr_min", self.lr_min)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {self.val_fraction}")
@@ -178,7 +178,8 @@ class TrainConfig:
         check_positive("dual_step", self.dual_step)
         check_nonnegative("dual_init", self.dual_init)
         if self.gamma_ramp_fraction is not None:
-            _check_unit_fraction("gamma_ramp_fraction", self.gamma_ramp_fraction)
+            if not 0.0 < self.gamma_ramp_fraction <= 1.0:
+                raise ValueError(f"gamma_ramp_fraction must lie in (0, 1], got {self.gamma_ramp_fraction}")
             if not self.gamma_ramp:
                 raise ValueError("gamma_ramp_fraction needs gamma_ramp (the ramp it shapes)")
         _check_extra_terms(self)
@@ -217,11 +218,6 @@ class TrainConfig:
             return self.lr
         progress = (epoch - start) / max(1, self.epochs - start)
         return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
-
-
-def _check_unit_fraction(name: str, value: float) -> None:
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must lie in (0, 1], got {value}")
 
 
 def _check_extra_terms(config: TrainConfig) -> None:

@@ -384,6 +384,12 @@ def test_a_model_in_another_dtype_is_told_to_use_precision_instead(dtype):
         Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0)
 
 
+def test_a_float64_constant_buffer_in_f_r_is_not_a_model_dtype():
+    model = _image_model()
+    model.right.register_buffer("temperature", torch.tensor(1.0, dtype=torch.float64))
+    assert Smoother(model, SIGMA).certify(_x(), **COUNTS, seed=0).n == COUNTS["n"]
+
+
 def test_a_hook_on_the_split_model_itself_is_refused():
     """Certifiers never call model(x): a pre-hook there (e.g. an input transform) would not be certified."""
     model = _image_model()
