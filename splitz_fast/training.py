@@ -874,7 +874,9 @@ def train(
     """Train ``model`` with the SPLITZ loss (RS loss when ``split_index == 0``) and write checkpoints to ``out_dir``.
 
     Args:
-        train_set: dataset of ``(x, y)``; ``config.val_fraction`` of it (seeded) is held out for validation.
+        train_set: dataset of ``(x, y)``; ``config.val_fraction`` of it (seeded) is held out for validation. Where it
+            names its classes (torchvision's ``classes``, e.g. an ``ImageFolder``'s folders), checkpoints record them
+            as ``class_names``, and ``splitz certify`` refuses a dataset that names them otherwise.
         model_spec: how to rebuild the model (e.g. ``{"name": "lenet", "split_index": 1}``), stored in checkpoints.
         resume: continue from ``out_dir/last.pt``; refused if that run used a different config or model spec.
             Without ``resume``, an existing ``last.pt`` is an error (nothing is overwritten silently).
