@@ -363,10 +363,12 @@ def test_nan_scores_are_refused_by_certify_and_predict():
     with pytest.raises(ValueError, match="NaN scores"):
         Smoother(model, SIGMA).predict(_x(), COUNTS["n"], COUNTS["alpha"], seed=0)
     broken = _head(lambda inner: inner)
+    smoother = Smoother(broken, SIGMA)
+    assert smoother.certify(_x(), **COUNTS, seed=0).n == COUNTS["n"]  # probed and prepared: then edited in place
     with torch.no_grad():
         next(broken.right.parameters()).fill_(math.nan)
     with pytest.raises(ValueError, match="NaN scores"):
-        Smoother(broken, SIGMA).certify(_x(), **COUNTS, seed=0)
+        smoother.certify(_x(), **COUNTS, seed=0)
 
 
 def test_batchnorm_with_running_statistics_is_accepted():
