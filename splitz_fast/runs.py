@@ -39,7 +39,7 @@ from .protocols import certificate_status
 from .attacks import ATTACK_HEADER, Attacker
 from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 from .margin import MarginCertifier
-from .models import SplitModel
+from .modules import SplitModel
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
 from .sequential import SequentialCertifier
@@ -572,7 +572,6 @@ def run_over_dataset(
         if stop_after is not None:
             todo = todo[:stop_after]
         labels: dict[int, int] = {}
-
         classes = None if task.model is None else task.model.num_classes
 
         def pairs():
