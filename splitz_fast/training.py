@@ -664,13 +664,17 @@ class _DatasetPart:
     same positions. Either way a batch holds the rows ``DataLoader(Subset(dataset, indices))`` collates for them.
     """
 
-    def __init__(self, dataset: Dataset, indices: list[int], device: torch.device, num_workers: int) -> None:
+    def __init__(self, dataset: Dataset, indices: list[int], device: torch.device, num_workers: int,
+                 num_classes: int) -> None:
         self.subset = Subset(dataset, indices)
-        self.device, self.num_workers = device, num_workers
+        self.indices = indices
+        self.device, self.num_workers, self.num_classes = device, num_workers, num_classes
         self.tensors: tuple[torch.Tensor, ...] | None = None
         if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
             rows = torch.as_tensor(indices, dtype=torch.int64)
-            self.tensors = tuple(t[rows].to(device) for t in dataset.tensors)
+            x, y = (t[rows.to(t.device)] for t in dataset.tensors)
+            _check_labels(y, num_classes, indices)
+            self.tensors = (x.to(device), y.to(device))
 
     def __len__(self) -> int:
         return len(self.subset)
@@ -686,10 +690,27 @@ class _DatasetPart:
                 where = where.to(self.device)
                 yield x_all[where], y_all[where]
             return
-        loader = DataLoader(self.subset, batch_sampler=[where.tolist() for where in positions],
-                            num_workers=self.num_workers, generator=loader_generator)
-        for x, y in loader:
+        batches = [where.tolist() for where in positions]
+        loader = DataLoader(self.subset, batch_sampler=batches, num_workers=self.num_workers,
+                            generator=loader_generator)
+        for (x, y), where in zip(loader, batches):
+            _check_labels(y, self.num_classes, [self.indices[i] for i in where])  # on the host: no device sync
             yield x.to(self.device), y.to(self.device)
+
+
+def _check_labels(y: torch.Tensor, num_classes: int, indices: list[int]) -> None:
+    """Refuse training labels that are not class indices in ``[0, num_classes)`` (``indices``: the dataset index of
+    each row, for the message). Without this a label out of range stops the cross-entropy with an IndexError on the
+    CPU and a device-side assert on CUDA, which leaves the CUDA context unusable."""
+    if y.ndim != 1 or y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        raise ValueError(f"training labels must be integer class indices, one per item; the dataset gives "
+                         f"{y.dtype} labels of shape {tuple(y.shape[1:])} per item")
+    outside = ((y < 0) | (y >= num_classes)).nonzero()
+    if outside.numel():
+        row = int(outside[0, 0])
+        raise ValueError(f"dataset item {indices[row]} has label {int(y[row])}, outside the model's {num_classes} "
+                         f"classes [0, {num_classes}); number the classes from 0, or build the model with as many "
+                         "classes as the dataset has")
 
 
 def _split_train_val(size: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -935,10 +956,9 @@ def train(
         warm_start_(model, load_checkpoint_file(config.init_checkpoint, device), config)
     # Every rank has read last.pt (or found none) before rank 0 can write one: this is a collective.
     group.broadcast_from_rank0(model)
+    train_part = _DatasetPart(train_set, train_indices, device, config.num_workers, model.num_classes)
+    val_part = _DatasetPart(train_set, val_indices, device, config.num_workers, model.num_classes)
     out.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
-
-    train_part = _DatasetPart(train_set, train_indices, device, config.num_workers)
-    val_part = _DatasetPart(train_set, val_indices, device, config.num_workers)
     val_positions, val_rows = _rank_batches(
         _batches_of(torch.arange(len(val_part)), config.batch_size, config.max_batches), group)
     epochs_run = 0

@@ -115,6 +115,27 @@ def test_a_diverged_training_stops_before_saving_a_nan_model(tmp_path, mnist_sma
     assert not (tmp_path / "run" / "best.pt").exists() and not (tmp_path / "run" / "last.pt").exists()
 
 
+@pytest.mark.parametrize("label", [10, -1])
+@pytest.mark.parametrize("in_memory", [True, False], ids=["tensors", "loader"])
+def test_training_labels_outside_the_models_classes_are_refused_before_anything_is_written(tmp_path, label, in_memory):
+    """Before: an IndexError from the cross-entropy on the CPU, a device-side assert on CUDA."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.rand(40, 1, 28, 28, generator=gen), torch.randint(0, 10, (40,), generator=gen)
+    y[17] = label
+    data = TensorDataset(x, y) if in_memory else list(zip(x, y))  # a list is read through a DataLoader
+    with pytest.raises(ValueError, match=f"dataset item 17 has label {label}, outside the model's 10 classes"):
+        train(_model(), data, _config(epochs=1, batch_size=8, max_batches=None), tmp_path / "run")
+    assert not (tmp_path / "run" / "last.pt").exists()
+    if in_memory:
+        assert not (tmp_path / "run").exists()
+
+
+def test_training_labels_must_be_integer_class_indices(tmp_path):
+    x = torch.rand(20, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="integer class indices.*torch.float32"):
+        train(_model(), TensorDataset(x, torch.zeros(20)), _config(epochs=1), tmp_path / "run")
+
+
 def test_a_refused_warm_start_leaves_no_output_folder(tmp_path, mnist_small):
     from splitz_fast.checkpoints import CHECKPOINT_FORMAT
 
