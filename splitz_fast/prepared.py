@@ -25,10 +25,14 @@ from .graphs import GraphedScores, score_gap
 from .modules import ModuleSnapshot
 
 # The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
-# between batchings, relative to the largest score (+1). The allowance covers kernels that round differently at
-# another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by a sizeable
-# fraction of their range.
+# between batchings, relative to the largest competing score (+1). The allowance covers kernels that round
+# differently at another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by a
+# sizeable fraction of their range.
 PROBE_ROWS = 8
+# Calls of one copy of f_R on the same batch before the probe compares its scores with the first call's: state that
+# f_R keeps between calls and changes a little each time (a call counter in its forward) adds up to a difference the
+# tolerance below sees.
+PROBE_REPEATS = 16
 PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 
 
@@ -175,11 +179,12 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     identical calls: its votes would not be i.i.d. draws of one base classifier (batch statistics, state kept
     between calls), and a certificate would not be a function of the input and its seed. The probe scores
     :data:`PROBE_ROWS` noisy copies of ``latent`` (their own generator: the inputs' noise streams are untouched) as one
-    batch, twice, in halves and one row alone, each time through a fresh copy of ``net`` (the probe never touches the
-    user's modules or the prepared copy, and a module that counts its calls sees the same rows in the same order each
-    time); ``scores(net, batch)`` is how the engine scores a batch (its precision). Scores must agree to
-    :data:`PROBE_TOLERANCE` (relative to the largest score, for the rounding differences of batch-size-dependent
-    kernels).
+    batch, in halves and one row alone, each time through a fresh copy of ``net`` (the probe never touches the user's
+    modules or the prepared copy, and each variant starts from the same state), and the row alone
+    :data:`PROBE_REPEATS` times through one copy (state kept between calls: the last call against the first);
+    ``scores(net, batch)`` is how the engine scores a batch (its precision). The scores of the classes that compete
+    for each row's vote must agree to :data:`PROBE_TOLERANCE` (relative to the largest of them, for the rounding
+    differences of batch-size-dependent kernels; :func:`~splitz_fast.graphs.score_gap`).
 
     It also refuses NaN scores: a NaN row has no class (``argmax`` would read the first NaN as the maximum, so an
     ``f_R`` with NaN weights would "certify" its first class with a large radius). Infinite scores are accepted
@@ -191,6 +196,13 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
         fresh = copy.deepcopy(net)
         return torch.cat([scores(fresh, batch).float() for batch in batches])
 
+    def first_and_last_of_calls(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fresh = copy.deepcopy(net)
+        first = scores(fresh, batch).float()
+        for _ in range(PROBE_REPEATS - 2):
+            scores(fresh, batch)
+        return first, scores(fresh, batch).float()
+
     rows = noisy_rows(latent, sigma, dtype, PROBE_ROWS, channels_last, pooled)
     half = PROBE_ROWS // 2
     whole = fresh_scores(rows)
@@ -200,11 +212,12 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
             f"f_R returned NaN scores for {nan_rows} of {PROBE_ROWS} noisy copies of the input: the base classifier "
             "has no class there. Check the model's weights (a checkpoint or training run with NaN/Inf), the "
             "precision (float16 overflows above 65504) and f_R's forward")
-    variants = {"the same batch again": fresh_scores(rows),
-                f"batches of {half}": fresh_scores(rows[:half], rows[half:]),
-                "a batch of 1": torch.cat([fresh_scores(rows[:1]), whole[1:]])}
-    for what, other in variants.items():
-        gap, scale = score_gap(other, whole)
+    alone, alone_later = first_and_last_of_calls(rows[:1])  # one row: the repeats cost little with a large f_R
+    comparisons = {f"batches of {half}": (fresh_scores(rows[:half], rows[half:]), whole),
+                   "a batch of 1": (torch.cat([alone, whole[1:]]), whole),
+                   f"the same row {PROBE_REPEATS - 1} calls later": (alone_later, alone)}
+    for what, (other, reference) in comparisons.items():
+        gap, scale = score_gap(other, reference)
         if not gap <= PROBE_TOLERANCE[dtype] * scale:
             raise ValueError(
                 f"f_R's scores for an input change with the rest of its batch or between calls (max difference "

@@ -50,8 +50,10 @@ class BoundOptions:
         bound: ``"local"`` (``L(x, γ)``, the paper's method) or ``"global"`` (input-independent product of norms).
         bound_method: ``"auto"``, ``"exact"`` or ``"probabilistic"``, see
             :func:`~splitz_fast.lipschitz.lipschitz_bound`.
-        bound_delta: total failure probability allowed to probabilistic bounds *per certified input*, split evenly over
-            the γ evaluations and layers and added to α in the result. Unused by exact bounds.
+        bound_delta: total failure probability allowed to probabilistic bounds *per γ search* (one input's), split
+            evenly over the γ evaluations and layers and added to α in the result. The displacement protocol and
+            sequential certification bound more than one search's γ's per input, each budget ``bound_delta``, and add
+            them all to α (``failure_prob``). Unused by exact bounds.
         power_iters: power steps of the probabilistic bound.
         exact_max_dim: largest Gram dimension handled by the exact bound under ``"auto"``.
         gamma_search: ``"bisection"`` or ``"one-step"``.

@@ -4,6 +4,7 @@ certificates through graphs are those of the eager path, that a capture that fai
 the default decides by measurement and records it, and that an edited f_R is captured again."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import Smoother, SplitModel
-from splitz_fast.graphs import GraphCaptureError, capture_scores
+from splitz_fast.graphs import GraphCaptureError, capture_scores, score_gap
 from splitz_fast.sampling import SamplingEngine
 from _helpers import small_splitz
 
@@ -200,3 +201,26 @@ def test_an_edited_f_r_is_captured_again():
     fresh = [(r.prediction, r.count_a) for r in Smoother(model, 0.5, cuda_graphs=True).certify_many(
         xs, 10, 400, 0.01, batch_size=64, seeds=range(5))]
     assert after == fresh and [c for _, c in after] != before
+
+
+def test_score_gap_compares_the_classes_that_compete_for_a_vote():
+    want = torch.tensor([[10.0, 5.0, -1e6, 0.0], [1.0, 2.0, -1e6, 0.0]])
+    # a constant class that never wins does not widen the scale, so a vote-changing difference shows
+    got = want.clone()
+    got[0, 0] = 0.0
+    assert score_gap(got, want) == (10.0, 11.0)
+    # a difference in classes that are in neither scoring's top two changes no vote and is not counted
+    got = want.clone()
+    got[:, 2] = -2e6
+    got[:, 3] = -3.0
+    assert score_gap(got, want) == (0.0, 11.0)
+    # a class that rises into the top two in one scoring competes
+    got = want.clone()
+    got[1, 3] = 7.0
+    assert score_gap(got, want) == (7.0, 11.0)
+    # NaN against a number is an infinite gap, the same infinity none
+    got = want.clone()
+    got[1, 1] = math.nan
+    assert score_gap(got, want)[0] == math.inf
+    masked = torch.tensor([[-math.inf, 1.0, 0.0]])
+    assert score_gap(masked.clone(), masked) == (0.0, 2.0)

@@ -308,6 +308,49 @@ class _Noisy(nn.Module):
         return self.inner(z) + 3 * torch.rand(z.shape[0], 1)
 
 
+class _BatchDependentBesideALoser(nn.Module):
+    """A batch-dependent bonus in the first class, beside a constant class that never wins (−1e6): that constant
+    must not widen the probe's tolerance (scores relative to the largest one) until the bonus passes."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, z):
+        out = self.inner(z).clone()
+        out[:, 0] += 10.0 if z.shape[0] > 1 else 0.0
+        out[:, -1] = -1e6
+        return out
+
+
+class _LoserMovesWithTheBatch(nn.Module):
+    """Batch-dependent only in a class that never competes for a vote: the votes are one base classifier's."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, z):
+        out = self.inner(z).clone()
+        out[:, -1] = -1e6 - 1e3 * z.shape[0]
+        return out
+
+
+class _CountsItsCalls(nn.Module):
+    """State kept between calls: the first class gains a little with every call (each step far inside the probe's
+    tolerance), so the same input and seed would certify differently from one call to the next."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, z):
+        self.calls += 1
+        out = self.inner(z).clone()
+        out[:, 0] += 0.05 * self.calls
+        return out
+
+
 def _head(wrapper) -> sz.SplitModel:
     model = _image_model()
     model.right = wrapper(model.right)
@@ -320,7 +363,10 @@ def _head(wrapper) -> sz.SplitModel:
     (lambda: _head(_AlwaysTraining), "training mode"),
     (lambda: _head(_BatchCentred), "change with the rest of its batch"),
     (lambda: _head(_Noisy), "change with the rest of its batch or between calls"),
-], ids=["batchnorm-without-running-stats", "stuck-in-training", "batch-centred", "random"])
+    (lambda: _head(_BatchDependentBesideALoser), "max difference 10 against a batch of 1"),
+    (lambda: _head(_CountsItsCalls), "against the same row 15 calls later"),
+], ids=["batchnorm-without-running-stats", "stuck-in-training", "batch-centred", "random", "beside-a-constant-loser",
+        "counts-its-calls"])
 def test_a_batch_dependent_f_r_is_refused(model, match):
     model = model()
     x = _x((3,)) if model.split_index == 0 else _x()
@@ -343,6 +389,14 @@ class _MaskedScores(nn.Module):
         out = self.inner(z).clone()
         out[:, -1] = self.fill
         return out
+
+
+def test_a_batch_dependence_in_a_class_that_never_competes_is_accepted():
+    model = _head(_LoserMovesWithTheBatch)
+    plain = Smoother(_image_model(), SIGMA).certify(_x(), **COUNTS, batch_size=64, seed=0)
+    r = Smoother(model, SIGMA).certify(_x(), **COUNTS, batch_size=64, seed=0)
+    assert (r.prediction, r.count_a) == (plain.prediction, plain.count_a)  # the same votes as without the loser
+    assert plain.prediction != model.num_classes - 1
 
 
 @pytest.mark.parametrize("fill", [-math.inf, math.inf])

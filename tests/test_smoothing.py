@@ -16,6 +16,7 @@ from scipy.stats import beta, binom, binomtest, norm
 
 import splitz_fast as sz
 from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel
+from splitz_fast import prepared
 from splitz_fast.kernels.noise_votes import noisy_latents_native
 from splitz_fast.sampling import NOISE_BLOCK, NoiseStream
 
@@ -401,7 +402,9 @@ class VoteSchedule(nn.Module):
     """Ignores its input: the i-th sample it ever sees (counting across calls) votes ``pattern[i % len(pattern)]``.
 
     Over any number of samples that is a multiple of ``len(pattern)`` the vote counts are exact, whatever the
-    batching, so PREDICT's decision can be tested right at its threshold.
+    batching, so PREDICT's decision can be tested right at its threshold. It keeps state between calls, which the
+    engine's probe refuses (its votes are not draws of one base classifier): tests that use it switch the probe off
+    (:func:`unprobed`).
     """
 
     def __init__(self, pattern, num_classes):
@@ -416,8 +419,14 @@ class VoteSchedule(nn.Module):
         return nn.functional.one_hot(self.pattern[idx], self.num_classes).to(u.dtype)
 
 
+@pytest.fixture
+def unprobed(monkeypatch):
+    """The batch-independence probe off, for a :class:`VoteSchedule` (a test device, not a classifier)."""
+    monkeypatch.setattr(prepared, "probe_batch_independence", lambda *args, **kwargs: None)
+
+
 @pytest.mark.parametrize("batch_size", [7, 1000])
-def test_predict_decision_at_the_alpha_threshold(batch_size):
+def test_predict_decision_at_the_alpha_threshold(batch_size, unprobed):
     # 60 votes for class 1, 40 for class 0 out of n = 100: two-sided p-value 0.0569.
     n = 100
     pv = binomtest(60, 100, 0.5).pvalue
@@ -431,7 +440,7 @@ def test_predict_decision_at_the_alpha_threshold(batch_size):
         assert p.prediction == expected, f"alpha={alpha}"
 
 
-def test_predict_uses_top_two_counts():
+def test_predict_uses_top_two_counts(unprobed):
     # Votes 5/3/2 per 10 samples over classes (2, 0, 3); class 1 never wins.
     model = plain_rs(VoteSchedule([2, 0, 2, 3, 2, 0, 2, 3, 2, 0], 4), (2,), 4)
     p = Smoother(model, 0.5).predict(torch.zeros(2), n=1000, alpha=0.001, batch_size=64, seed=0)
