@@ -309,9 +309,9 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
     if previous != settings:
         raise ValueError(f"cannot resume {out_path}: {_settings_difference(previous, settings, sidecar.name)}")
     done = _written_indices(complete, set(indices), f"cannot resume {out_path}")
-    if torn:  # a torn last row: drop it, it is recomputed
-        with out_path.open("w") as fh:
-            fh.write("\n".join([header] + complete) + "\n")
+    if torn:  # a torn last row: cut it off (it is recomputed), in place: a kill or a full disk leaves every row
+        data = out_path.read_bytes()
+        os.truncate(out_path, data.rfind(b"\n") + 1)
     return done
 
 

@@ -208,6 +208,33 @@ def test_interrupted_certification_resumes_without_loss_or_duplicates(tmp_path, 
                          **args)
 
 
+def test_cutting_a_torn_row_rewrites_nothing_so_a_full_disk_loses_no_row(tmp_path, monkeypatch):
+    """Resuming drops a torn last row. Rewriting the file for it (open "w", then write) left an empty file when the
+    write failed (a full disk, a kill): every finished row lost. The row is cut off in place."""
+    import pathlib
+
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    gen = torch.Generator().manual_seed(4)
+    data = _digits(*[torch.rand(1, 28, 28, generator=gen) for _ in range(3)])
+    args = dict(settings={}, indices=[0, 1, 2], seed=0, progress=False)
+    whole = run_over_dataset(task, data, tmp_path / "whole.tsv", **args)
+    part = tmp_path / "part.tsv"
+    run_over_dataset(task, data, part, stop_after=2, **args)
+    with part.open("a") as fh:
+        fh.write("2\t0\t")  # a row torn by the interruption
+    real_open = pathlib.Path.open
+
+    def disk_full_on_rewrite(self, mode="r", *a, **k):
+        if self == part and "w" in mode:
+            real_open(self, mode).close()  # what opening for writing does: the file is emptied
+            raise OSError(28, "No space left on device")
+        return real_open(self, mode, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "open", disk_full_on_rewrite)
+    run_over_dataset(task, data, part, resume=True, **args)
+    assert [row[:5] for row in _certify_rows(part)] == [row[:5] for row in _certify_rows(whole)]
+
+
 def test_run_over_dataset_checks_arguments_before_writing(tmp_path, mnist_small):
     smoother = sz.Smoother(_model().eval(), 0.5)
     out = tmp_path / "x.tsv"
