@@ -42,6 +42,8 @@ from .margin import MarginCertifier
 from .modules import SplitModel
 from .results import HEADER as CERTIFY_HEADER
 from .results import format_row
+from .inputs import model_device
+from .sampling import PHILOX_STREAM, NoiseStream
 from .sequential import SequentialCertifier
 from .smoothing import PredictResult, Smoother
 
@@ -72,6 +74,9 @@ class RunTask(abc.ABC):
     @abc.abstractmethod
     def row(self, idx: int, label: int, result: Any) -> str:
         """The TSV line of one result (no newline)."""
+
+    #: Whether the rows depend on noise drawn from the inputs' seeds (:class:`~splitz_fast.sampling.NoiseStream`).
+    draws_noise = True
 
     @property
     def model(self) -> SplitModel | None:
@@ -157,6 +162,7 @@ class MarginRun(RunTask):
     sampling settings; the rows are CERTIFY's."""
 
     kind, header = "certify-margin", CERTIFY_HEADER
+    draws_noise = False
 
     def __init__(self, certifier: MarginCertifier):
         self.certifier = certifier
@@ -266,18 +272,24 @@ def _changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded_in: str) -> str:
     """Why a resume is refused: the settings both runs record with different values (with the values where they are
-    short), else the settings only one of them records (another command or version wrote the file)."""
+    short), else the settings only one of them records (optional settings are recorded only when not at their
+    default; otherwise another command or version wrote the file)."""
     differ = sorted(k for k in set(previous) & set(now) if previous[k] != now[k])
-    if differ:
-        def shown(key: str) -> str:
-            before, after = json.dumps(previous[key]), json.dumps(now[key])
-            return f"{key} ({before} in {recorded_in}, {after} now)" if max(len(before), len(after)) <= 30 else key
-
-        return (f"it was written with different settings: {'; '.join(map(shown, differ))}; use the same arguments "
-                "or a new OUTFILE")
     only = sorted(set(previous) ^ set(now))
-    return (f"it was written by another command or version, whose settings differ in what they record "
-            f"({', '.join(only)}); use a new OUTFILE")
+
+    def shown(key: str) -> str:
+        before = json.dumps(previous[key]) if key in previous else "not recorded"
+        after = json.dumps(now[key]) if key in now else "not recorded"
+        return f"{key} ({before} in {recorded_in}, {after} now)" if max(len(before), len(after)) <= 30 else key
+
+    keys = differ or only
+    hints = {"checkpoint_digest": "the checkpoint's contents are not those the run began with",
+             "noise_stream": "another generator draws the noise now: SPLITZ_BACKEND, or the C++ kernels unavailable"}
+    why = [hints[key] for key in keys if key in hints]
+    if not differ:
+        why.append("a setting that is not recorded was at its default, or another command or version wrote the file")
+    return "; ".join([f"it was written with different settings: {'; '.join(map(shown, keys))}", *why,
+                      "use the same arguments or a new OUTFILE"])
 
 
 def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], resume: bool,
@@ -493,6 +505,13 @@ def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices:
     check_count("seed", seed, 0)
     settings = dict(settings, **task.settings(), seed=seed,
                     indices=[indices[0], indices[-1], len(indices)] if indices else [])
+    if task.draws_noise and task.model is not None:
+        # The fallback generator draws other noise than the Philox kernels (a machine without a C++ compiler,
+        # SPLITZ_BACKEND=reference): recorded, so that a resume or a merge never mixes rows of the two streams.
+        # Only then, so the files of the Philox stream written before this entry still resume.
+        source = NoiseStream(0, model_device(task.model)).source
+        if source != PHILOX_STREAM:
+            settings["noise_stream"] = source
     if checkpoint is not None:
         settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS

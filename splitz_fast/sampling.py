@@ -106,6 +106,10 @@ def pooled_noise_kernel(device: torch.device):
     return noisy_latents_maxpool2_triton if backend == "triton" else None
 
 
+#: :attr:`NoiseStream.source` of the Philox stream that the Triton, CUDA and C++ noise kernels draw alike.
+PHILOX_STREAM = "philox4x32-10"
+
+
 class NoiseStream:
     """The noise of one input: sample ``k`` of the stream is a pure function of ``(seed, k)``.
 
@@ -137,7 +141,7 @@ class NoiseStream:
     def source(self) -> str:
         """``philox4x32-10`` (the stream of kernels/noise_votes.py, any device) or ``torch-<device>`` (the fallback's
         generator): with the seed, what a rerun needs to reproduce the draws."""
-        return "philox4x32-10" if self._philox is not None else f"torch-{self.device.type}"
+        return PHILOX_STREAM if self._philox is not None else f"torch-{self.device.type}"
 
     @property
     def addressable(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -325,7 +326,23 @@ def test_certify_resume_names_only_the_settings_that_differ(tmp_path, capsys, ch
     err = _one_line_error(capsys)
     assert "different settings: n (50 in out.tsv.json, 60 now); use" in err and "skip" not in err and "max" not in err
     assert main(_certify_args(checkpoint, out, "--resume")) == 2
-    assert "another command or version" in (err := _one_line_error(capsys)) and "(max, skip)" in err
+    err = _one_line_error(capsys)
+    assert "max (not recorded in out.tsv.json, -1 now); skip (not recorded in out.tsv.json, 10 now)" in err
+    assert "not recorded was at its default, or another command or version wrote the file" in err
+
+
+def test_a_resume_with_a_changed_checkpoint_file_says_so(tmp_path, capsys, checkpoint):
+    out, ckpt = tmp_path / "out.tsv", tmp_path / "model.pt"
+    shutil.copy(checkpoint, ckpt)
+    assert main(_certify_args(ckpt, out, "--max", "2")) == 0
+    changed = torch.load(ckpt, weights_only=True)
+    name = next(iter(changed["model"]))
+    changed["model"][name] = changed["model"][name] + 1
+    torch.save(changed, ckpt)  # the same path and arguments, other weights
+    capsys.readouterr()
+    assert main(_certify_args(ckpt, out, "--max", "2", "--resume")) == 2
+    assert ("different settings: checkpoint_digest; the checkpoint's contents are not those the run began with"
+            in _one_line_error(capsys))
 
 
 @pytest.mark.parametrize("content, problem", [

@@ -235,6 +235,29 @@ def test_cutting_a_torn_row_rewrites_nothing_so_a_full_disk_loses_no_row(tmp_pat
     assert [row[:5] for row in _certify_rows(part)] == [row[:5] for row in _certify_rows(whole)]
 
 
+def test_a_resume_under_another_noise_stream_is_refused(tmp_path, monkeypatch):
+    """The fallback generator (no C++ compiler, SPLITZ_BACKEND=reference) draws other noise than the Philox kernels:
+    a file begun with one and resumed with the other matched no uninterrupted run, and nothing said so."""
+    import json
+
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    gen = torch.Generator().manual_seed(5)
+    data = _digits(*[torch.rand(1, 28, 28, generator=gen) for _ in range(3)])
+    args = dict(settings={}, indices=[0, 1, 2], seed=0, progress=False)
+    philox, fallback = tmp_path / "philox.tsv", tmp_path / "fallback.tsv"
+    run_over_dataset(task, data, philox, stop_after=1, **args)
+    assert "noise_stream" not in json.loads((tmp_path / "philox.tsv.json").read_text())  # older files still resume
+    monkeypatch.setenv("SPLITZ_BACKEND", "reference")
+    with pytest.raises(ValueError, match="noise_stream"):
+        run_over_dataset(task, data, philox, resume=True, **args)
+    run_over_dataset(task, data, fallback, stop_after=1, **args)
+    assert json.loads((tmp_path / "fallback.tsv.json").read_text())["noise_stream"] == "torch-cpu"
+    monkeypatch.delenv("SPLITZ_BACKEND")
+    with pytest.raises(ValueError, match="noise_stream"):
+        run_over_dataset(task, data, fallback, resume=True, **args)
+    assert len(_certify_rows(philox)) == len(_certify_rows(fallback)) == 1
+
+
 def test_run_over_dataset_checks_arguments_before_writing(tmp_path, mnist_small):
     smoother = sz.Smoother(_model().eval(), 0.5)
     out = tmp_path / "x.tsv"
