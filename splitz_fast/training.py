@@ -814,7 +814,34 @@ def _resume_(last_path: Path, config: TrainConfig, spec: dict[str, Any], model: 
     state.vectors = [v.to(device) for v in ckpt["power_vectors"]]
     result.history = list(ckpt["history"])
     result.best_epoch, result.best_val_noisy_acc = ckpt["best_epoch"], ckpt["best_val_noisy_acc"]
-    return ckpt["epoch"] + 1, ckpt.get("multiplier", config.dual_init)
+    return ckpt["epoch"] + 1, ckpt.get("multiplier", config.dual_init), ckpt
+
+
+def _bring_in_line_with_last(out: Path, last: dict[str, Any] | None) -> None:
+    """On resume (rank 0): the files that an interruption between an epoch's writes (:func:`_save_epoch`) left out of
+    step with ``last.pt`` (``last``; ``None`` where the first epoch never finished) brought back in line with it.
+    ``train.log`` loses its lines of later epochs (they are run again and logged again), cut off in place; ``best.pt``
+    is written again where ``last.pt`` is the best epoch but ``best.pt`` is missing or older."""
+    last_epoch = -1 if last is None else last["epoch"]
+    log = out / "train.log"
+    if log.exists():
+        data, keep = log.read_bytes(), 0
+        for line in data.splitlines(keepends=True):
+            try:
+                epoch = json.loads(line)["epoch"] if line.endswith(b"\n") else None
+            except (ValueError, KeyError, TypeError):
+                epoch = None
+            if epoch is None or epoch > last_epoch:
+                break
+            keep += len(line)
+        if keep < len(data):
+            os.truncate(log, keep)
+    best = out / "best.pt"
+    if last is not None and last["best_epoch"] == last_epoch and (
+            not best.exists() or load_checkpoint_file(best).get("epoch") != last_epoch):
+        save_checkpoint(last, best)
+
+
 
 
 def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainConfig, epoch: int, multiplier: float,
@@ -870,13 +897,14 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
 
 
 def _save_epoch(ckpt: dict[str, Any], out: Path, improved: bool, timed_record: dict[str, Any]) -> None:
-    """Rank 0's files after an epoch: ``best.pt`` when it improved, ``last.pt``, and the epoch's line of
-    ``train.log`` (wall times there only: checkpoints of identical runs must be identical)."""
-    if improved:
-        save_checkpoint(ckpt, out / "best.pt")
-    save_checkpoint(ckpt, out / "last.pt")
+    """Rank 0's files after an epoch, in an order that a resume can repair wherever an interruption falls between
+    them (:func:`_bring_in_line_with_last`): the epoch's line of ``train.log`` (wall times there only: checkpoints of
+    identical runs must be identical), ``last.pt``, then ``best.pt`` when the epoch improved."""
     with (out / "train.log").open("a") as fh:
         fh.write(json.dumps(timed_record) + "\n")
+    save_checkpoint(ckpt, out / "last.pt")
+    if improved:
+        save_checkpoint(ckpt, out / "best.pt")
 
 
 def train(
@@ -942,20 +970,24 @@ def train(
     result = TrainResult(out_dir=out)
     objective = config.objective
     start_epoch, multiplier = 0, config.dual_init  # the Lagrangian's μ (unused by the hinges)
-    leftovers = [name for name in ("best.pt", "train.log") if (out / name).exists()]
-    if not last_path.exists() and leftovers:
+    last = None
+    if not last_path.exists() and (out / "best.pt").exists():
+        leftovers = [name for name in ("best.pt", "train.log") if (out / name).exists()]
         raise FileExistsError(f"{out} holds {' and '.join(leftovers)} of a run but no last.pt, so that run can neither "
                               "continue nor be overwritten; restore last.pt (then resume), or choose another output "
                               "folder")
+    if not resume and (last_path.exists() or (out / "train.log").exists()):
+        what = f"{last_path} exists" if last_path.exists() else f"{out} holds a run stopped in its first epoch"
+        raise FileExistsError(f"{what}: pass resume=True (--resume) to continue that run, or choose another output "
+                              "folder")
     if last_path.exists():
-        if not resume:
-            raise FileExistsError(f"{last_path} exists: pass resume=True (--resume) to continue that run, "
-                                  "or choose another output folder")
-        start_epoch, multiplier = _resume_(last_path, config, spec, model, optimizer, state, result, device)
+        start_epoch, multiplier, last = _resume_(last_path, config, spec, model, optimizer, state, result, device)
     elif config.init_checkpoint is not None:
         warm_start_(model, load_checkpoint_file(config.init_checkpoint, device), config)
     # Every rank has read last.pt (or found none) before rank 0 can write one: this is a collective.
     group.broadcast_from_rank0(model)
+    if resume and group.rank == 0:
+        _bring_in_line_with_last(out, last)
     train_part = _DatasetPart(train_set, train_indices, device, config.num_workers, model.num_classes)
     val_part = _DatasetPart(train_set, val_indices, device, config.num_workers, model.num_classes)
     out.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind

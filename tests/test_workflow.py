@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from splitz_fast.data import load_mnist
 from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
 from splitz_fast.results import COHEN_COLUMNS
 from splitz_fast.runs import CertifyRun, run_over_dataset, select_indices
+import splitz_fast.training as training
 from splitz_fast.training import TrainConfig, load_checkpoint_file, splitz_loss, train
 from _helpers import installed
 
@@ -106,6 +108,49 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path, mnist_small):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     log_lines = (tmp_path / "part" / "train.log").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in log_lines] == [0, 1, 2]  # nothing lost, nothing repeated
+
+
+def _tabular_run(tmp_path, name, **kwargs):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(96, 8, generator=gen)
+    data = TensorDataset(x, (x[:, 0] > 0.5).long())
+    config = _config(epochs=3, batch_size=16, max_batches=2, lr=0.01)
+    return train(sz.tabular_mlp(8, hidden=(16,)), data, config, tmp_path / name, model_spec={"name": "mlp"},
+                 **kwargs)
+
+
+@pytest.mark.parametrize("stop_at", [("last.pt", 1), ("last.pt", 2), ("best.pt", 1)],
+                         ids=["before-the-first-last.pt", "before-the-second-last.pt", "before-the-first-best.pt"])
+def test_a_training_interrupted_between_the_files_of_an_epoch_resumes_to_the_same_files(tmp_path, monkeypatch,
+                                                                                        stop_at):
+    """An epoch writes its train.log line, last.pt, then best.pt. Before, best.pt came first: a stop before the first
+    last.pt left a best.pt that no resume would touch, and a stop after last.pt but before the log line lost that
+    epoch's line for good."""
+    full = _tabular_run(tmp_path, "full")
+    name, call = stop_at
+    real_save, calls = training.save_checkpoint, []
+
+    def interrupted(ckpt, path):
+        calls.append(Path(path).name)
+        if calls.count(name) == call and Path(path).name == name:
+            raise KeyboardInterrupt
+        real_save(ckpt, path)
+
+    monkeypatch.setattr(training, "save_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tabular_run(tmp_path, "part")
+    monkeypatch.setattr(training, "save_checkpoint", real_save)
+    if not (tmp_path / "part" / "last.pt").exists():
+        with pytest.raises(FileExistsError, match="stopped in its first epoch: pass resume=True"):
+            _tabular_run(tmp_path, "part")
+    resumed = _tabular_run(tmp_path, "part", resume=True)
+    assert [r["epoch"] for r in resumed.history] == [r["epoch"] for r in full.history]
+    for checkpoint in ("last.pt", "best.pt"):
+        a, b = (load_checkpoint_file(tmp_path / run / checkpoint) for run in ("full", "part"))
+        assert a["epoch"] == b["epoch"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    log = [json.loads(line)["epoch"] for line in (tmp_path / "part" / "train.log").read_text().splitlines()]
+    assert log == [0, 1, 2]
 
 
 def test_a_diverged_training_stops_before_saving_a_nan_model(tmp_path, mnist_small):
