@@ -68,6 +68,8 @@ class CertificationTable:
         path: the file this was read from, if any.
         recorded_certificate: ``False`` when the run's sidecar (``OUTFILE.json``) records ``certificate: false`` (an
             estimate protocol's run), else ``None``.
+        planned_inputs: how many inputs the run selects, as its sidecar records them (``None`` without one, and for
+            a shard's file): more than the rows means the run is unfinished (:func:`unfinished_note`).
 
     ``table["name"]`` returns any column (Cohen's six or an extra one); ``len(table)`` is the number of rows.
     Rows that mix certificates with estimates (their ``bound`` column), or estimate-run sidecars beside certificate
@@ -83,6 +85,7 @@ class CertificationTable:
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     path: str | None = None
     recorded_certificate: bool | None = None
+    planned_inputs: int | None = None
 
     def __post_init__(self) -> None:
         where = self.path or "the certification table"
@@ -228,7 +231,18 @@ def read_certification(path: PathLike) -> CertificationTable:
         extra={name: _extra_column(values) for name, values in extra.items()},
         path=path,
         recorded_certificate=False if settings.get("certificate", True) is False else None,
+        planned_inputs=_planned_inputs(settings),
     )
+
+
+def _planned_inputs(settings: dict) -> int | None:
+    """The number of inputs a run's sidecar selects (its ``indices``: first, last, count), or ``None``: no sidecar,
+    another layout, or a shard's file (which holds its share of them)."""
+    indices = settings.get("indices")
+    if "shard" in settings or not isinstance(indices, list) or len(indices) != 3:
+        return None
+    count = indices[2]
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 def _sidecar_settings(path: str | None) -> dict:
@@ -581,12 +595,19 @@ def constant_note(table: CertificationTable) -> str | None:
     return None if found is None else f"predicts class {found[0]} for {100 * found[1]:.0f} % of inputs"
 
 
+def unfinished_note(table: CertificationTable) -> str | None:
+    """"unfinished: 10 of 30 inputs" when the run's sidecar selects more inputs than the file has rows (a run
+    stopped before its end: its statistics are those of the inputs it reached), else None."""
+    planned = table.planned_inputs
+    return f"unfinished: {len(table)} of {planned} inputs" if planned is not None and len(table) < planned else None
+
+
 def labelled(name: str, table: CertificationTable) -> str:
-    """``name``, marked "(not a certificate)" when ``table`` holds an estimate protocol's radii, and with
-    :func:`constant_note` when its smoothed classifier is (nearly) constant."""
+    """``name``, marked "(not a certificate)" when ``table`` holds an estimate protocol's radii, with
+    :func:`constant_note` when its smoothed classifier is (nearly) constant, and with :func:`unfinished_note` when
+    the run stopped before its end."""
     marks = [NOT_A_CERTIFICATE] if table.is_estimate else []
-    note = constant_note(table)
-    marks += [note] if note else []
+    marks += [note for note in (constant_note(table), unfinished_note(table)) if note]
     marks = [mark for mark in marks if mark not in name]
     return f"{name} ({'; '.join(marks)})" if marks else name
 
@@ -637,4 +658,5 @@ __all__ = [
     "run_protocol",
     "summarize",
     "summary_markdown_table",
+    "unfinished_note",
 ]

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._checks import check_output_folder, read_settings_file
 from .analysis import (NOT_A_CERTIFICATE, CertificationTable, acr, certified_accuracy, certified_accuracy_curve,
-                       constant_note, labelled, markdown_table, read_certification)
+                       constant_note, labelled, markdown_table, read_certification, unfinished_note)
 
 __all__ = ["Reference", "MNIST_REFERENCES", "SigmaRuns", "envelope", "load_group", "envelope_report"]
 
@@ -110,18 +110,24 @@ def _envelope_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
     head = "| | " + " | ".join(f"ε={r:g}" for r in radii) + " |"
     lines = [head, "|---" + "|---:" * len(radii) + "|"]
     constant: list[str] = []
+    unfinished: list[str] = []
     for name, runs in groups.items():
         values, sigmas = envelope(runs, radii)
         notes = {sigma: constant_note(table) for sigma, table in runs.items()}
-        cells = [f"{100 * v:.1f} (σ={s:g})" + ("*" if notes[s] else "") for v, s in zip(values, sigmas)]
+        stopped = {sigma: unfinished_note(table) for sigma, table in runs.items()}
+        cells = [f"{100 * v:.1f} (σ={s:g})" + ("*" if notes[s] else "") + ("†" if stopped[s] else "")
+                 for v, s in zip(values, sigmas)]
         lines.append(f"| {_group_label(name, runs)} envelope | " + " | ".join(cells) + " |")
         constant += [f"{name} σ={sigma:g} {note}" for sigma, note in notes.items() if note and sigma in sigmas]
+        unfinished += [f"{name} σ={sigma:g} {note}" for sigma, note in stopped.items() if note and sigma in sigmas]
     for ref in references:
         cells = [f"{ref.accuracy[r]:.1f}" if r in ref.accuracy else "—" for r in radii]
         lines.append(f"| {ref.name} | " + " | ".join(cells) + " |")
     if constant:
         lines += ["", "\\* from a run whose smoothed classifier is (nearly) constant — certifiably robust, but not a "
                   f"classifier anyone wants: {'; '.join(constant)}."]
+    if unfinished:
+        lines += ["", f"† from a run that stopped before its end (its inputs so far): {'; '.join(unfinished)}."]
     return lines
 
 
@@ -132,6 +138,10 @@ def _same_sigma_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float]) ->
         return [f"No σ was run by both {first} and {second}."]
     lines = ["| σ | " + " | ".join(f"ε={r:g}" for r in radii) + " | ACR |", "|---" + "|---:" * (len(radii) + 1) + "|"]
     for sigma in shared:
+        if set(a[sigma].idx.tolist()) != set(b[sigma].idx.tolist()):  # a difference of two samples' statistics
+            lines.append(f"| {sigma:g} | not compared: the runs hold different inputs ({len(a[sigma])} and "
+                         f"{len(b[sigma])} rows) |" + " |" * len(radii))
+            continue
         diff = 100 * (np.atleast_1d(certified_accuracy(b[sigma], radii))
                       - np.atleast_1d(certified_accuracy(a[sigma], radii)))
         cells = [f"{d:+.1f}" for d in diff] + [f"{acr(b[sigma]) - acr(a[sigma]):+.3f}"]

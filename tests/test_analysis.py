@@ -433,3 +433,30 @@ def test_a_nearly_constant_classifier_is_flagged_in_tables_envelopes_and_diagnos
                                   constant="predicts class 1 for 100 % of inputs")
     assert "DEGENERATE: the smoothed classifier predicts class 1 for 100 % of inputs" in diagnostics_report(diag, "t")
     assert "DEGENERATE" not in diagnostics_report(dataclasses.replace(diag, constant=None), "t")
+
+
+def test_an_unfinished_run_is_marked_and_runs_over_other_inputs_are_not_subtracted(tmp_path):
+    """A file with fewer rows than its sidecar selects is a run stopped early: analyze and the envelope said nothing,
+    and the envelope subtracted a 3-input run from a 5-input one."""
+    import json
+
+    from splitz_fast.envelope import envelope_report
+
+    def run(name, rows, count, **extra):
+        path = write(tmp_path / f"{name}.tsv", SPLITZ_HEADER, rows)
+        (tmp_path / f"{name}.tsv.json").write_text(json.dumps({"kind": "certify", "n0": 100, "n": 1000,
+                                                               "alpha": 0.001, "indices": [0, 4, count], **extra}))
+        return an.read_certification(path)
+
+    finished, stopped = run("rs", A_ROWS, 5), run("splitz", A_ROWS[:3], 5)
+    assert an.unfinished_note(finished) is None and an.unfinished_note(stopped) == "unfinished: 3 of 5 inputs"
+    assert an.run_protocol(stopped)  # still analysable: its statistics are those of the inputs it reached
+    text = an.analyze([tmp_path / "rs.tsv", tmp_path / "splitz.tsv"], [0.0, 0.5])
+    assert "| splitz (unfinished: 3 of 5 inputs) |" in text and "| rs |" in text
+    assert an.unfinished_note(run("shard", A_ROWS[:3], 5, shard={"index": 0, "count": 2})) is None
+    report = envelope_report({"RS": {0.5: finished}, "SPLITZ": {0.5: stopped}}, [0.0, 0.5])
+    assert "| 0.5 | not compared: the runs hold different inputs (5 and 3 rows) |" in report
+    assert "† from a run that stopped before its end (its inputs so far): SPLITZ σ=0.5 unfinished: 3 of 5 inputs." \
+        in report
+    same = envelope_report({"RS": {0.5: finished}, "SPLITZ": {0.5: finished}}, [0.0])
+    assert "| 0.5 | +0.0 | +0.000 |" in same and "†" not in same
