@@ -595,7 +595,12 @@ def run_over_dataset(
 
         def pairs():
             for idx in todo:
-                x, label = dataset[idx]
+                try:
+                    x, label = dataset[idx]
+                except OSError as err:  # e.g. a corrupt image file in a folder dataset
+                    raise ValueError(f"dataset item {idx} cannot be read ({err}); repair or replace that file (removing "
+                                     "it would renumber the items after it), then rerun with --resume: the rows before "
+                                     "it are kept") from err
                 labels[idx] = int(label) if classes is None else _checked_label(label, idx, classes)
                 yield x, labels[idx]
 
@@ -603,8 +608,14 @@ def run_over_dataset(
         with out_path.open("a") as fh, tqdm(total=len(todo), desc=task.kind, unit="img", file=sys.stderr,
                                             disable=not progress) as bar:
             for idx, result in zip(todo, results):
-                fh.write(task.row(idx, labels.pop(idx), result) + "\n")
-                fh.flush()
+                line = task.row(idx, labels.pop(idx), result) + "\n"
+                try:
+                    fh.write(line)
+                    fh.flush()
+                except OSError as err:  # a full disk, a quota: name the file, and what is kept
+                    raise type(err)(err.errno, f"{out_path}: cannot write the row of input {idx} "
+                                               f"({err.strerror}); the rows before it are kept: make room, then "
+                                               "rerun with --resume") from err
                 written += 1
                 bar.update()
                 if on_row is not None:

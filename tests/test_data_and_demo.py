@@ -79,6 +79,11 @@ def test_demo_command_end_to_end_and_resume(tmp_path, capsys):
     before = (tmp_path / "splitz.tsv").read_text()
     assert main(args) == 0
     assert (tmp_path / "splitz.tsv").read_text() == before
+    # Other certification settings into the same folder: refused, saying how to run them.
+    capsys.readouterr()
+    assert main([*args[:-4], "--n", "300", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "n (200 in rs.tsv.json, 300 now)" in err and "give another --out)" in err
 
 
 def test_demo_command_rejects_bad_arguments(capsys):

@@ -280,6 +280,67 @@ def test_cutting_a_torn_row_rewrites_nothing_so_a_full_disk_loses_no_row(tmp_pat
     assert [row[:5] for row in _certify_rows(part)] == [row[:5] for row in _certify_rows(whole)]
 
 
+def test_a_full_disk_names_the_file_and_keeps_the_rows_before(tmp_path, monkeypatch):
+    """Before: "error: [Errno 28] No space left on device", naming no file."""
+    import pathlib
+
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    gen = torch.Generator().manual_seed(6)
+    data = _digits(*[torch.rand(1, 28, 28, generator=gen) for _ in range(3)])
+    out, args = tmp_path / "o.tsv", dict(settings={}, indices=[0, 1, 2], seed=0, progress=False)
+    real_open = pathlib.Path.open
+
+    class FullAfterOneRow:
+        def __init__(self, fh):
+            self.fh, self.rows = fh, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, text):
+            self.rows += 1
+            if self.rows == 2:
+                raise OSError(28, "No space left on device")
+            return self.fh.write(text)
+
+        def flush(self):
+            self.fh.flush()
+
+    def opened(self, mode="r", *a, **k):
+        fh = real_open(self, mode, *a, **k)
+        return FullAfterOneRow(fh) if self == out and mode == "a" else fh
+
+    monkeypatch.setattr(pathlib.Path, "open", opened)
+    with pytest.raises(OSError, match=r"o.tsv: cannot write the row of input 1 \(No space left on device\); the rows "
+                                      "before it are kept: make room, then rerun with --resume"):
+        run_over_dataset(task, data, out, **args)
+    monkeypatch.undo()
+    assert [row[0] for row in _certify_rows(out)] == ["0"]
+    run_over_dataset(task, data, out, resume=True, **args)
+    assert [row[0] for row in _certify_rows(out)] == ["0", "1", "2"]
+
+
+def test_an_unreadable_dataset_item_says_which_and_what_to_do(tmp_path):
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    x = torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(7))
+
+    class CorruptSecond(list):
+        def __getitem__(self, idx):
+            if idx == 1:
+                raise OSError("cannot identify image file 'val/dog/7.jpg'")
+            return super().__getitem__(idx)
+
+    out = tmp_path / "o.tsv"
+    with pytest.raises(ValueError, match=r"dataset item 1 cannot be read \(cannot identify image file 'val/dog/7.jpg'\); "
+                                         "repair or replace that file .* then rerun with --resume"):
+        run_over_dataset(task, CorruptSecond(_digits(x, x, x)), out, settings={}, indices=[0, 1, 2], seed=0,
+                         progress=False)
+    assert [row[0] for row in _certify_rows(out)] == ["0"]
+
+
 def test_a_resume_under_another_noise_stream_is_refused(tmp_path, monkeypatch):
     """The fallback generator (no C++ compiler, SPLITZ_BACKEND=reference) draws other noise than the Philox kernels:
     a file begun with one and resumed with the other matched no uninterrupted run, and nothing said so."""
