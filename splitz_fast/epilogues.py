@@ -177,7 +177,7 @@ class FusionChoice:
                tolerance: float) -> bool:
         """Whether to sample through ``fused`` rather than ``plain`` (two scorers of the same ``f_R``) at the batch
         of ``example()``: both score it first (compiling and autotuning outside any timing), the fused scores must
-        lie within ``tolerance`` × (largest competing score + 1) of the plain ones
+        lie within ``tolerance`` × (largest non-constant score + 1) of the plain ones
         (:func:`~splitz_fast.graphs.score_gap`), then (by default) the faster wins. Records the decision under ``key``."""
         batch = example()
         try:

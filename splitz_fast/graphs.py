@@ -55,8 +55,8 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
                    tolerance: float) -> GraphedScores:
     """Capture ``scores`` (the engine's forward of the prepared ``f_R``, in its precision) on a static batch shaped
     like ``example`` (a batch of real noisy rows, in the layout the engine feeds) and check the graph: its scores for
-    ``example`` must match an eager call's within ``tolerance`` relative to the largest competing score (+1). Raises
-    :class:`GraphCaptureError` if capturing or the check fails.
+    ``example`` must match an eager call's within ``tolerance`` relative to the largest score of a class that is not
+    constant (+1; :func:`score_gap`). Raises :class:`GraphCaptureError` if capturing or the check fails.
 
     The capture only records the calling thread's work (``capture_error_mode="thread_local"``): the radius search of
     another group of inputs may run on a worker thread meanwhile."""
@@ -109,23 +109,22 @@ def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
 
 
 def score_gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """How far two scorings ``[rows, classes]`` of one batch lie apart where it can change a vote, as
-    ``(gap, scale)``. Only the classes that compete for a row's vote are compared: its two highest scores in either
-    scoring (a class below both in both cannot become the row's argmax). ``gap`` is their largest difference, where
-    equal values (the same infinity, NaN in both) count as none and a NaN or infinity against anything else as an
-    infinite one (an ``f_R`` that scores masked classes −inf is one function, whatever ``inf − inf`` says); ``scale``
-    is one plus the largest finite competing score of ``want``, which the checks' relative tolerances multiply. So a
-    class that never wins (a constant −1e6, say) neither hides a difference that changes votes by inflating the scale
-    nor refuses a model for a difference that changes none."""
+    """How far two scorings ``[rows, classes]`` of one batch lie apart, as ``(gap, scale)``: the largest difference
+    over every score, where equal values (the same infinity, NaN in both) count as none and a NaN or infinity against
+    anything else as an infinite one (an ``f_R`` that scores masked classes −inf is one function, whatever
+    ``inf − inf`` says); ``scale`` is one plus the largest finite score of ``want`` in the classes that are not
+    constant, which the checks' relative tolerances multiply. A constant class — the same value in every row of both
+    scorings, such as a masked class at −1e6 — changes no vote and would otherwise widen the tolerance until a
+    difference that does change votes passed."""
     got, want = got.float(), want.float()
-    competing = torch.zeros_like(want, dtype=torch.bool)
-    if want.numel():
-        top = min(2, want.shape[-1])
-        for scoring in (got, want):  # topk orders NaN above every number: a NaN row's NaN classes compete
-            competing.scatter_(-1, scoring.topk(top, dim=-1).indices, True)
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))
-    gap = torch.where(same | ~competing, torch.zeros_like(want), (got - want).abs()).nan_to_num(nan=float("inf"))
-    finite = want[competing & torch.isfinite(want)]
+    gap = torch.where(same, torch.zeros_like(want), (got - want).abs()).nan_to_num(nan=float("inf"))
+    if want.ndim == 2 and want.shape[0]:
+        constant = same.all(dim=0) & ((want == want[:1]) | (torch.isnan(want) & torch.isnan(want[:1]))).all(dim=0)
+        varying = want[:, ~constant] if not constant.all() else want
+    else:
+        varying = want
+    finite = varying[torch.isfinite(varying)]
     return (float(gap.max()) if gap.numel() else 0.0), (float(finite.abs().max()) if finite.numel() else 0.0) + 1.0
 
 

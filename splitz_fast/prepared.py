@@ -25,8 +25,8 @@ from .graphs import GraphedScores, score_gap
 from .modules import ModuleSnapshot
 
 # The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
-# between batchings, relative to the largest competing score (+1). The allowance covers kernels that round
-# differently at another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by a
+# between batchings, relative to the largest score of a class that is not constant (+1). The allowance covers
+# kernels that round differently at another batch size (TF32 convolutions on CUDA, bf16 accumulation); batch statistics move scores by a
 # sizeable fraction of their range.
 PROBE_ROWS = 8
 # Calls of one copy of f_R on the same batch before the probe compares its scores with the first call's: state that
@@ -182,8 +182,8 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     batch, in halves and one row alone, each time through a fresh copy of ``net`` (the probe never touches the user's
     modules or the prepared copy, and each variant starts from the same state), and the row alone
     :data:`PROBE_REPEATS` times through one copy (state kept between calls: the last call against the first);
-    ``scores(net, batch)`` is how the engine scores a batch (its precision). The scores of the classes that compete
-    for each row's vote must agree to :data:`PROBE_TOLERANCE` (relative to the largest of them, for the rounding
+    ``scores(net, batch)`` is how the engine scores a batch (its precision). All scores must agree to
+    :data:`PROBE_TOLERANCE`, relative to the largest score of a class that is not constant (for the rounding
     differences of batch-size-dependent kernels; :func:`~splitz_fast.graphs.score_gap`).
 
     It also refuses NaN scores: a NaN row has no class (``argmax`` would read the first NaN as the maximum, so an

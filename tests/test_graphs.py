@@ -203,21 +203,24 @@ def test_an_edited_f_r_is_captured_again():
     assert after == fresh and [c for _, c in after] != before
 
 
-def test_score_gap_compares_the_classes_that_compete_for_a_vote():
+def test_score_gap_scales_by_the_classes_that_are_not_constant():
     want = torch.tensor([[10.0, 5.0, -1e6, 0.0], [1.0, 2.0, -1e6, 0.0]])
-    # a constant class that never wins does not widen the scale, so a vote-changing difference shows
+    # a constant class (the same in every row of both scorings) does not widen the scale
     got = want.clone()
     got[0, 0] = 0.0
     assert score_gap(got, want) == (10.0, 11.0)
-    # a difference in classes that are in neither scoring's top two changes no vote and is not counted
+    # every class is compared: a change far below the winners counts, and so does a change among tied scores
+    got = want.clone()
+    got[:, 3] = -3.0
+    assert score_gap(got, want) == (3.0, 11.0)
+    ties = torch.zeros(1, 10)
+    moved = ties.clone()
+    moved[0, 0] = -5.0
+    assert score_gap(moved, ties) == (5.0, 1.0)
+    # a class that moves with the batch is not constant: its scores enter the scale
     got = want.clone()
     got[:, 2] = -2e6
-    got[:, 3] = -3.0
-    assert score_gap(got, want) == (0.0, 11.0)
-    # a class that rises into the top two in one scoring competes
-    got = want.clone()
-    got[1, 3] = 7.0
-    assert score_gap(got, want) == (7.0, 11.0)
+    assert score_gap(got, want) == (1e6, 1e6 + 1)
     # NaN against a number is an infinite gap, the same infinity none
     got = want.clone()
     got[1, 1] = math.nan
