@@ -271,9 +271,9 @@ def _changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded_in: str) -> str:
-    """Why a resume is refused: the settings both runs record with different values (with the values where they are
-    short), else the settings only one of them records (optional settings are recorded only when not at their
-    default; otherwise another command or version wrote the file)."""
+    """Why a resume is refused: the settings both runs record with different values, else those only one of them
+    records (optional settings are recorded only when not at their default; otherwise another command or version
+    wrote the file), with both values where they are short."""
     differ = sorted(k for k in set(previous) & set(now) if previous[k] != now[k])
     only = sorted(set(previous) ^ set(now))
 
@@ -282,10 +282,13 @@ def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded
         after = json.dumps(now[key]) if key in now else "not recorded"
         return f"{key} ({before} in {recorded_in}, {after} now)" if max(len(before), len(after)) <= 30 else key
 
-    keys = differ or only
-    hints = {"checkpoint_digest": "the checkpoint's contents are not those the run began with",
-             "noise_stream": "another generator draws the noise now: SPLITZ_BACKEND, or the C++ kernels unavailable"}
-    why = [hints[key] for key in keys if key in hints]
+    keys = differ or only  # values that differ first: settings one file lacks are often just at their default
+    why = []
+    if "checkpoint_digest" in differ:
+        why.append("the checkpoint's contents are not those the run began with")
+    if "noise_stream" in keys:
+        why.append("the noise comes from another generator (the Philox kernels record no noise_stream; "
+                   "SPLITZ_BACKEND=reference or missing C++ kernels give torch's)")
     if not differ:
         why.append("a setting that is not recorded was at its default, or another command or version wrote the file")
     return "; ".join([f"it was written with different settings: {'; '.join(map(shown, keys))}", *why,
@@ -323,7 +326,11 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
     done = _written_indices(complete, set(indices), f"cannot resume {out_path}")
     if torn:  # a torn last row: cut it off (it is recomputed), in place: a kill or a full disk leaves every row
         data = out_path.read_bytes()
-        os.truncate(out_path, data.rfind(b"\n") + 1)
+        if b"\n" in data:
+            os.truncate(out_path, data.rfind(b"\n") + 1)
+        else:  # the header itself, cut before its newline
+            with out_path.open("ab") as fh:
+                fh.write(b"\n")
     return done
 
 
@@ -605,17 +612,19 @@ def run_over_dataset(
                 yield x, labels[idx]
 
         results = task.results(pairs(), [seed + idx for idx in todo])
-        with out_path.open("a") as fh, tqdm(total=len(todo), desc=task.kind, unit="img", file=sys.stderr,
-                                            disable=not progress) as bar:
+        # Unbuffered: each row goes to the file in its own writes, and nothing is left in a buffer for close() to
+        # fail on after a failed row (which would replace the message below with a bare errno).
+        with out_path.open("ab", buffering=0) as fh, tqdm(total=len(todo), desc=task.kind, unit="img",
+                                                          file=sys.stderr, disable=not progress) as bar:
             for idx, result in zip(todo, results):
-                line = task.row(idx, labels.pop(idx), result) + "\n"
+                line = (task.row(idx, labels.pop(idx), result) + "\n").encode()
                 try:
-                    fh.write(line)
-                    fh.flush()
+                    while line:  # a raw write may take part of it
+                        line = line[fh.write(line):]
                 except OSError as err:  # a full disk, a quota: name the file, and what is kept
-                    raise type(err)(err.errno, f"{out_path}: cannot write the row of input {idx} "
-                                               f"({err.strerror}); the rows before it are kept: make room, then "
-                                               "rerun with --resume") from err
+                    raise OSError(err.errno, f"{out_path}: cannot write the row of input {idx} "
+                                             f"({err.strerror or err}); the rows before it are kept: make room, then "
+                                             "rerun with --resume") from err
                 written += 1
                 bar.update()
                 if on_row is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -280,47 +281,60 @@ def test_cutting_a_torn_row_rewrites_nothing_so_a_full_disk_loses_no_row(tmp_pat
     assert [row[:5] for row in _certify_rows(part)] == [row[:5] for row in _certify_rows(whole)]
 
 
-def test_a_full_disk_names_the_file_and_keeps_the_rows_before(tmp_path, monkeypatch):
-    """Before: "error: [Errno 28] No space left on device", naming no file."""
-    import pathlib
+_FULL_DISK_RUN = """
+import resource, signal, sys, torch
+import splitz_fast as sz
+from splitz_fast.runs import CertifyRun, run_over_dataset
+torch.manual_seed(0)
+task = CertifyRun(sz.Smoother(sz.lenet(split_index=1).eval(), 0.5), 5, 20, 0.01, 32)
+gen = torch.Generator().manual_seed(6)
+data = [(torch.rand(1, 28, 28, generator=gen), 0) for _ in range(3)]
+limit = int(sys.argv[2])
+if limit:  # a file may grow to this size: as a full disk would, the next write fails part-way
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    run_over_dataset(task, data, sys.argv[1], settings={}, indices=[0, 1, 2], seed=0, progress=False,
+                     resume=True, stop_after=int(sys.argv[3]) or None)
+except OSError as err:
+    print(err)
+"""
 
-    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
-    gen = torch.Generator().manual_seed(6)
-    data = _digits(*[torch.rand(1, 28, 28, generator=gen) for _ in range(3)])
-    out, args = tmp_path / "o.tsv", dict(settings={}, indices=[0, 1, 2], seed=0, progress=False)
-    real_open = pathlib.Path.open
 
-    class FullAfterOneRow:
-        def __init__(self, fh):
-            self.fh, self.rows = fh, 0
+def test_a_full_disk_names_the_file_and_keeps_the_rows_before(tmp_path):
+    """Before: "[Errno 28] No space left on device" naming no file (after a failed row, closing the buffered file
+    wrote the rest of the row again and its bare error replaced the message)."""
+    import subprocess
+    import sys
 
-        def __enter__(self):
-            return self
+    script, out = tmp_path / "run.py", tmp_path / "o.tsv"
+    script.write_text(_FULL_DISK_RUN)
 
-        def __exit__(self, *exc):
-            self.fh.close()
+    def run(limit: int, stop_after: int = 0) -> str:
+        done = subprocess.run([sys.executable, str(script), str(out), str(limit), str(stop_after)],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
-        def write(self, text):
-            self.rows += 1
-            if self.rows == 2:
-                raise OSError(28, "No space left on device")
-            return self.fh.write(text)
-
-        def flush(self):
-            self.fh.flush()
-
-    def opened(self, mode="r", *a, **k):
-        fh = real_open(self, mode, *a, **k)
-        return FullAfterOneRow(fh) if self == out and mode == "a" else fh
-
-    monkeypatch.setattr(pathlib.Path, "open", opened)
-    with pytest.raises(OSError, match=r"o.tsv: cannot write the row of input 1 \(No space left on device\); the rows "
-                                      "before it are kept: make room, then rerun with --resume"):
-        run_over_dataset(task, data, out, **args)
-    monkeypatch.undo()
-    assert [row[0] for row in _certify_rows(out)] == ["0"]
-    run_over_dataset(task, data, out, resume=True, **args)
+    assert run(0, stop_after=1) == ""
+    one_row = out.stat().st_size
+    printed = run(one_row + 40)  # room for part of the next row
+    assert printed.startswith(f"[Errno 27] {out}: cannot write the row of input 1 (File too large); the rows "
+                              "before it are kept: make room, then rerun with --resume"), printed
+    assert [row[0] for row in _certify_rows(out)][:1] == ["0"] and out.stat().st_size == one_row + 40
+    assert run(0) == ""  # the torn row is cut off and recomputed
     assert [row[0] for row in _certify_rows(out)] == ["0", "1", "2"]
+
+
+def test_a_header_cut_before_its_newline_is_completed_on_resume(tmp_path):
+    task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
+    x = torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(8))
+    out, args = tmp_path / "o.tsv", dict(settings={}, indices=[0, 1], seed=0, progress=False)
+    run_over_dataset(task, _digits(x, x), out, stop_after=1, **args)
+    header = out.read_text().splitlines()[0]
+    out.write_text(header)  # a full disk cut the file inside the header's line
+    run_over_dataset(task, _digits(x, x), out, resume=True, **args)
+    assert out.read_text().splitlines()[0] == header and [row[0] for row in _certify_rows(out)] == ["0", "1"]
 
 
 def test_an_unreadable_dataset_item_says_which_and_what_to_do(tmp_path):
