@@ -41,6 +41,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -674,7 +675,7 @@ class _DatasetPart:
             rows = torch.as_tensor(indices, dtype=torch.int64)
             x, y = (t[rows.to(t.device)] for t in dataset.tensors)
             _check_labels(y, num_classes, indices)
-            self.tensors = (x.to(device), y.to(device))
+            self.tensors = (x.to(device), y.to(device, torch.int64))  # the cross-entropy takes int64 targets
 
     def __len__(self) -> int:
         return len(self.subset)
@@ -695,7 +696,7 @@ class _DatasetPart:
                             generator=loader_generator)
         for (x, y), where in zip(loader, batches):
             _check_labels(y, self.num_classes, [self.indices[i] for i in where])  # on the host: no device sync
-            yield x.to(self.device), y.to(self.device)
+            yield x.to(self.device), y.to(self.device, torch.int64)
 
 
 def _check_labels(y: torch.Tensor, num_classes: int, indices: list[int]) -> None:
@@ -797,9 +798,10 @@ class TrainResult:
 
 
 def _resume_(last_path: Path, config: TrainConfig, spec: dict[str, Any], model: SplitModel,
-             optimizer: torch.optim.Optimizer, state, result: "TrainResult", device: torch.device) -> tuple[int, float]:
+             optimizer: torch.optim.Optimizer, state, result: "TrainResult",
+             device: torch.device) -> tuple[int, float, dict[str, Any]]:
     """Load ``last.pt`` into the model, optimizer, power-iteration state and history; returns the first epoch still to
-    run and the Lagrangian's multiplier. Refused, naming every difference, when it was written with other settings."""
+    run, the Lagrangian's multiplier and the checkpoint. Refused, naming every difference, when it was written with other settings."""
     ckpt = load_checkpoint_file(last_path, device)
     # Fields added after a checkpoint was written read as their defaults (what that run effectively used).
     previous = {**dataclasses.asdict(TrainConfig()), **ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
@@ -839,7 +841,9 @@ def _bring_in_line_with_last(out: Path, last: dict[str, Any] | None) -> None:
     best = out / "best.pt"
     if last is not None and last["best_epoch"] == last_epoch and (
             not best.exists() or load_checkpoint_file(best).get("epoch") != last_epoch):
-        save_checkpoint(last, best)
+        tmp = best.with_suffix(".pt.tmp")  # last.pt's bytes: the file best.pt would have been
+        shutil.copyfile(out / "last.pt", tmp)
+        os.replace(tmp, best)
 
 
 
@@ -976,7 +980,12 @@ def train(
         raise FileExistsError(f"{out} holds {' and '.join(leftovers)} of a run but no last.pt, so that run can neither "
                               "continue nor be overwritten; restore last.pt (then resume), or choose another output "
                               "folder")
-    if not resume and (last_path.exists() or (out / "train.log").exists()):
+    log = out / "train.log"
+    if not last_path.exists() and log.exists() and len(log.read_bytes().splitlines()) > 1:
+        raise FileExistsError(f"{out} holds the train.log of a run of several epochs but no last.pt, so that run can "
+                              "neither continue nor be overwritten; restore last.pt (then resume), or choose another "
+                              "output folder")
+    if not resume and (last_path.exists() or log.exists()):
         what = f"{last_path} exists" if last_path.exists() else f"{out} holds a run stopped in its first epoch"
         raise FileExistsError(f"{what}: pass resume=True (--resume) to continue that run, or choose another output "
                               "folder")

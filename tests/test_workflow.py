@@ -176,6 +176,27 @@ def test_training_labels_outside_the_models_classes_are_refused_before_anything_
         assert not (tmp_path / "run").exists()
 
 
+def test_training_takes_labels_of_any_integer_dtype(tmp_path):
+    """int32 labels passed the label check but stopped the cross-entropy (it takes int64 targets)."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.rand(40, 1, 28, 28, generator=gen), torch.randint(0, 10, (40,), generator=gen)
+    for dtype in (torch.int32, torch.uint8):
+        data = TensorDataset(x, y.to(dtype))
+        train(_model(), data, _config(epochs=1, batch_size=8, max_batches=1), tmp_path / str(dtype))
+        train(_model(), list(zip(x, y.to(dtype))), _config(epochs=1, batch_size=8, max_batches=1),
+              tmp_path / f"{dtype}-loader")
+
+
+def test_a_log_of_several_epochs_without_checkpoints_is_not_taken_for_a_first_epoch(tmp_path):
+    _tabular_run(tmp_path, "run")
+    for name in ("last.pt", "best.pt"):
+        (tmp_path / "run" / name).unlink()
+    log = (tmp_path / "run" / "train.log").read_bytes()
+    with pytest.raises(FileExistsError, match="train.log of a run of several epochs but no last.pt"):
+        _tabular_run(tmp_path, "run", resume=True)
+    assert (tmp_path / "run" / "train.log").read_bytes() == log
+
+
 def test_training_labels_must_be_integer_class_indices(tmp_path):
     x = torch.rand(20, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="integer class indices.*torch.float32"):
