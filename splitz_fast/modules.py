@@ -473,6 +473,13 @@ def split_sequential(
     which changes a pretrained network's outputs; ``float('inf')`` keeps them. ``threshold_per_element`` gives each
     clipped ReLU of ``f_L`` one θ per element of its activation (:meth:`LeftHalf.thresholds_per_element_`).
     """
+    if not isinstance(network, nn.Sequential) or type(network).forward is not nn.Sequential.forward:
+        what = ("an nn.Sequential subclass with its own forward" if isinstance(network, nn.Sequential)
+                else type(network).__name__)
+        raise TypeError(f"split_sequential needs a plain nn.Sequential (it splits the network by its layers in order, "
+                        f"so what a forward() does besides would be lost), got {what}; write the network as an "
+                        "nn.Sequential with its activations and flatten as modules, or build the halves yourself: "
+                        "SplitModel(LeftHalf(...), f_R, num_classes)")
     modules = list(network.children())
     n_affine = sum(isinstance(m, AFFINE_TYPES) for m in modules)
     if isinstance(split_index, bool) or not isinstance(split_index, int) or not 0 <= split_index <= n_affine:

@@ -90,6 +90,31 @@ def test_split_sequential_preserves_the_function_with_infinite_thresholds(split_
         assert model.left.standardize is None  # RS: noise on the raw input, standardization inside f_R
 
 
+class _ForwardNet(nn.Module):
+    """The usual PyTorch style: the activation is written in forward, not a module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _SequentialWithItsOwnForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) + self[0](x)[:, :3]
+
+
+@pytest.mark.parametrize("network", [_ForwardNet, lambda: _SequentialWithItsOwnForward(
+    nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))], ids=["module", "sequential-subclass"])
+def test_split_sequential_refuses_a_network_whose_forward_it_cannot_see(network):
+    """Before: split from children(), the ReLU in forward (or the extra term) silently dropped — a different
+    classifier, certified."""
+    with pytest.raises(TypeError, match="needs a plain nn.Sequential .* build the halves yourself"):
+        sz.split_sequential(network(), 1, num_classes=3, input_shape=(6,), threshold=float("inf"))
+
+
 def test_split_sequential_uses_clipped_relu_threshold_and_rejects_other_modules_inside_f_l():
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(2, 2, 3), nn.ReLU())
     model = sz.split_sequential(net, 1, num_classes=2, input_shape=(1, 10, 10), threshold=0.7)
