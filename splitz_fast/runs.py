@@ -90,6 +90,13 @@ class RunTask(abc.ABC):
         return previous
 
 
+def _precision_setting(smoother: Smoother) -> dict[str, Any]:
+    """``{"precision": ...}`` where ``f_R`` samples in another precision than float32 (another base classifier); empty
+    for float32, so files written before this entry still resume."""
+    precision = getattr(smoother, "precision", "float32")
+    return {} if precision == "float32" else {"precision": precision}
+
+
 def _inputs(pairs: Iterable[tuple[torch.Tensor, int]]) -> Iterator[torch.Tensor]:
     return (x for x, _ in pairs)
 
@@ -120,7 +127,7 @@ class CertifyRun(RunTask):
             settings["lipschitz_factor"] = factor
         if not protocol.certificate:
             settings["certificate"] = False
-        return settings
+        return {**settings, **_precision_setting(getattr(self.certifier, "smoother", self.certifier))}
 
     def results(self, pairs, seeds):
         return self.certifier.certify_many(_inputs(pairs), self.n0, self.n, self.alpha, batch_size=self.batch_size,
@@ -145,7 +152,8 @@ class PredictRun(RunTask):
 
     def settings(self) -> dict[str, Any]:
         # n0 = 0: PREDICT draws no selection samples (recorded so that sidecars written before stay resumable).
-        return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.smoother.sigma}
+        return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.smoother.sigma,
+                **_precision_setting(self.smoother)}
 
     def results(self, pairs, seeds):
         return self.smoother.predict_many(_inputs(pairs), self.n, self.alpha, batch_size=self.batch_size,
@@ -208,7 +216,8 @@ class AttackRun(RunTask):
 
     def settings(self) -> dict[str, Any]:
         # n0 = 0 as for PREDICT (sidecars written before stay resumable); the attack's own settings come from the caller.
-        return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.attacker.sigma}
+        return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.attacker.sigma,
+                **_precision_setting(self.attacker.smoother)}
 
     def results(self, pairs, seeds):
         return self.attacker.attack_many(pairs, self.n, self.alpha, batch_size=self.batch_size, seeds=seeds)
@@ -519,6 +528,10 @@ def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices:
         source = NoiseStream(0, model_device(task.model)).source
         if source != PHILOX_STREAM:
             settings["noise_stream"] = source
+    if checkpoint is None and task.model is not None:
+        # No checkpoint names the model (a run from Python): its weights do, so a resume with another model (or
+        # another split of it) is refused rather than mixed into the file.
+        settings["model_digest"] = checkpoint_digest({"model": task.model.state_dict()})
     if checkpoint is not None:
         settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
@@ -562,7 +575,8 @@ def run_over_dataset(
     ``settings`` (what else determines the rows: dataset, split, model, bound options…) is stored in the sidecar
     together with the task's own settings, the seed, the indices and the checkpoint's digest (``checkpoint_digest``,
     described by ``checkpoint_digest_covers``; ``checkpoint_format`` says how ``checkpoint`` is read, see
-    :func:`~splitz_fast.checkpoints.load_checkpoint`, recorded unless ``"splitz"``); ``stop_after`` stops after that
+    :func:`~splitz_fast.checkpoints.load_checkpoint`, recorded unless ``"splitz"``; without a checkpoint, the digest
+    of the task's model's weights, ``model_digest``); ``stop_after`` stops after that
     many new rows (as an interruption would). The inputs stream through the task (shared ``f_R`` batches, one host
     sync per group of inputs); each row is written as soon as its input is done. The ``f_R`` batch size does not
     change the rows — the noise of an input depends only on its seed — so it is not part of the settings a resume

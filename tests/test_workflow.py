@@ -376,6 +376,26 @@ def test_an_unreadable_dataset_item_says_which_and_what_to_do(tmp_path):
     assert [row[0] for row in _certify_rows(out)] == ["0"]
 
 
+def test_a_python_run_resumed_with_another_model_or_precision_is_refused(tmp_path):
+    """A run from Python names no checkpoint: a resume with other weights, another split or another precision mixed
+    two classifiers' rows in one file without a word."""
+    gen = torch.Generator().manual_seed(9)
+    data = _digits(*[torch.rand(1, 28, 28, generator=gen) for _ in range(3)])
+    args = dict(settings={}, indices=[0, 1, 2], seed=0, progress=False)
+    out = tmp_path / "o.tsv"
+    run_over_dataset(CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32), data, out, stop_after=1, **args)
+    other = _model()
+    with torch.no_grad():
+        next(other.parameters()).add_(0.01)
+    for smoother, match in [(sz.Smoother(other.eval(), 0.5), "model_digest"),
+                            (sz.Smoother(_model(split_index=0).eval(), 0.5), "model_digest"),
+                            (sz.Smoother(_model().eval(), 0.5, precision="bfloat16"), "precision")]:
+        with pytest.raises(ValueError, match=match):
+            run_over_dataset(CertifyRun(smoother, 5, 20, 0.01, 32), data, out, resume=True, **args)
+    run_over_dataset(CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32), data, out, resume=True, **args)
+    assert [row[0] for row in _certify_rows(out)] == ["0", "1", "2"]
+
+
 def test_a_resume_under_another_noise_stream_is_refused(tmp_path, monkeypatch):
     """The fallback generator (no C++ compiler, SPLITZ_BACKEND=reference) draws other noise than the Philox kernels:
     a file begun with one and resumed with the other matched no uninterrupted run, and nothing said so."""
