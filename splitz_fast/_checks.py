@@ -6,34 +6,43 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import operator
 import os
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
-def check_positive(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+def _real(name: str, value) -> float:
+    """``value`` as a Python float: any real number (NumPy scalars and 0-d tensors of a real dtype included), not a
+    bool."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_complex and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_positive(name: str, value: float) -> float:
+    value = _real(name, value)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return float(value)
 
 
 def check_nonnegative(name: str, value: float, allow_inf: bool = False) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = _real(name, value)
     if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
         raise ValueError(f"{name} must be a {'' if allow_inf else 'finite '}number >= 0, got {value}")
     return float(value)
 
 
 def check_probability(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = _real(name, value)
     if not (0.0 < value < 1.0):
         raise ValueError(f"{name} must lie strictly between 0 and 1, got {value}")
     return float(value)

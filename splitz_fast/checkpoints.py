@@ -145,7 +145,9 @@ def load_model(checkpoint: str | os.PathLike, device: str | torch.device = "cpu"
             raise ValueError(f"{checkpoint}: {err}") from None
     spec = ckpt.get("model_spec") or {}
     if "name" not in spec:
-        raise ValueError(f"{checkpoint} does not record its model; it was not written by `splitz train`")
+        raise ValueError(f"{checkpoint} does not name a model of the zoo (its model_spec has no 'name': e.g. written "
+                         "by sz.train() for your own model); build that model, then model.load_state_dict("
+                         "torch.load(path, weights_only=True)['model']) — its σ is checkpoint['config']['sigma']")
     try:
         model = load_state_into(build_model(spec["name"], **spec.get("kwargs", {})), ckpt)
     except ValueError as err:

@@ -3,6 +3,7 @@ moved to the model's device as float32 (:class:`PreparedInput`, with the distanc
 the model's eval mode for the call, and the guard that the model is not edited while a lazy call runs."""
 from __future__ import annotations
 
+import operator
 import secrets
 from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
@@ -93,9 +94,12 @@ class CallGuard:
 def resolve_seed(seed: int | None) -> int:
     if seed is None:
         return secrets.randbits(63)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+    if isinstance(seed, bool) or not hasattr(type(seed), "__index__"):  # NumPy and 0-d integer tensors are integers
         raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
-    return seed
+    value = operator.index(seed)
+    if not 0 <= value < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    return value
 
 
 _NO_SEED = object()  # the end of a seeds iterable (None is a seed: draw a fresh one)

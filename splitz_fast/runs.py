@@ -588,6 +588,9 @@ def run_over_dataset(
     if not isinstance(task, RunTask):
         raise TypeError(f"task must be a RunTask (CertifyRun, PredictRun, MarginRun, AttackRun), got "
                         f"{type(task).__name__}")
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        raise TypeError("run_over_dataset takes the dataset itself (dataset[i] = (input, label)), not a DataLoader: "
+                        "pass loader.dataset (the run reads the inputs it selects one by one)")
     # Check every argument before the output file is created, so a typo leaves nothing behind.
     if any(not 0 <= i < len(dataset) for i in indices):
         raise ValueError(f"indices must lie in [0, {len(dataset)})")

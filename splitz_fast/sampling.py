@@ -281,11 +281,7 @@ class SamplingEngine:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32,
                                   cache_enabled=False)
         with autocast, _cuda_math(self.device, tf32=self.precision == "tf32"):
-            logits = net(batch)
-        if logits.ndim != 2 or logits.shape[1] != self.num_classes:
-            raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
-                             f"{self.num_classes}]; fix num_classes of the SplitModel or the last layer of f_R")
-        return logits
+            return _checked_scores(net(batch), self.num_classes)
 
     # ------------------------------------------------------------------ batch size
     def batch_size(self, latent_shape: torch.Size, cap: int) -> int:
@@ -373,6 +369,17 @@ class SamplingEngine:
             for job, take, _ in segments:
                 count(logits[start:start + take], job.counts)
                 start += take
+
+
+def _checked_scores(logits, num_classes: int) -> torch.Tensor:
+    """``f_R``'s output, refused (saying what to fix) unless it is a ``[batch, num_classes]`` tensor of scores."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"f_R returned a {type(logits).__name__}, expected a tensor of scores [batch, num_classes]; "
+                        "wrap f_R so that it returns the logits alone")
+    if logits.ndim != 2 or logits.shape[1] != num_classes:
+        raise ValueError(f"f_R returned scores of shape {tuple(logits.shape)}, expected [batch, num_classes="
+                         f"{num_classes}]; fix num_classes of the SplitModel or the last layer of f_R")
+    return logits
 
 
 def _noisy_batch(segments: list[tuple[SamplingJob, int, int | None]], rows: int, sigma: float, dtype: torch.dtype,

@@ -675,7 +675,9 @@ class _DatasetPart:
             rows = torch.as_tensor(indices, dtype=torch.int64)
             x, y = (t[rows.to(t.device)] for t in dataset.tensors)
             _check_labels(y, num_classes, indices)
-            self.tensors = (x.to(device), y.to(device, torch.int64))  # the cross-entropy takes int64 targets
+            # float32 inputs for the float32 model (float64 data would stop the first layer); int64 targets for the
+            # cross-entropy
+            self.tensors = (_as_model_input(x, device), y.to(device, torch.int64))
 
     def __len__(self) -> int:
         return len(self.subset)
@@ -696,7 +698,12 @@ class _DatasetPart:
                             generator=loader_generator)
         for (x, y), where in zip(loader, batches):
             _check_labels(y, self.num_classes, [self.indices[i] for i in where])  # on the host: no device sync
-            yield x.to(self.device), y.to(self.device, torch.int64)
+            yield _as_model_input(x, self.device), y.to(self.device, torch.int64)
+
+
+def _as_model_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch of inputs on ``device``, floating point ones as float32 (the model's parameters' dtype)."""
+    return x.to(device, torch.float32) if x.is_floating_point() else x.to(device)
 
 
 def _check_labels(y: torch.Tensor, num_classes: int, indices: list[int]) -> None:

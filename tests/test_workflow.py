@@ -187,6 +187,18 @@ def test_training_takes_labels_of_any_integer_dtype(tmp_path):
               tmp_path / f"{dtype}-loader")
 
 
+def test_a_checkpoint_of_the_users_own_model_says_how_to_load_it(tmp_path):
+    """Before: "it was not written by `splitz train`" about a checkpoint sz.train() wrote."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(40, 6, generator=gen)
+    own = sz.split_sequential(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), 1,
+                              num_classes=2, input_shape=(6,))
+    train(own, TensorDataset(x, (x[:, 0] > 0.5).long()), _config(epochs=1, batch_size=8, max_batches=1), tmp_path)
+    with pytest.raises(ValueError, match=r"does not name a model of the zoo .* model.load_state_dict\(torch.load"):
+        sz.load_checkpoint(tmp_path / "best.pt")
+    own.load_state_dict(torch.load(tmp_path / "best.pt", weights_only=True)["model"])  # what the message says works
+
+
 def test_a_log_of_several_epochs_without_checkpoints_is_not_taken_for_a_first_epoch(tmp_path):
     _tabular_run(tmp_path, "run")
     for name in ("last.pt", "best.pt"):
@@ -394,6 +406,41 @@ def test_a_python_run_resumed_with_another_model_or_precision_is_refused(tmp_pat
             run_over_dataset(CertifyRun(smoother, 5, 20, 0.01, 32), data, out, resume=True, **args)
     run_over_dataset(CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32), data, out, resume=True, **args)
     assert [row[0] for row in _certify_rows(out)] == ["0", "1", "2"]
+
+
+def test_numpy_and_tensor_numbers_are_numbers_and_other_mistakes_say_what_to_fix(tmp_path):
+    import numpy as np
+
+    model = _model().eval()
+    x = torch.rand(2, 1, 28, 28, generator=torch.Generator().manual_seed(10))
+    smoother = sz.Smoother(model, np.float32(0.5))  # before: "sigma must be a number, got float32"
+    numpy_seeds = list(smoother.certify_many(x, 5, 20, 0.01, seeds=np.arange(2)))  # before: "must be an integer"
+    plain_seeds = list(sz.Smoother(model, 0.5).certify_many(x, 5, 20, 0.01, seeds=[0, 1]))
+    assert [(r.prediction, r.count_a) for r in numpy_seeds] == [(r.prediction, r.count_a) for r in plain_seeds]
+    with pytest.raises(TypeError, match="sigma must be a number, got bool"):
+        sz.Smoother(model, True)
+
+    class PairHead(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, z):
+            out = self.inner(z)
+            return out, z
+
+    paired = _model().eval()
+    paired.right = PairHead(paired.right)
+    with pytest.raises(TypeError, match="f_R returned a tuple, expected a tensor of scores"):
+        sz.Smoother(paired, 0.5).certify(x[0], 5, 20, 0.01, seed=0)
+    loader = torch.utils.data.DataLoader(_digits(x[0], x[1]), batch_size=2)
+    with pytest.raises(TypeError, match="not a DataLoader: pass loader.dataset"):
+        run_over_dataset(CertifyRun(smoother, 5, 20, 0.01, 32), loader, tmp_path / "o.tsv", settings={},
+                         indices=[0, 1], seed=0, progress=False)
+    # float64 training data trains the float32 model (before: a dtype RuntimeError from the first layer)
+    y = torch.zeros(16, dtype=torch.int64)
+    train(_model(), TensorDataset(torch.rand(16, 1, 28, 28, dtype=torch.float64), y),
+          _config(epochs=1, batch_size=8, max_batches=1), tmp_path / "f64")
 
 
 def test_a_resume_under_another_noise_stream_is_refused(tmp_path, monkeypatch):
