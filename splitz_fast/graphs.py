@@ -129,22 +129,28 @@ def score_gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call of ``call`` on CUDA ``device``: the better of up to :data:`TIMING_ROUNDS` rounds of at least
-    :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: the time is the host's or the GPU's,
-    whichever is slower; a round of :data:`TIMING_LONG_S` or more is the last)."""
+    """Seconds per call of ``call`` on ``device``: the better of up to :data:`TIMING_ROUNDS` rounds of at least
+    :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: on CUDA the time is the host's or the
+    GPU's, whichever is slower; a round of :data:`TIMING_LONG_S` or more is the last)."""
     best = float("inf")
     for _ in range(TIMING_ROUNDS):
-        torch.cuda.synchronize(device)
+        synchronize(device)
         calls, start = 0, time.perf_counter()
         while calls < 2 or time.perf_counter() - start < TIMING_MIN_S:
             call()
             calls += 1
-        torch.cuda.synchronize(device)
+        synchronize(device)
         elapsed = time.perf_counter() - start
         best = min(best, elapsed / calls)
         if elapsed >= TIMING_LONG_S:
             break
     return best
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA; elsewhere the work is done when the call returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_cuda_setting(option: str, setting: bool | None, device: torch.device) -> None:
@@ -199,4 +205,4 @@ class GraphChoice:
 
 
 __all__ = ["GraphCaptureError", "GraphChoice", "GraphDecision", "GraphedScores", "capture_scores", "graph_is_faster",
-           "seconds_per_call"]
+           "seconds_per_call", "synchronize"]

@@ -2,10 +2,11 @@
 
 :class:`PreparedClassifier` keeps, per ``(channels_last, pooled)`` layout, a prepared copy of the user's ``f_R`` —
 eval mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged
-to cost less where that was measured (:func:`_cheaper_chain`), compiled if asked — or ``f_R`` itself where preparing
-changes nothing; the user's modules are never modified. On CUDA a second, fused copy (convolution epilogues as single
-cuDNN calls or Triton kernels, :mod:`splitz_fast.epilogues`) is used per layout and batch where the engine measures it
-faster and scoring alike (:meth:`PreparedClassifier.chosen`). The copies are rebuilt whenever the user's ``f_R``
+to cost less where that was measured (:func:`_cheaper_chain`) — or ``f_R`` itself where preparing changes nothing; the
+user's modules are never modified. On CUDA a second, fused copy (convolution epilogues as single cuDNN calls or Triton
+kernels, :mod:`splitz_fast.epilogues`) is used per layout and batch where the engine measures it faster and scoring
+alike (:meth:`PreparedClassifier.chosen`), and either copy runs through ``torch.compile`` where the engine's
+:class:`~splitz_fast.compiled.CompileChoice` says so (:meth:`PreparedClassifier.compiled_if_chosen`). The copies are rebuilt whenever the user's ``f_R``
 changes (:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is
 refused: from its modules (:func:`check_batch_independent`) and by a probe at the first batch
 (:func:`probe_batch_independence`).
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .compiled import CompileChoice, CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores, score_gap
@@ -42,17 +44,16 @@ class PreparedClassifier:
     Args:
         right: ``f_R``.
         device: where sampling runs.
-        compile: run the prepared copy through ``torch.compile`` with static shapes (eager, with a warning, where
-            compiling fails).
     """
 
-    def __init__(self, right: nn.Module, device: torch.device, compile: bool = False):
+    def __init__(self, right: nn.Module, device: torch.device):
         self.source = right
         self.device = torch.device(device)
-        self.compile = compile
-        self._prepared: dict[tuple[bool, bool, bool], nn.Module] = {}  # (channels_last, pool in noise, fused)
-        self._graphs: dict[tuple, GraphedScores | None] = {}  # (layout, fused, rows) -> graph, None: eager
+        # (channels_last, pool in noise, fused, compiled) -> the prepared module
+        self._prepared: dict[tuple[bool, bool, bool, bool], nn.Module] = {}
+        self._graphs: dict[tuple, GraphedScores | None] = {}  # (layout, fused, compiled, rows) -> graph, None: eager
         self._fused: dict[tuple[bool, bool, int], bool] = {}  # (layout, rows) -> whether the fused copy is used
+        self._compiled: dict[tuple[bool, bool, bool, int], bool] = {}  # (layout, fused, rows) -> compiled copy used
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
         self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
@@ -66,6 +67,7 @@ class PreparedClassifier:
             self._prepared.clear()
             self._graphs.clear()
             self._fused.clear()
+            self._compiled.clear()
             self._probed.clear()
             self._unfolded = None
             self._snapshot = ModuleSnapshot(self.source)
@@ -91,15 +93,16 @@ class PreparedClassifier:
         """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
         return not self.unfolded_batchnorms
 
-    def get(self, channels_last: bool, pooled: bool = False, fused: bool = False) -> nn.Module:
+    def get(self, channels_last: bool, pooled: bool = False, fused: bool = False, compiled: bool = False) -> nn.Module:
         """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
         folded, on the device, channels_last for image latents, its convolution epilogues fused when ``fused``
-        (:mod:`~splitz_fast.epilogues`), compiled if asked) where preparing changes something, else the user's module
-        itself (or its ``[1:]`` slice, which shares the user's layers)."""
-        key = (channels_last, pooled, fused)
+        (:mod:`~splitz_fast.epilogues`)) where preparing changes something, else the user's module itself (or its
+        ``[1:]`` slice, which shares the user's layers). With ``compiled``, that copy (always a copy) through
+        ``torch.compile`` (:class:`~splitz_fast.compiled.CompiledOrEager`)."""
+        key = (channels_last, pooled, fused, compiled)
         if key not in self._prepared:
             source = self.source[1:] if pooled else self.source
-            needs_copy = self.compile or fused or (channels_last and _has_conv(source)) or any(
+            needs_copy = compiled or fused or (channels_last and _has_conv(source)) or any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
@@ -112,7 +115,7 @@ class PreparedClassifier:
                     prepared = prepared.to(memory_format=torch.channels_last)
                 if fused:
                     prepared = fuse_conv_epilogues(prepared)
-                if self.compile:
+                if compiled:
                     prepared = CompiledOrEager(prepared)
             self._prepared[key] = prepared
         return self._prepared[key]
@@ -133,6 +136,19 @@ class PreparedClassifier:
                 key, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch), example, tolerance)
         return (self.get(*layout, fused=True), True) if self._fused[key] else (plain, False)
 
+    def compiled_if_chosen(self, net: nn.Module, layout: tuple[bool, bool], fused: bool, rows: int,
+                           compiling: CompileChoice, scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                           example: Callable[[], torch.Tensor], tolerance: float) -> nn.Module:
+        """``net`` (the prepared module of ``layout``, fused or not) or its compiled copy, as ``compiling`` decides
+        (:class:`~splitz_fast.compiled.CompileChoice`) once it is due, once per layout, copy and batch."""
+        key = (*layout, fused, rows)
+        if key not in self._compiled:
+            if not compiling.due():
+                return net
+            candidate = self.get(*layout, fused=fused, compiled=True)
+            self._compiled[key] = compiling.choose(key, scores, net, candidate, example, tolerance)
+        return self.get(*layout, fused=fused, compiled=True) if self._compiled[key] else net
+
     def graphed(self, layout: tuple, rows: int,
                 capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:
         """The CUDA graph of the prepared module of ``layout`` at a static batch of ``rows`` (``None``: that batch
@@ -146,7 +162,8 @@ class PreparedClassifier:
     def may_run_parallel(self, net: nn.Module) -> bool:
         """Whether ``net``'s batches may run on several worker threads (the engine's ``_execute``): on the CPU,
         through an eager prepared copy of ``f_R`` (never the user's own modules, which need not be thread-safe)."""
-        return self.device.type == "cpu" and not self.compile and net is not self.source and self.is_copy(net)
+        return (self.device.type == "cpu" and not isinstance(net, CompiledOrEager) and net is not self.source
+                and self.is_copy(net))
 
     def is_copy(self, net: nn.Module) -> bool:
         """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
@@ -189,9 +206,6 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     It also refuses NaN scores: a NaN row has no class (``argmax`` would read the first NaN as the maximum, so an
     ``f_R`` with NaN weights would "certify" its first class with a large radius). Infinite scores are accepted
     (−inf for masked classes is common, and ``argmax`` orders them)."""
-    if isinstance(net, CompiledOrEager):
-        net = net.net  # the same function; probing the compiled one would compile it for every probe shape
-
     def fresh_scores(*batches: torch.Tensor) -> torch.Tensor:
         fresh = copy.deepcopy(net)
         return torch.cat([scores(fresh, batch).float() for batch in batches])
@@ -481,32 +495,6 @@ def _is_maxpool2(pool: nn.Module) -> bool:
 
 def _has_conv(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in module.modules())
-
-
-class CompiledOrEager(nn.Module):
-    """``torch.compile(net)``, falling back to ``net`` itself (with one warning) if compiling or the first compiled
-    call fails — no compiler, an unsupported platform or model; eager is always a correct base classifier."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-        self.compiled = None
-        try:
-            self.compiled = torch.compile(net, dynamic=False)
-        except Exception as err:  # noqa: BLE001
-            self._give_up(err)
-
-    def _give_up(self, err: Exception) -> None:
-        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly", stacklevel=4)
-        self.compiled = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled is not None:
-            try:
-                return self.compiled(x)
-            except Exception as err:  # noqa: BLE001
-                self._give_up(err)
-        return self.net(x)
 
 
 __all__ = ["PreparedClassifier", "check_batch_independent", "probe_batch_independence", "noisy_rows", "PROBE_ROWS",

@@ -41,10 +41,10 @@ from .kernels.noise_votes import (
     noisy_latents_maxpool2_triton,
     noisy_latents_native,
 )
+from .compiled import CompileChoice, CompiledOrEager, check_compile_setting
 from .epilogues import FusionChoice
-from .graphs import GraphChoice, GraphedScores
-from .prepared import (PROBE_TOLERANCE, CompiledOrEager, PreparedClassifier, check_batch_independent, noisy_rows,
-                       starts_with_maxpool2)
+from .graphs import GraphChoice, GraphedScores, synchronize
+from .prepared import PROBE_TOLERANCE, PreparedClassifier, check_batch_independent, noisy_rows, starts_with_maxpool2
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
@@ -84,9 +84,11 @@ def default_max_batch(device: torch.device) -> int:
     return DEFAULT_MAX_BATCH_CUDA if torch.device(device).type == "cuda" else DEFAULT_MAX_BATCH
 
 
-def check_engine_settings(precision: str, cuda_graphs: bool | None, fused_kernels: bool | None = None) -> None:
-    """Refuse a precision that is not a key of :data:`PRECISIONS` and a ``cuda_graphs`` or ``fused_kernels`` other
-    than None/True/False."""
+def check_engine_settings(precision: str, cuda_graphs: bool | None, fused_kernels: bool | None = None,
+                          compile: bool | None = None) -> None:
+    """Refuse a precision that is not a key of :data:`PRECISIONS` and a ``cuda_graphs``, ``fused_kernels`` or
+    ``compile`` other than None/True/False."""
+    check_compile_setting(compile)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
     for name, value in (("cuda_graphs", cuda_graphs), ("fused_kernels", fused_kernels)):
@@ -234,8 +236,9 @@ class SamplingEngine:
         sigma: noise level σ > 0 in latent units.
         device: where sampling runs (``f_R``'s device).
         precision: a key of :data:`PRECISIONS` (the base classifier's precision, labelled in every result).
-        compile: run ``f_R`` through ``torch.compile`` with static batch shapes (the last batch is padded and its
-            padding not counted); where compiling fails the engine warns once and stays eager.
+        compile: run ``f_R`` through ``torch.compile`` at the static batch (the last batch padded, the padding not
+            counted): ``None`` (default) where it scores alike and measures faster, tried on CUDA only, after a minute
+            of eager sampling; ``True``; ``False`` (:class:`~splitz_fast.compiled.CompileChoice`: ``compiling``).
         cuda_graphs: on CUDA, replay ``f_R`` as a CUDA graph captured at the batch size (shorter batches run eagerly):
             ``None`` (default) where measured faster than eager, ``True`` (needs CUDA), ``False``; a failed capture
             warns once and stays eager (:class:`~splitz_fast.graphs.GraphChoice`; its choices: ``graphs.decisions``).
@@ -246,18 +249,18 @@ class SamplingEngine:
     """
 
     def __init__(self, right: nn.Module, num_classes: int, sigma: float, device: torch.device,
-                 precision: str = "float32", compile: bool = False, cuda_graphs: bool | None = None,
+                 precision: str = "float32", compile: bool | None = None, cuda_graphs: bool | None = None,
                  fused_kernels: bool | None = None):
-        check_engine_settings(precision, cuda_graphs, fused_kernels)
+        check_engine_settings(precision, cuda_graphs, fused_kernels, compile)
         self.num_classes = num_classes
         self.sigma = sigma
         self.device = torch.device(device)
         self.precision = precision
         self.dtype = PRECISIONS[precision]
-        self.compile = compile
         self.graphs = GraphChoice(cuda_graphs, self.device)
         self.fusion = FusionChoice(fused_kernels, self.device)
-        self.prepared = PreparedClassifier(right, self.device, compile)
+        self.compiling = CompileChoice(compile, self.device)
+        self.prepared = PreparedClassifier(right, self.device)
         self._count_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the prepared f_R
@@ -288,7 +291,7 @@ class SamplingEngine:
         """The batch size with the most samples/s for latents of this shape, at most ``cap``: measured once per
         process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when two sizes in a row
         gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent)."""
-        key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compile,
+        key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compiling.setting,
                self.pools_in_noise(latent_shape))
         if key not in _TUNED_BATCH:
             _TUNED_BATCH[key] = _measure_batch_size(self, tuple(latent_shape), cap)
@@ -316,11 +319,15 @@ class SamplingEngine:
             return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
 
         net, fused = self.prepared.chosen(layout, batch_size, self.fusion, self._scores, example, tolerance)
+        net = self.prepared.compiled_if_chosen(net, layout, fused, batch_size, self.compiling, self._scores, example,
+                                               tolerance)
+        compiled = isinstance(net, CompiledOrEager)
         # the CUDA graph of full batches, or None (eager): decided by `graphs` once per prepared copy and batch
-        graph = self.prepared.graphed((*layout, fused), batch_size, lambda: self.graphs.choose(
+        graph = self.prepared.graphed((*layout, fused, compiled), batch_size, lambda: self.graphs.choose(
             (*layout, batch_size), lambda batch: self._scores(net, batch), example, tolerance))
-        self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size, self.prepared.may_run_parallel(net),
-                      graph)
+        with self.compiling.timed(eager=not compiled):
+            self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size,
+                          self.prepared.may_run_parallel(net), graph)
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
                  parallel: bool, graph: GraphedScores | None = None) -> None:
@@ -358,7 +365,7 @@ class SamplingEngine:
         if total < batch_size:
             graph = None  # a short batch (the end of a window) runs eagerly: no padding rows to score
         # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
-        rows = batch_size if self.compile else total
+        rows = batch_size if isinstance(net, CompiledOrEager) else total
         batch = _noisy_batch(segments, rows, self.sigma, self.dtype, channels_last, pooled,
                              None if graph is None else graph.input)
         logits = self._scores(net, batch) if graph is None else graph.replay()
@@ -439,12 +446,10 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     """The fastest ``f_R`` batch of ``engine`` for latents of ``shape``, at most ``cap`` (:meth:`SamplingEngine.batch_size`)."""
     channels_last = len(shape) == 3
     pooled = engine.pools_in_noise(torch.Size(shape))
+    # The eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each); it is compiled
+    # once, for the size chosen here.
     net = engine.prepared.get(channels_last, pooled)
     parallel = engine.prepared.may_run_parallel(net)
-    if isinstance(net, CompiledOrEager):
-        # Time the eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each);
-        # it is compiled once, for the size chosen here.
-        net = net.net
     if net is engine.source or pooled and not engine.prepared.is_copy(net):
         net = copy.deepcopy(net)  # timing runs must not touch the user's modules (they may keep state)
     latent = torch.zeros(shape, device=engine.device)
@@ -518,7 +523,7 @@ def _samples_per_second(engine: "SamplingEngine", net, job: SamplingJob, channel
     def one_pass() -> None:
         engine._execute(net, [[_segment(job, job.num)] for _ in range(batches)], channels_last, pooled, job.num,
                       parallel)
-        _synchronize(engine.device)
+        synchronize(engine.device)
 
     one_pass()
     passes, start = 0, time.perf_counter()
@@ -547,11 +552,6 @@ class _cuda_math:
         if self.active:
             (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
              torch.backends.cuda.matmul.allow_tf32) = self.previous
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 __all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK",

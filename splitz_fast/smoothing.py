@@ -35,7 +35,7 @@ class Smoother:
         precision: how ``f_R`` computes while sampling, a key of ``sampling.PRECISIONS`` (``"float32"``,
             IEEE also on CUDA, the default): the base classifier, not the validity of its certificates, changes.
         compile, cuda_graphs, fused_kernels: how the engine runs ``f_R`` (:class:`~splitz_fast.sampling.SamplingEngine`):
-            through ``torch.compile``; on CUDA as a CUDA graph, and fused (``None``, the default: where measured faster).
+            compiled (tried on CUDA after a minute of sampling), as a CUDA graph, fused; ``None`` (default): where faster.
         max_batch_size: the largest batch the tuner tries (default 4096; on CUDA 32768: ``sampling.default_max_batch``).
         overlap_bounds: compute the radius search of one group of inputs on a worker thread (a side CUDA stream)
             while the next group samples; default: on CUDA only (on a CPU both compete for the same cores).
@@ -56,7 +56,7 @@ class Smoother:
         *,
         bound_options: BoundOptions | None = None,
         precision: str = "float32",
-        compile: bool = False,
+        compile: bool | None = None,
         cuda_graphs: bool | None = None,
         fused_kernels: bool | None = None,
         max_batch_size: int | None = None,
@@ -67,14 +67,14 @@ class Smoother:
         if not isinstance(model, SplitModel):
             raise TypeError(f"model must be a splitz_fast.SplitModel, got {type(model).__name__}; "
                             "build one with split_sequential() or SplitModel(left, right, num_classes)")
-        check_engine_settings(precision, cuda_graphs, fused_kernels)
+        check_engine_settings(precision, cuda_graphs, fused_kernels, compile)
         self._model = model
         self.sigma = check_positive("sigma", sigma)
         self.options = check_bound_options(bound_options, deprecated_bound_keywords, "Smoother")
         self.radius_search = RadiusSearch(model, self.options)
         self.protocol = get_protocol(protocol)
         self.protocol.check(model)
-        self.precision, self.compile, self.cuda_graphs = precision, bool(compile), cuda_graphs
+        self.precision, self.compile, self.cuda_graphs = precision, compile, cuda_graphs
         self._max_batch_size = None if max_batch_size is None else check_count("max_batch_size", max_batch_size)
         self.overlap_bounds, self.fused_kernels = overlap_bounds, fused_kernels
         self._engine: SamplingEngine | None = None

@@ -1,0 +1,206 @@
+"""When the sampling engine samples through ``torch.compile(f_R)`` (splitz_fast.compiled): never on the CPU by default,
+on CUDA only after COMPILE_AFTER_S seconds of eager sampling (the ski-rental rule), and then only where the compiled
+f_R scores like the eager one and measures faster. The compiler is replaced by stand-ins that are faster, slower or
+wrong on purpose (a real compile on the CPU is in the slow test at the end, on CUDA in the gpu test)."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import splitz_fast as sz
+from splitz_fast import compiled as compiled_module
+from splitz_fast.compiled import COMPILE_AFTER_S, CompileChoice, check_compile_setting
+from _helpers import small_splitz
+
+CPU = torch.device("cpu")
+
+
+class Pause(nn.Module):
+    """The identity, taking ``seconds`` per call: an eager f_R that a stand-in compiler can beat."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def _paused_splitz(seconds: float = 0.004):
+    model, xs = small_splitz()
+    right = nn.Sequential(Pause(seconds), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+    return sz.SplitModel(model.left, right, 5), xs
+
+
+@pytest.fixture
+def auto_on_cpu(monkeypatch):
+    """compile=None considered on the CPU too, compiling only once an engine's eager_seconds is set past the
+    threshold by the test (so when it compiles does not depend on this machine's speed)."""
+    monkeypatch.setattr(CompileChoice, "AUTO_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 1e9)
+
+
+def _stand_in_compiler(monkeypatch, make):
+    """torch.compile replaced: ``make(net)`` is the "compiled" function; returns the list of batch sizes it ran."""
+    calls: list[int] = []
+
+    def compile_(net, **kwargs):
+        fn = make(net)
+
+        def run(batch):
+            calls.append(batch.shape[0])
+            return fn(batch)
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    return calls
+
+
+def test_compile_none_waits_for_a_minute_of_sampling_on_cuda_and_never_compiles_on_the_cpu():
+    cuda = CompileChoice(None, torch.device("cuda"))  # a device object only: nothing runs on it
+    assert not cuda.due()
+    cuda.record_eager(COMPILE_AFTER_S / 2)
+    assert not cuda.due()
+    cuda.record_eager(COMPILE_AFTER_S / 2)
+    assert cuda.due()
+    cpu = CompileChoice(None, CPU)
+    cpu.record_eager(1e6)
+    assert not cpu.due()
+    assert CompileChoice(True, CPU).due() and not CompileChoice(False, torch.device("cuda")).due()
+    assert 10 <= COMPILE_AFTER_S <= 600
+
+
+@pytest.mark.parametrize("bad", ["auto", 1, 0, "yes"])
+def test_compile_settings_other_than_none_true_false_are_refused(bad):
+    model, _ = small_splitz()
+    with pytest.raises(ValueError, match="compile must be None"):
+        check_compile_setting(bad)
+    with pytest.raises(ValueError, match="compile must be None"):
+        sz.Smoother(model, 0.4, compile=bad)
+
+
+def test_default_smoother_on_the_cpu_never_compiles(monkeypatch):
+    model, xs = small_splitz()
+    calls = _stand_in_compiler(monkeypatch, lambda net: net)
+    smoother = sz.Smoother(model, 0.4)
+    smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
+    smoother.engine().compiling.eager_seconds = 1e9  # however long it has sampled
+    smoother.predict(xs[1], 200, 0.05, batch_size=64, seed=1)
+    assert calls == [] and smoother.engine().compiling.decisions == {}
+
+
+def test_compile_none_compiles_once_due_and_keeps_a_faster_compiled_f_r(monkeypatch, auto_on_cpu):
+    model, xs = _paused_splitz()
+    calls = _stand_in_compiler(monkeypatch, lambda net: net[1:])  # the same function without the pause
+    smoother = sz.Smoother(model, 0.4)
+    eager = [smoother.predict(x, 300, 0.05, batch_size=64, seed=i) for i, x in enumerate(xs[:2])]
+    engine = smoother.engine()
+    assert calls == [] and engine.compiling.eager_seconds > 0  # before the threshold: eager, time counted
+    engine.compiling.eager_seconds = 1e9
+    got = [smoother.predict(x, 300, 0.05, batch_size=64, seed=i) for i, x in enumerate(xs[:2])]
+    (key, decision), = engine.compiling.decisions.items()
+    assert decision.used and decision.compiled_s < decision.eager_s and decision.compile_s >= 0, decision
+    assert key[-1] == 64 and "measured at batch 64" in decision.reason
+    assert set(calls) == {64} and len(calls) > 10  # sampled through it, every batch padded to the static size
+    assert [(p.prediction, p.count_top, p.count_second) for p in got] == \
+           [(p.prediction, p.count_top, p.count_second) for p in eager]
+    seconds = engine.compiling.eager_seconds
+    smoother.predict(xs[2], 300, 0.05, batch_size=64, seed=2)
+    assert engine.compiling.eager_seconds == seconds  # compiled sampling is not eager time
+
+
+def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeypatch, auto_on_cpu):
+    model, xs = small_splitz()
+
+    def slower(net):
+        def run(batch):
+            time.sleep(0.004)
+            return net(batch)
+        return run
+
+    calls = _stand_in_compiler(monkeypatch, slower)
+    smoother = sz.Smoother(model, 0.4)
+    smoother.engine().compiling.eager_seconds = 1e9
+    eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a slower compiled f_R is a measured choice, not a warning
+        got = smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    decision, = smoother.engine().compiling.decisions.values()
+    assert not decision.used and decision.compiled_s > decision.eager_s
+    timing_calls = len(calls)
+    smoother.predict(xs[1], 300, 0.05, batch_size=64, seed=1)
+    assert len(calls) == timing_calls  # decided once: no batch ran through it afterwards
+    assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
+
+
+@pytest.mark.parametrize("setting", [None, True])
+def test_a_compiled_f_r_that_scores_differently_is_not_used(monkeypatch, auto_on_cpu, setting):
+    model, xs = small_splitz()
+    _stand_in_compiler(monkeypatch, lambda net: (lambda batch: net(batch) + torch.tensor([0.0, 0, 0, 0, 50.0])))
+    smoother = sz.Smoother(model, 0.4, compile=setting)
+    smoother.engine().compiling.eager_seconds = 1e9
+    with pytest.warns(UserWarning, match="compiled f_R is not used .*scores differ"):
+        got = smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top) and got.prediction != 4
+    assert not any(d.used for d in smoother.engine().compiling.decisions.values())
+
+
+def test_compile_true_uses_the_compiled_f_r_from_the_first_batch_without_timing(monkeypatch):
+    model, xs = small_splitz()
+    calls = _stand_in_compiler(monkeypatch, lambda net: net)
+    smoother = sz.Smoother(model, 0.4, compile=True)
+    smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    decision, = smoother.engine().compiling.decisions.values()
+    assert decision.used and decision.reason == "compile=True" and decision.eager_s is None
+    assert smoother.engine().compiling.eager_seconds == 0 and set(calls) == {64}
+
+
+def test_the_compile_decision_is_made_again_for_an_edited_model(monkeypatch, auto_on_cpu):
+    model, xs = small_splitz()
+    calls = _stand_in_compiler(monkeypatch, lambda net: net)
+    smoother = sz.Smoother(model, 0.4, compile=True)
+    smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
+    compiled_before = len(calls)
+    with torch.no_grad():
+        model.right[4].bias += torch.tensor([0.0, 0, 0, 0, 100.0])
+    after = smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
+    assert after.prediction == 4 and after.count_top == 200  # the edit is seen through a fresh compiled copy
+    assert len(calls) > compiled_before
+
+
+@pytest.mark.slow
+def test_a_real_torch_compile_on_the_cpu_certifies_like_eager():
+    """Inductor on this machine (C++ code for the CPU): the compiled copy is chosen with compile=True, runs, and
+    certifies what the eager f_R certifies (up to float rounding, which moves no vote of this input)."""
+    pytest.importorskip("torch._inductor")
+    model, xs = small_splitz()
+    smoother = sz.Smoother(model, 0.4, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a failed compile would warn and fall back
+        got = smoother.certify(xs[0], 20, 300, 0.01, batch_size=64, seed=3)
+    decision, = smoother.engine().compiling.decisions.values()
+    assert decision.used, decision
+    eager = sz.Smoother(model, 0.4, compile=False).certify(xs[0], 20, 300, 0.01, batch_size=64, seed=3)
+    assert (got.prediction, got.count_a) == (eager.prediction, eager.count_a)
+    assert got.radius == pytest.approx(eager.radius, rel=1e-12)
+
+
+@pytest.mark.gpu
+def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 0.0)  # due at the first batch
+    model, xs = small_splitz()
+    model = model.cuda()
+    smoother = sz.Smoother(model, 0.4)
+    got = smoother.certify(xs[0].cuda(), 20, 2000, 0.01, batch_size=256, seed=3)
+    decision, = smoother.engine().compiling.decisions.values()
+    assert decision.compile_s is not None and decision.eager_s is not None, decision
+    eager = sz.Smoother(model, 0.4, compile=False).certify(xs[0].cuda(), 20, 2000, 0.01, batch_size=256, seed=3)
+    assert got.prediction == eager.prediction and abs(got.count_a - eager.count_a) <= 2
