@@ -88,6 +88,7 @@ class CompileChoice:
         check_compile_setting(setting)
         self.setting, self.device = setting, torch.device(device)
         self.eager_seconds = 0.0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # timed CUDA blocks not yet read
         self.decisions: dict[tuple, CompileDecision] = {}
         self._warned = False
 
@@ -96,8 +97,14 @@ class CompileChoice:
         ``compile=True``; with ``None`` on a device of :attr:`AUTO_DEVICES` once it has sampled eagerly for
         :data:`COMPILE_AFTER_S` seconds."""
         if self.setting is None:
-            return self.device.type in self.AUTO_DEVICES and self.eager_seconds >= COMPILE_AFTER_S
+            self._collect()
+            return self._timing and self.eager_seconds >= COMPILE_AFTER_S
         return self.setting
+
+    @property
+    def _timing(self) -> bool:
+        """Whether eager sampling time is counted: only where ``compile=None`` may compile."""
+        return self.setting is None and self.device.type in self.AUTO_DEVICES
 
     def record_eager(self, seconds: float) -> None:
         """Add ``seconds`` of eager sampling."""
@@ -105,13 +112,28 @@ class CompileChoice:
 
     @contextlib.contextmanager
     def timed(self, eager: bool):
-        """Count the block's seconds as eager sampling where ``eager``: a sampling call's host time (its work is
-        queued on the device and the host waits for it when the votes are read, so over a run this follows the
-        device's time)."""
-        start = time.perf_counter()
-        yield
-        if eager:
-            self.record_eager(time.perf_counter() - start)
+        """Count the block's time as eager sampling where ``eager`` (and :attr:`_timing`). On CUDA the time between
+        two events recorded on the sampling stream around the block, read once both have completed (``query``, no
+        host synchronisation): the device's time for the block's batches; elsewhere the block's host time."""
+        if not (eager and self._timing):
+            yield
+        elif self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            yield
+            end.record(stream)
+            self._pending.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.record_eager(time.perf_counter() - began)
+
+    def _collect(self) -> None:
+        """Add the times of the timed CUDA blocks that have completed."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.pop(0)
+            self.record_eager(start.elapsed_time(end) / 1e3)
 
     def choose(self, key: tuple, scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], eager: nn.Module,
                compiled: CompiledOrEager, example: Callable[[], torch.Tensor], tolerance: float) -> bool:

@@ -192,6 +192,27 @@ def test_a_real_torch_compile_on_the_cpu_certifies_like_eager():
 
 
 @pytest.mark.gpu
+def test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, xs = small_splitz()
+    model = model.cuda()
+    smoother = sz.Smoother(model, 0.4)
+    start = time.perf_counter()
+    smoother.predict(xs[0].cuda(), 20000, 0.05, batch_size=512, seed=0)
+    compiling = smoother.engine().compiling
+    torch.cuda.set_sync_debug_mode("error")  # reading the events never synchronises
+    try:
+        compiling.due()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    assert not compiling.due() and not compiling.decisions
+    assert 0 < compiling.eager_seconds <= wall
+
+
+@pytest.mark.gpu
 def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
