@@ -50,7 +50,8 @@
 #      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
 #   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
 #      CUDA graph and fusion tests (tests/test_graphs.py, tests/test_epilogues.py, tests/test_kernels_conv_relu_pool.py,
-#      and the host-sync count with the default graphs), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
+#      the host-sync count with the default graphs, and the default compile's event timing and its compile on CUDA:
+#      tests/test_compiled.py's gpu tests), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
 #      pytest-timeout with a traceback of every thread where it is installed, so a test that hangs is named with its
 #      frame instead of stalling the stage), a one-epoch `torchrun --nproc_per_node=1` training (NCCL).
 #   6. waiting for the results runs, then packing.
@@ -169,9 +170,11 @@ if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share th
     PYTEST="$PY -m pytest -q $XDIST -p no:cacheprovider"
     # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
     if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
-    stage "5 CUDA graph and fusion tests" 150 $PYTEST tests/test_graphs.py tests/test_epilogues.py \
+    stage "5 CUDA graph, fusion and compile tests" 210 $PYTEST tests/test_graphs.py tests/test_epilogues.py \
         tests/test_kernels_conv_relu_pool.py \
-        tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches
+        tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches \
+        tests/test_compiled.py::test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync \
+        tests/test_compiled.py::test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager
     stage "5a CUDA kernel build" 120 env MAX_JOBS=2 $PY -m splitz_fast.kernels.native_cuda
     stage "5b CUDA kernel tests" 90 $PYTEST tests/test_native_cuda.py
     stage "5c noise/votes tests, native CUDA" 90 $PYTEST tests/test_kernels_noise_votes.py -k "native-cuda or philox"
