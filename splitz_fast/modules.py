@@ -483,7 +483,10 @@ def split_sequential(
     modules = list(network.children())
     n_affine = sum(isinstance(m, AFFINE_TYPES) for m in modules)
     if isinstance(split_index, bool) or not isinstance(split_index, int) or not 0 <= split_index <= n_affine:
-        raise ValueError(f"split_index must be an integer in [0, {n_affine}] for this network, got {split_index}")
+        containers = [i for i, m in enumerate(modules) if _is_container(m)]
+        raise ValueError(f"split_index must be an integer in [0, {n_affine}] for this network (it has {n_affine} "
+                         f"affine layer{'s' if n_affine != 1 else ''} at its top level), got {split_index}"
+                         + (_CONTAINER_HINT.format(containers) if containers else ""))
     layers: list[nn.Module] = []
     activations: list[ClippedReLU | None] = []
     pools: list[nn.Module | None] = []
@@ -507,7 +510,7 @@ def split_sequential(
             raise ValueError(
                 f"module {i} ({type(m).__name__}) would fall inside f_L, which holds only affine layers, "
                 f"(clipped) ReLUs and non-overlapping max-pools; choose a smaller split_index or restructure the network"
-            )
+                + _misplaced_module_hint(i, m))
         i += 1
     # The activation right after the last affine layer of f_L belongs to f_L too.
     if layers and i < len(modules) and activations[-1] is None:
@@ -527,6 +530,29 @@ def split_sequential(
     if threshold_per_element:
         left.thresholds_per_element_()
     return model
+
+
+_CONTAINER_HINT = ("; split_sequential splits the network's top-level modules in order and does not look inside "
+                   "containers (modules {} hold layers of their own): flatten nested blocks into one nn.Sequential, "
+                   "e.g. nn.Sequential(*features, nn.Flatten(), *classifier)")
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module that only holds other layers (an ``nn.Sequential``, ``nn.ModuleList``, or a block without parameters
+    of its own but with children): what ``split_sequential`` does not look into."""
+    return (not isinstance(module, AFFINE_TYPES) and next(module.children(), None) is not None
+            and not isinstance(module, (ClippedReLU, Standardize)))
+
+
+def _misplaced_module_hint(index: int, module: nn.Module) -> str:
+    """What to do instead, for a module that ``split_sequential`` cannot put into ``f_L``: a normalisation in front of
+    the network belongs in ``standardize=``; a nested container is not looked into."""
+    if index == 0 and (isinstance(module, Standardize) or (hasattr(module, "mean") and hasattr(module, "std"))):
+        return ("; a normalisation in front of the network is passed as split_sequential(..., "
+                "standardize=Standardize(mean, std)) and not as a layer (f_L's bound takes its 1/std into account)")
+    if _is_container(module):
+        return _CONTAINER_HINT.format([index])
+    return ""
 
 
 def _check_input_shape(model: SplitModel, modules: Sequence[nn.Module]) -> None:

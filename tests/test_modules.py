@@ -130,6 +130,26 @@ def test_split_sequential_uses_clipped_relu_threshold_and_rejects_other_modules_
         sz.split_sequential(net, 3, num_classes=2, input_shape=(1, 10, 10))
 
 
+def test_split_sequential_says_what_to_do_with_nested_blocks_and_a_normalisation_in_front():
+    import torchvision.transforms as T
+
+    nested = nn.Sequential(nn.Sequential(nn.Linear(6, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 3)))
+    with pytest.raises(ValueError, match=r"\[0, 0\] .*0 affine layers at its top level.*modules \[0, 1\] hold "
+                                         r"layers of their own.*flatten nested blocks"):
+        sz.split_sequential(nested, 1, num_classes=3, input_shape=(6,))
+    partly = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.ReLU()), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"module 1 \(Sequential\).*flatten nested blocks"):
+        sz.split_sequential(partly, 2, num_classes=3, input_shape=(6,))
+    for front in (T.Normalize((0.1,), (0.3,)), sz.Standardize((0.1,), (0.3,))):
+        net = nn.Sequential(front, nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+        with pytest.raises(ValueError, match=r"module 0 \(\w+\).*standardize=Standardize\(mean, std\)"):
+            sz.split_sequential(net, 1, num_classes=3, input_shape=(1, 6, 6))
+    with pytest.raises(ValueError) as plain:  # no hint where none applies
+        sz.split_sequential(nn.Sequential(nn.Linear(6, 8), nn.Dropout(), nn.Linear(8, 3)), 2, num_classes=3,
+                            input_shape=(6,))
+    assert "standardize" not in str(plain.value) and "nested" not in str(plain.value)
+
+
 @pytest.mark.parametrize("split_index", [0, 1])
 def test_split_sequential_refuses_an_input_shape_the_network_cannot_take(split_index):
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 32 * 32, 3))
