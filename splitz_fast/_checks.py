@@ -87,6 +87,29 @@ def check_tensor(
     return x
 
 
+def dataset_pair(item: object, index: int | None = None) -> tuple[object, object]:
+    """``(input, label)`` of one dataset item, refused with what to change unless the item is such a pair whose input
+    is a tensor or an array (``index``: the item's index in the dataset, for the message, where known). A torchvision
+    dataset without ``transforms.ToTensor()`` gives PIL images; a dataset of dicts or of bare inputs gives no pair."""
+    where = "a dataset item" if index is None else f"dataset item {index}"
+    if isinstance(item, dict):
+        raise TypeError(f"{where} is a dict with keys {sorted(map(str, item))}; the library reads (input, label) pairs: "
+                        "wrap the dataset so that dataset[i] returns (input_tensor, label), e.g. a Dataset whose "
+                        "__getitem__ returns (item['image'], item['label'])")
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        what = (f"a {type(item).__name__} of {len(item)} elements" if isinstance(item, (tuple, list))
+                else f"a {type(item).__name__}")
+        raise TypeError(f"{where} is {what}; the library reads (input, label) pairs: dataset[i] must return "
+                        "(input_tensor, label)")
+    x, label = item
+    if not isinstance(x, (torch.Tensor, np.ndarray)):
+        kind = f"{type(x).__module__}.{type(x).__name__}"
+        advice = ("add transforms.ToTensor() to the dataset's transform (torchvision datasets give PIL images "
+                  "without it)" if kind.startswith("PIL.") else "make dataset[i] return the input as a tensor")
+        raise TypeError(f"the input of {where} is a {kind}, not a tensor: {advice}")
+    return x, label
+
+
 def check_certify_counts(n0: int | None, n: int, alpha: float, batch_size: int | None,
                          n_name: str = "n") -> tuple[int | None, int, float, int | None]:
     """CERTIFY's sampling arguments: ``n0`` selection draws (``None``: PREDICT has none) ≤ ``n`` estimation draws

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from ._checks import check_certify_counts, check_count, check_output_file, read_settings_file
+from ._checks import check_certify_counts, check_count, check_output_file, dataset_pair, read_settings_file
 from .protocols import certificate_status
 from .attacks import ATTACK_HEADER, Attacker
 from .checkpoints import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
@@ -620,11 +620,13 @@ def run_over_dataset(
         def pairs():
             for idx in todo:
                 try:
-                    x, label = dataset[idx]
+                    item = dataset[idx]
                 except OSError as err:  # e.g. a corrupt image file in a folder dataset
                     raise ValueError(f"dataset item {idx} cannot be read ({err}); repair or replace that file (removing "
                                      "it would renumber the items after it), then rerun with --resume: the rows before "
                                      "it are kept") from err
+                x, label = dataset_pair(item, idx)
+                x = torch.as_tensor(x)  # an array input (a NumPy dataset) as the tensor it holds
                 labels[idx] = int(label) if classes is None else _checked_label(label, idx, classes)
                 yield x, labels[idx]
 

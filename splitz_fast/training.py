@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 from tqdm import tqdm
 
-from ._checks import check_count, check_nonnegative, check_positive, check_tensor
+from ._checks import check_count, check_nonnegative, check_positive, check_tensor, dataset_pair
 from .lipschitz import PowerIterationState, lipschitz_estimate
 from .datasets import class_names_of
 from .models import build_model
@@ -695,10 +695,16 @@ class _DatasetPart:
             return
         batches = [where.tolist() for where in positions]
         loader = DataLoader(self.subset, batch_sampler=batches, num_workers=self.num_workers,
-                            generator=loader_generator)
+                            generator=loader_generator, collate_fn=_collate_pairs)
         for (x, y), where in zip(loader, batches):
             _check_labels(y, self.num_classes, [self.indices[i] for i in where])  # on the host: no device sync
             yield _as_model_input(x, self.device), y.to(self.device, torch.int64)
+
+
+def _collate_pairs(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """``default_collate`` of ``(input, label)`` items, refusing other items with what to change
+    (:func:`~splitz_fast._checks.dataset_pair`: PIL images, dicts) instead of a collate error."""
+    return default_collate([dataset_pair(item) for item in items])
 
 
 def _as_model_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:

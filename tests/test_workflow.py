@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -386,6 +387,39 @@ def test_an_unreadable_dataset_item_says_which_and_what_to_do(tmp_path):
         run_over_dataset(task, CorruptSecond(_digits(x, x, x)), out, settings={}, indices=[0, 1, 2], seed=0,
                          progress=False)
     assert [row[0] for row in _certify_rows(out)] == ["0"]
+
+
+class _PILDigits(list):
+    """What torchvision's MNIST gives without transforms.ToTensor(): (PIL image, label) pairs."""
+
+    def __getitem__(self, idx):
+        from PIL import Image
+
+        x, y = super().__getitem__(idx)
+        return Image.fromarray((x[0] * 255).to(torch.uint8).numpy()), y
+
+
+@pytest.mark.parametrize("kind", ["pil", "dict", "bare"])
+def test_dataset_items_that_are_not_input_label_pairs_say_what_to_change(tmp_path, kind):
+    """Before: a collate error (PIL images), "'str' object has no attribute 'ndim'" (dicts, whose keys were unpacked
+    as the pair), a bare unpacking error."""
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.rand(1, 28, 28, generator=gen), i % 10) for i in range(16)]
+    data = {"pil": lambda: _PILDigits(pairs), "dict": lambda: [{"image": x, "label": y} for x, y in pairs],
+            "bare": lambda: [x for x, _ in pairs]}[kind]()
+    match = {"pil": r"input of .*is a PIL\.Image\.Image, not a tensor: add transforms\.ToTensor\(\)",
+             "dict": r"is a dict with keys \['image', 'label'\]; .*\(item\['image'\], item\['label'\]\)",
+             "bare": r"is a Tensor; the library reads \(input, label\) pairs"}[kind]
+    with pytest.raises(TypeError, match=r"dataset item 0 " + match if kind != "pil" else match):
+        run_over_dataset(CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32), data, tmp_path / "o.tsv",
+                         settings={}, indices=[0, 1], seed=0, progress=False)
+    with pytest.raises(TypeError, match=match):
+        train(_model(), data, _config(epochs=1, batch_size=8, max_batches=1), tmp_path / "run")
+    train(_model(), pairs, _config(epochs=1, batch_size=8, max_batches=1), tmp_path / "fixed")  # what it says works
+    fixed = [(torch.as_tensor(np.asarray(img), dtype=torch.float32)[None] / 255, y) for img, y in _PILDigits(pairs)] \
+        if kind == "pil" else pairs
+    run_over_dataset(CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32), fixed, tmp_path / "fixed.tsv",
+                     settings={}, indices=[0, 1], seed=0, progress=False)
 
 
 def test_a_python_run_resumed_with_another_model_or_precision_is_refused(tmp_path):
