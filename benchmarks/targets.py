@@ -213,13 +213,15 @@ def environment_record() -> dict:
 
 def measure_group(workload: Workload, split: int, images: int, device: torch.device, quick: bool,
                   precisions=PRECISIONS, naive: bool = True, bandwidth: float | None = None,
-                  rs_times: dict | None = None, cuda_graphs: bool | None = None, compile: bool = False,
+                  rs_times: dict | None = None, cuda_graphs: bool | None = None, compile: bool | None = None,
                   bound_options: dict | None = None, fused_kernels: bool | None = None):
     """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first), with
     ``f_R``'s counted cost per sample and the card's floors. ``bandwidth``: the copy bandwidth measured in this run
     (bytes/s; the card table's figure otherwise). ``rs_times``: precision → this model's s = 0 time, for the s = 1
     target. ``cuda_graphs``: the Smoother's setting (default: decided by measurement); each row records what the
-    engine decided. ``compile``: the Smoother's ``torch.compile`` of ``f_R``. ``bound_options``: BoundOptions fields
+    engine decided. ``compile``: the Smoother's ``torch.compile`` setting (default: the library's, which compiles only
+    after a minute of eager sampling at one batch size, so not within a row; what it decided is recorded in
+    ``compiled``). ``bound_options``: BoundOptions fields
     set on top of the workload's (for A/B rows). ``fused_kernels``: the Smoother's setting (default: decided by
     measurement, recorded like the graphs)."""
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
@@ -321,8 +323,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
 
 def graph_record(engine) -> list[dict]:
     """What the engine decided about CUDA graphs, per static batch it sampled (empty off CUDA)."""
-    return [dict(channels_last=key[0], pooled=key[1], batch=key[2], used=d.used, reason=d.reason, eager_s=d.eager_s,
-                 graph_s=d.graph_s) for key, d in engine.graphs.decisions.items()]
+    return [dict(channels_last=key[0], pooled=key[1], fused=key[2], compiled=key[3], batch=key[4], used=d.used,
+                 reason=d.reason, eager_s=d.eager_s, graph_s=d.graph_s) for key, d in engine.graphs.decisions.items()]
 
 
 def fusion_record(engine) -> list[dict]:

@@ -392,7 +392,7 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[_DatasetRun, S
             raise ValueError(f"{flag} on needs a CUDA device (this run samples on {args.device}): pass --device "
                              f"cuda, or {flag} auto / off")
     smoother = Smoother(run.model, args.sigma, bound_options=bound_options, precision=args.precision,
-                        compile=_AUTO_ON_OFF[args.compile], cuda_graphs=_AUTO_ON_OFF[args.cuda_graphs],
+                        compile=args.compile, cuda_graphs=_AUTO_ON_OFF[args.cuda_graphs],
                         fused_kernels=_AUTO_ON_OFF[args.fused_kernels], protocol=protocol)
     settings = {"bound": smoother.bound, "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
     if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
@@ -803,11 +803,11 @@ def _add_certify_predict_parser(sub) -> None:
         c.add_argument("--precision", choices=tuple(PRECISIONS), default="float32",
                        help="how f_R computes while sampling (noise stays float32): float32 is IEEE float32 also on "
                             "CUDA; tf32 uses TF32 tensor cores on CUDA (a different base classifier, recorded)")
-        c.add_argument("--compile", choices=tuple(_AUTO_ON_OFF), default="auto", nargs="?", const="on",
-                       help="sample through torch.compile(f_R) with static batch shapes: auto (default) on CUDA once "
-                            "the run has sampled for a minute, where it then measures faster; on (a bare --compile) "
-                            "from the first batch; off. Eager, with a warning, where compiling fails or the compiled "
-                            "f_R scores differently")
+        c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="sample f_R's full batches through torch.compile(f_R) at their static shape from the first "
+                            "batch (--compile) or never (--no-compile); unset: on CUDA once the run has sampled for a "
+                            "minute at its batch size, where the compiled f_R then measures faster. Eager, with a "
+                            "warning, where compiling fails or the compiled f_R scores differently")
         c.add_argument("--cuda-graphs", choices=tuple(_AUTO_ON_OFF), default="auto",
                        help="on CUDA, replay f_R as a CUDA graph at the static batch: auto (default) where it measures "
                             "faster than eager, on, off (the same base classifier either way)")

@@ -3,25 +3,30 @@
 A compiled ``f_R`` fuses what eager PyTorch runs as separate passes over each activation (a convolution's bias, the
 ReLU, a residual addition, a pool), but compiling costs seconds to minutes per static batch shape, paid once per
 process. Whether it pays depends on the model, the card and how long the run is, so the engine decides at run time
-(:class:`CompileChoice`, the engine's ``compile`` setting):
+(:class:`CompileChoice`, the engine's ``compile`` setting), per layout, copy (plain or fused) and batch size:
 
 * ``compile=True``: compile at the first batch;
 * ``compile=False``: never;
 * ``compile=None`` (the default): on CUDA, compile once the engine has spent :data:`COMPILE_AFTER_S` seconds sampling
-  eagerly. This is the ski-rental rule: a run that ends before then pays nothing, and a run that goes on pays for
-  compiling at most about what it had already spent, so it is never more than about twice as slow as it would be
-  had the best choice been known in advance (when compiling takes about :data:`COMPILE_AFTER_S`). Off CUDA, ``None``
-  stays eager: on the CPU the engine's prepared chain and worker threads are what was measured.
+  eagerly at that batch size. This is the ski-rental rule: a run that ends before then pays nothing, and a run that
+  goes on pays for compiling at most about what it had already spent, so it is never more than about twice as slow
+  as it would be had the best choice been known in advance (when compiling takes about :data:`COMPILE_AFTER_S`).
+  Off CUDA, ``None`` stays eager: on the CPU the engine's prepared chain and worker threads are what was measured.
 
-Either way, the compiled ``f_R`` is used only where it scores a batch of real noisy rows like the eager one, within
-the batch-independence probe's tolerance (the same base classifier, up to float rounding, like the CUDA graph and the
-fused copy), and, for ``None``, only where it also measures faster at the engine's batch. A compile that fails warns
-once and sampling stays eager. The switch happens between sampling calls, before any vote of a call is counted.
+The compiled ``f_R`` is used only where it scores a batch of real noisy rows like the eager one, within the
+batch-independence probe's tolerance (the same base classifier up to float rounding, like the CUDA graph and the fused
+copy), and, for ``None``, only where the compiled copy (replayed as a CUDA graph where the engine's graph choice says
+so) measures faster at the engine's batch than what the engine runs now (the eager copy, or its CUDA graph). Only full
+batches run compiled: a shorter batch (the end of a window, a sequential test's few draws) runs the eager copy, so
+nothing is padded and nothing recompiles. A compile that fails warns once and sampling stays eager. The switch happens
+between sampling calls, so one input's draws may be scored partly eagerly and partly compiled (as with the CUDA graph,
+which replays full batches only): the votes are those of one base classifier up to float rounding.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -29,24 +34,35 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .graphs import score_gap, seconds_per_call, synchronize
+from .graphs import GraphedScores, score_gap, seconds_per_call, synchronize
 
-# Seconds of eager sampling after which an engine with compile=None compiles f_R (on CUDA). About what compiling a
-# network of tens to a hundred layers takes (one static batch shape, cold caches): the ski-rental break-even.
+# Seconds of eager sampling at one batch size after which an engine with compile=None compiles f_R for it (on CUDA).
+# About what compiling a network of tens to a hundred layers takes (one static batch shape, cold caches): the
+# ski-rental break-even.
 COMPILE_AFTER_S = 60.0
 
 
+def _forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x)
+
+
 class CompiledOrEager(nn.Module):
-    """``torch.compile(net)`` with static shapes, falling back to ``net`` itself (with one warning) if compiling or
-    the first compiled call fails — no compiler, an unsupported platform or model; eager is always a correct base
-    classifier. :attr:`compiled` is ``None`` once it has fallen back."""
+    """``net`` through ``torch.compile`` with static shapes, falling back to ``net`` itself (with one warning) if
+    compiling or a compiled call fails outside a CUDA graph capture — no compiler, an unsupported platform or model;
+    eager is always a correct base classifier. :attr:`compiled` is ``None`` once it has fallen back.
+
+    What is compiled is a copy of a one-line entry function with a code object of its own: dynamo keeps its compiled
+    code, and its limit on recompiles (8), per code object, so compiling ``net`` itself would share one
+    ``nn.Sequential.forward`` budget with every other ``nn.Sequential`` compiled in the process (the user's included),
+    and past it would run eagerly without a word."""
 
     def __init__(self, net: nn.Module):
         super().__init__()
         self.net = net
         self.compiled = None
+        entry = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__)
         try:
-            self.compiled = torch.compile(net, dynamic=False)
+            self.compiled = torch.compile(entry, dynamic=False)
         except Exception as err:  # noqa: BLE001
             self._give_up(err)
 
@@ -55,19 +71,25 @@ class CompiledOrEager(nn.Module):
         self.compiled = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled is not None:
-            try:
-                return self.compiled(x)
-            except Exception as err:  # noqa: BLE001
-                self._give_up(err)
+        if self.compiled is None:
+            return self.net(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.compiled(self.net, x)  # a failure here fails the capture: no graph, compiled stays
+        try:
+            return self.compiled(self.net, x)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            self._give_up(err)
         return self.net(x)
 
 
 @dataclass
 class CompileDecision:
-    """Whether the engine samples one layout and batch through the compiled ``f_R`` (``used``) and why:
+    """Whether the engine samples one layout, copy and batch through the compiled ``f_R`` (``used``) and why:
     ``compile=True``, a compile that failed or scored differently from eager, or the measurement. ``compile_s``: the
-    first compiled call (compiling included); ``eager_s`` / ``compiled_s``: seconds per batch of each."""
+    first compiled call (compiling included); ``eager_s`` / ``compiled_s``: seconds per batch of what the engine ran
+    before and of the compiled copy (each replayed as a CUDA graph where the engine uses one)."""
 
     used: bool
     reason: str
@@ -78,27 +100,27 @@ class CompileDecision:
 
 class CompileChoice:
     """A sampling engine's use of a compiled ``f_R``: its ``compile`` setting (``None``: measure, ``True``,
-    ``False``), the seconds it has sampled eagerly, and :attr:`decisions` keyed by the engine's
-    ``(channels_last, pooled, fused, rows)``."""
+    ``False``), the seconds it has sampled eagerly per ``(channels_last, pooled, fused, rows)``, and
+    :attr:`decisions` under the same keys."""
 
-    # Where compile=None compiles at all (once COMPILE_AFTER_S of eager sampling has passed).
+    # Where compile=None compiles at all (once COMPILE_AFTER_S of eager sampling at a batch size has passed).
     AUTO_DEVICES = ("cuda",)
 
     def __init__(self, setting: bool | None, device: torch.device):
         check_compile_setting(setting)
         self.setting, self.device = setting, torch.device(device)
-        self.eager_seconds = 0.0
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # timed CUDA blocks not yet read
+        self.eager_seconds: dict[tuple, float] = {}
         self.decisions: dict[tuple, CompileDecision] = {}
+        self._pending: list[tuple[tuple, torch.cuda.Event, torch.cuda.Event]] = []  # timed CUDA blocks not yet read
         self._warned = False
 
-    def due(self) -> bool:
-        """Whether the engine should compile now (where it has not decided yet): from the start with
-        ``compile=True``; with ``None`` on a device of :attr:`AUTO_DEVICES` once it has sampled eagerly for
-        :data:`COMPILE_AFTER_S` seconds."""
+    def due(self, key: tuple) -> bool:
+        """Whether the engine should decide about compiling for ``key`` now: from the start with ``compile=True``;
+        with ``None`` on a device of :attr:`AUTO_DEVICES` once it has sampled ``key`` eagerly for
+        :data:`COMPILE_AFTER_S` seconds (since the last decision for it)."""
         if self.setting is None:
             self._collect()
-            return self._timing and self.eager_seconds >= COMPILE_AFTER_S
+            return self._timing and self.eager_seconds.get(key, 0.0) >= COMPILE_AFTER_S
         return self.setting
 
     @property
@@ -106,15 +128,16 @@ class CompileChoice:
         """Whether eager sampling time is counted: only where ``compile=None`` may compile."""
         return self.setting is None and self.device.type in self.AUTO_DEVICES
 
-    def record_eager(self, seconds: float) -> None:
-        """Add ``seconds`` of eager sampling."""
-        self.eager_seconds += seconds
+    def record_eager(self, key: tuple, seconds: float) -> None:
+        """Add ``seconds`` of eager sampling of ``key``."""
+        self.eager_seconds[key] = self.eager_seconds.get(key, 0.0) + seconds
 
     @contextlib.contextmanager
-    def timed(self, eager: bool):
-        """Count the block's time as eager sampling where ``eager`` (and :attr:`_timing`). On CUDA the time between
-        two events recorded on the sampling stream around the block, read once both have completed (``query``, no
-        host synchronisation): the device's time for the block's batches; elsewhere the block's host time."""
+    def timed(self, key: tuple, eager: bool):
+        """Count the block's time as eager sampling of ``key`` where ``eager`` (and :attr:`_timing`). On CUDA the time
+        between two events recorded on the sampling stream around the block, read once both have completed
+        (``query``, no host synchronisation): the device's time for the block's batches; elsewhere the block's host
+        time."""
         if not (eager and self._timing):
             yield
         elif self.device.type == "cuda":
@@ -123,26 +146,30 @@ class CompileChoice:
             start.record(stream)
             yield
             end.record(stream)
-            self._pending.append((start, end))
+            self._pending.append((key, start, end))
+            self._collect()  # the list holds only blocks still in flight
         else:
             began = time.perf_counter()
             yield
-            self.record_eager(time.perf_counter() - began)
+            self.record_eager(key, time.perf_counter() - began)
 
     def _collect(self) -> None:
         """Add the times of the timed CUDA blocks that have completed."""
-        while self._pending and self._pending[0][1].query():
-            start, end = self._pending.pop(0)
-            self.record_eager(start.elapsed_time(end) / 1e3)
+        while self._pending and self._pending[0][2].query():
+            key, start, end = self._pending.pop(0)
+            self.record_eager(key, start.elapsed_time(end) / 1e3)
 
-    def choose(self, key: tuple, scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], eager: nn.Module,
-               compiled: CompiledOrEager, example: Callable[[], torch.Tensor], tolerance: float) -> bool:
-        """Whether to sample through ``compiled`` rather than ``eager`` (the same prepared ``f_R``; ``scores(net,
-        batch)`` is how the engine scores a batch) at the batch of ``example()``: ``compiled`` is called first
-        (compiling, outside any timing but its own), must not have fallen back to eager, and must score the batch
-        within ``tolerance`` × (largest non-constant score + 1) of ``eager`` (:func:`~splitz_fast.graphs.score_gap`);
-        then, with ``compile=None``, the faster wins (:func:`~splitz_fast.graphs.seconds_per_call`). Records the
-        decision under ``key``."""
+    def choose(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
+               scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+               graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
+               tolerance: float) -> bool:
+        """Whether to sample ``key`` through ``compiled`` rather than as now (``current(batch)``: the engine's scores
+        of a full batch, through its CUDA graph where it uses one). ``compiled`` (the same prepared ``f_R``, scored by
+        ``scores(net, batch)``) is called first on ``example()`` (compiling, outside any timing but its own), must not
+        have fallen back to eager, and must score the batch within ``tolerance`` × (largest non-constant score + 1) of
+        ``current`` (:func:`~splitz_fast.graphs.score_gap`); then, with ``compile=None``, the faster wins: ``current``
+        against ``compiled`` through ``graphed()`` (its CUDA graph where the engine's graph choice makes one, else
+        ``None``), each :func:`~splitz_fast.graphs.seconds_per_call`. Records the decision under ``key``."""
         batch = example()
         start = time.perf_counter()
         try:
@@ -151,33 +178,34 @@ class CompileChoice:
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # noqa: BLE001 — the eager f_R is always correct
-            return self._refuse(key, f"failed: {type(err).__name__}: {str(err).strip()[:160]}")
+            return self._decide(key, False, f"failed: {type(err).__name__}: {str(err).strip()[:160]}", warn=True)
         compile_s = time.perf_counter() - start
         if compiled.compiled is None:  # CompiledOrEager warned already
-            self.decisions[key] = CompileDecision(False, "torch.compile failed", compile_s)
-            return False
-        difference, scale = score_gap(got, scores(eager, batch))
-        allowed = tolerance * scale
-        if not difference <= allowed:
-            return self._refuse(key, f"its scores differ from the eager f_R's by {difference:.3g} (allowed "
-                                     f"{allowed:.3g})", compile_s)
+            return self._decide(key, False, "torch.compile failed", compile_s)
+        difference, scale = score_gap(got, current(batch))
+        if not difference <= tolerance * scale:
+            return self._decide(key, False, f"its scores differ from the eager f_R's by {difference:.3g} (allowed "
+                                            f"{tolerance * scale:.3g})", compile_s, warn=True)
         if self.setting:
-            self.decisions[key] = CompileDecision(True, "compile=True", compile_s)
-            return True
-        eager_s = seconds_per_call(lambda: scores(eager, batch), batch.device)
-        compiled_s = seconds_per_call(lambda: scores(compiled, batch), batch.device)
-        self.decisions[key] = CompileDecision(
-            compiled_s < eager_s, f"measured at batch {key[-1]} after {self.eager_seconds:.0f} s of eager sampling: "
-            f"eager {eager_s * 1e3:.3f} ms, compiled {compiled_s * 1e3:.3f} ms (compiling took {compile_s:.1f} s)",
-            compile_s, eager_s, compiled_s)
-        return compiled_s < eager_s
+            return self._decide(key, True, "compile=True", compile_s)
+        graph = graphed()
+        candidate = (lambda b: scores(compiled, b)) if graph is None else graph.score
+        eager_s = seconds_per_call(lambda: current(batch), batch.device)
+        compiled_s = seconds_per_call(lambda: candidate(batch), batch.device)
+        return self._decide(key, compiled_s < eager_s, f"measured at batch {key[-1]} after "
+                            f"{self.eager_seconds.get(key, 0.0):.0f} s of eager sampling: eager {eager_s * 1e3:.3f} ms, "
+                            f"compiled {compiled_s * 1e3:.3f} ms{' (graph)' if graph is not None else ''}; compiling "
+                            f"took {compile_s:.1f} s", compile_s, eager_s, compiled_s)
 
-    def _refuse(self, key: tuple, reason: str, compile_s: float | None = None) -> bool:
-        if not self._warned:
+    def _decide(self, key: tuple, used: bool, reason: str, compile_s: float | None = None,
+                eager_s: float | None = None, compiled_s: float | None = None, warn: bool = False) -> bool:
+        """Record the decision for ``key`` (its eager time starts again from zero) and warn once where asked."""
+        if warn and not self._warned:
             self._warned = True
             warnings.warn(f"the compiled f_R is not used ({reason}); sampling runs f_R eagerly", stacklevel=4)
-        self.decisions[key] = CompileDecision(False, reason, compile_s)
-        return False
+        self.decisions[key] = CompileDecision(used, reason, compile_s, eager_s, compiled_s)
+        self.eager_seconds[key] = 0.0
+        return used
 
 
 def check_compile_setting(setting: object) -> None:

@@ -50,6 +50,11 @@ class GraphedScores:
         self.graph.replay()
         return self.output
 
+    def score(self, batch: torch.Tensor) -> torch.Tensor:
+        """The scores of ``batch`` (shaped like :attr:`input`): copied into the input, then replayed."""
+        self.input.copy_(batch)
+        return self.replay()
+
 
 def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor,
                    tolerance: float) -> GraphedScores:
@@ -173,7 +178,7 @@ class GraphDecision:
 
 class GraphChoice:
     """A sampling engine's use of CUDA graphs: its ``cuda_graphs`` setting (``None``: measure, ``True``, ``False``),
-    and :attr:`decisions`, keyed by the engine's ``(channels_last, pooled, rows)``. One warning for a capture that
+    and :attr:`decisions`, keyed by the engine's ``(channels_last, pooled, fused, compiled, rows)``. One warning for a capture that
     fails, however many batch shapes fail."""
 
     def __init__(self, setting: bool | None, device: torch.device):

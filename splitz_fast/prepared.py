@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .compiled import CompileChoice, CompiledOrEager
+from .compiled import CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores, score_gap
@@ -136,18 +136,16 @@ class PreparedClassifier:
                 key, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch), example, tolerance)
         return (self.get(*layout, fused=True), True) if self._fused[key] else (plain, False)
 
-    def compiled_if_chosen(self, net: nn.Module, layout: tuple[bool, bool], fused: bool, rows: int,
-                           compiling: CompileChoice, scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                           example: Callable[[], torch.Tensor], tolerance: float) -> nn.Module:
-        """``net`` (the prepared module of ``layout``, fused or not) or its compiled copy, as ``compiling`` decides
-        (:class:`~splitz_fast.compiled.CompileChoice`) once it is due, once per layout, copy and batch."""
-        key = (*layout, fused, rows)
+    def compiled_if_chosen(self, net: nn.Module, key: tuple[bool, bool, bool, int], due: bool,
+                           decide: Callable[[CompiledOrEager], bool]) -> nn.Module:
+        """``net`` (the prepared module of ``key = (channels_last, pooled, fused, rows)``) or its compiled copy, as
+        ``decide(compiled copy)`` says (:meth:`~splitz_fast.compiled.CompileChoice.choose`) once it is ``due``: once
+        per key and prepared copy."""
         if key not in self._compiled:
-            if not compiling.due():
+            if not due:
                 return net
-            candidate = self.get(*layout, fused=fused, compiled=True)
-            self._compiled[key] = compiling.choose(key, scores, net, candidate, example, tolerance)
-        return self.get(*layout, fused=fused, compiled=True) if self._compiled[key] else net
+            self._compiled[key] = decide(self.get(*key[:3], compiled=True))
+        return self.get(*key[:3], compiled=True) if self._compiled[key] else net
 
     def graphed(self, layout: tuple, rows: int,
                 capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -236,9 +238,9 @@ class SamplingEngine:
         sigma: noise level σ > 0 in latent units.
         device: where sampling runs (``f_R``'s device).
         precision: a key of :data:`PRECISIONS` (the base classifier's precision, labelled in every result).
-        compile: run ``f_R`` through ``torch.compile`` at the static batch (the last batch padded, the padding not
-            counted): ``None`` (default) where it scores alike and measures faster, tried on CUDA only, after a minute
-            of eager sampling; ``True``; ``False`` (:class:`~splitz_fast.compiled.CompileChoice`: ``compiling``).
+        compile: run ``f_R``'s full batches through ``torch.compile`` at their static shape: ``None`` (default) where
+            it scores alike and measures faster, tried on CUDA only, after a minute of eager sampling at that batch;
+            ``True``; ``False`` (:class:`~splitz_fast.compiled.CompileChoice`: ``compiling``).
         cuda_graphs: on CUDA, replay ``f_R`` as a CUDA graph captured at the batch size (shorter batches run eagerly):
             ``None`` (default) where measured faster than eager, ``True`` (needs CUDA), ``False``; a failed capture
             warns once and stays eager (:class:`~splitz_fast.graphs.GraphChoice`; its choices: ``graphs.decisions``).
@@ -318,14 +320,8 @@ class SamplingEngine:
         def example() -> torch.Tensor:  # a full batch of noisy rows, for the measured choices
             return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
 
-        net, fused = self.prepared.chosen(layout, batch_size, self.fusion, self._scores, example, tolerance)
-        net = self.prepared.compiled_if_chosen(net, layout, fused, batch_size, self.compiling, self._scores, example,
-                                               tolerance)
-        compiled = isinstance(net, CompiledOrEager)
-        # the CUDA graph of full batches, or None (eager): decided by `graphs` once per prepared copy and batch
-        graph = self.prepared.graphed((*layout, fused, compiled), batch_size, lambda: self.graphs.choose(
-            (*layout, batch_size), lambda batch: self._scores(net, batch), example, tolerance))
-        with self.compiling.timed(eager=not compiled):
+        net, graph, key = _sampled_net(self, layout, batch_size, example, tolerance)
+        with self.compiling.timed(key, eager=not isinstance(net, CompiledOrEager)):
             self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size,
                           self.prepared.may_run_parallel(net), graph)
 
@@ -363,10 +359,11 @@ class SamplingEngine:
                         pooled: bool, batch_size: int, graph: GraphedScores | None = None) -> None:
         total = sum(take for _, take, _ in segments)
         if total < batch_size:
-            graph = None  # a short batch (the end of a window) runs eagerly: no padding rows to score
-        # Static shapes for a compiled f_R: pad to the full batch; padded rows belong to no segment (not counted).
-        rows = batch_size if isinstance(net, CompiledOrEager) else total
-        batch = _noisy_batch(segments, rows, self.sigma, self.dtype, channels_last, pooled,
+            # A short batch (the end of a window) runs eagerly: a graph and a compiled f_R take the full batch only
+            # (padding would cost a full batch's work; another shape would recompile).
+            graph = None
+            net = net.net if isinstance(net, CompiledOrEager) else net
+        batch = _noisy_batch(segments, self.sigma, self.dtype, channels_last, pooled,
                              None if graph is None else graph.input)
         logits = self._scores(net, batch) if graph is None else graph.replay()
         count = {"triton": count_votes_triton, "native": count_votes_cuda}.get(select_backend("count_votes", self.device),
@@ -376,6 +373,36 @@ class SamplingEngine:
             for job, take, _ in segments:
                 count(logits[start:start + take], job.counts)
                 start += take
+
+
+def _sampled_net(engine: SamplingEngine, layout: tuple[bool, bool], rows: int, example: Callable[[], torch.Tensor],
+                 tolerance: float) -> tuple[nn.Module, GraphedScores | None, tuple[bool, bool, bool, int]]:
+    """How ``engine`` scores full batches of ``rows`` in ``layout`` (``(channels_last, pooled)``): the prepared copy
+    (fused where measured faster: :meth:`~splitz_fast.prepared.PreparedClassifier.chosen`), compiled where
+    ``engine.compiling`` decides so, and its CUDA graph or ``None``; with the key ``(*layout, fused, rows)`` of the
+    compile choice. ``example()`` is a full batch of noisy rows for the measured choices."""
+    net, fused = engine.prepared.chosen(layout, rows, engine.fusion, engine._scores, example, tolerance)
+    graph = _graph_of(engine, net, layout, fused, rows, example, tolerance)
+    key = (*layout, fused, rows)
+
+    def decide(compiled: CompiledOrEager) -> bool:  # against what the engine runs now: the graph where it has one
+        current = graph.score if graph is not None else functools.partial(engine._scores, net)
+        return engine.compiling.choose(key, current, compiled, engine._scores, lambda: _graph_of(
+            engine, compiled, layout, fused, rows, example, tolerance), example, tolerance)
+
+    net = engine.prepared.compiled_if_chosen(net, key, engine.compiling.due(key), decide)
+    if isinstance(net, CompiledOrEager):
+        graph = _graph_of(engine, net, layout, fused, rows, example, tolerance)
+    return net, graph, key
+
+
+def _graph_of(engine: SamplingEngine, net: nn.Module, layout: tuple[bool, bool], fused: bool, rows: int,
+              example: Callable[[], torch.Tensor], tolerance: float) -> GraphedScores | None:
+    """The CUDA graph of ``net``'s full batches, or None (eager): decided by ``engine.graphs`` once per prepared copy
+    (plain or fused, eager or compiled) and batch."""
+    key = (*layout, fused, isinstance(net, CompiledOrEager), rows)
+    return engine.prepared.graphed(key[:-1], rows, lambda: engine.graphs.choose(
+        key, lambda batch: engine._scores(net, batch), example, tolerance))
 
 
 def _checked_scores(logits, num_classes: int) -> torch.Tensor:
@@ -389,23 +416,20 @@ def _checked_scores(logits, num_classes: int) -> torch.Tensor:
     return logits
 
 
-def _noisy_batch(segments: list[tuple[SamplingJob, int, int | None]], rows: int, sigma: float, dtype: torch.dtype,
+def _noisy_batch(segments: list[tuple[SamplingJob, int, int | None]], sigma: float, dtype: torch.dtype,
                  channels_last: bool, pooled: bool, out: torch.Tensor | None) -> torch.Tensor:
-    """One ``f_R`` batch of ``rows`` rows: the segments' noisy samples in order, then zero padding rows; written into
-    ``out`` when given (a CUDA graph's input: then exactly the segments' rows), else into a fresh tensor, or drawn
-    directly by the stream where one segment fills the batch."""
-    total = sum(take for _, take, _ in segments)
-    if out is None and len(segments) == 1 and rows == total:
+    """One ``f_R`` batch: the segments' noisy samples in order, written into ``out`` when given (a CUDA graph's
+    input), else into a fresh tensor, or drawn directly by the stream where one segment fills the batch."""
+    if out is None and len(segments) == 1:
         job, take, first = segments[0]
         return job.stream.noisy(job.latent, take, sigma, dtype, channels_last, pool2=pooled, at=first)
     if out is None:
         shape = segments[0][0].latent.shape
         if pooled:
             shape = (shape[0], shape[1] // 2, shape[2] // 2)
-        out = torch.empty((rows, *shape), dtype=dtype, device=segments[0][0].latent.device,
+        out = torch.empty((sum(take for _, take, _ in segments), *shape), dtype=dtype,
+                          device=segments[0][0].latent.device,
                           memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        if rows > total:
-            out[total:].zero_()
     start = 0
     for job, take, first in segments:
         job.stream.noisy(job.latent, take, sigma, dtype, channels_last, out=out[start:start + take], pool2=pooled,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import splitz_fast.training as training
+from splitz_fast import Smoother
 from splitz_fast.cli import build_parser, main
 from splitz_fast.datasets import DATASETS
 import splitz_fast.outcomes as outcomes
@@ -62,11 +63,10 @@ def test_a_cuda_only_choice_on_without_a_gpu_is_one_line(flag, checkpoint, tmp_p
     assert not (tmp_path / "on.tsv").exists()
 
 
-@pytest.mark.parametrize("flag", ["--fused-kernels", "--compile"])
-def test_auto_and_off_give_the_same_rows_on_the_cpu(flag, checkpoint, tmp_path):
-    """Nothing fuses on the CPU, and auto never compiles there: both settings sample the plain eager f_R."""
+def test_fused_kernels_auto_and_off_give_the_same_rows_on_the_cpu(checkpoint, tmp_path):
+    """Nothing fuses on the CPU: both settings sample the plain f_R."""
     for name in ("auto", "off"):
-        assert main(_certify_args(checkpoint, tmp_path / f"{name}.tsv", flag, name)) == 0
+        assert main(_certify_args(checkpoint, tmp_path / f"{name}.tsv", "--fused-kernels", name)) == 0
     rows = [[line.split("\t")[:5] for line in (tmp_path / f"{name}.tsv").read_text().splitlines()]
             for name in ("auto", "off")]
     assert rows[0] == rows[1] and len(rows[0]) > 1
@@ -86,11 +86,22 @@ def test_cuda_graphs_on_without_a_gpu_is_one_line_and_auto_samples_eagerly(check
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, setting", [([], "auto"), (["--compile"], "on"), (["--compile", "off"], "off"),
-                                            (["--compile", "on"], "on"), (["--compile", "--N", "50"], "on")])
-def test_compile_is_auto_by_default_and_a_bare_flag_means_on(extra, setting, tmp_path):
-    args = build_parser().parse_args(_certify_args(tmp_path / "m.pt", tmp_path / "out.tsv") + extra)
-    assert args.compile == setting
+@pytest.mark.parametrize("extra, setting", [([], None), (["--compile"], True), (["--no-compile"], False)])
+def test_compile_is_measured_by_default_and_the_flags_force_it(extra, setting, checkpoint, tmp_path, monkeypatch):
+    """The setting the command line gives the Smoother (None: the engine decides); the flag also before the
+    positional arguments."""
+    given = []
+    original = Smoother.__init__
+
+    def recording(self, *args, **kwargs):
+        given.append(kwargs["compile"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Smoother, "__init__", recording)
+    args = _certify_args(checkpoint, tmp_path / "out.tsv")
+    assert build_parser().parse_args(args[:1] + extra + args[1:]).compile is setting
+    assert main(args + extra) == 0
+    assert given == [setting]
 
 
 @pytest.mark.parametrize("command", ["train", "certify"])

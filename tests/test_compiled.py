@@ -39,39 +39,57 @@ def _paused_splitz(seconds: float = 0.004):
 
 @pytest.fixture
 def auto_on_cpu(monkeypatch):
-    """compile=None considered on the CPU too, compiling only once an engine's eager_seconds is set past the
-    threshold by the test (so when it compiles does not depend on this machine's speed)."""
+    """compile=None considered on the CPU too, with a threshold no test reaches by sampling: a test makes the choice
+    due by lowering it (:func:`_due_now`), so when it compiles does not depend on this machine's speed."""
     monkeypatch.setattr(CompileChoice, "AUTO_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 1e9)
 
 
+def _due_now(monkeypatch):
+    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 0.0)
+
+
 def _stand_in_compiler(monkeypatch, make):
-    """torch.compile replaced: ``make(net)`` is the "compiled" function; returns the list of batch sizes it ran."""
-    calls: list[int] = []
+    """torch.compile replaced: ``make(net)`` is the "compiled" function of the prepared ``net``; returns the list of
+    batch sizes it scored, and records the entry functions it was given in ``calls.entries``."""
+    calls = _CompilerCalls()
+    entries = calls.entries
 
-    def compile_(net, **kwargs):
-        fn = make(net)
+    def compile_(entry, **kwargs):
+        entries.append(entry)
 
-        def run(batch):
+        def run(net, batch):
             calls.append(batch.shape[0])
-            return fn(batch)
+            return make(net)(batch)
         return run
 
     monkeypatch.setattr(torch, "compile", compile_)
     return calls
 
 
-def test_compile_none_waits_for_a_minute_of_sampling_on_cuda_and_never_compiles_on_the_cpu():
+class _CompilerCalls(list):
+    """The batch sizes a stand-in compiled function scored, and (``entries``) the functions it was asked to compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries: list = []
+
+
+KEY = (True, False, False, 64)
+
+
+def test_compile_none_waits_for_a_minute_of_sampling_per_batch_on_cuda_and_never_compiles_on_the_cpu():
     cuda = CompileChoice(None, torch.device("cuda"))  # a device object only: nothing runs on it
-    assert not cuda.due()
-    cuda.record_eager(COMPILE_AFTER_S / 2)
-    assert not cuda.due()
-    cuda.record_eager(COMPILE_AFTER_S / 2)
-    assert cuda.due()
+    assert not cuda.due(KEY)
+    cuda.record_eager(KEY, COMPILE_AFTER_S / 2)
+    cuda.record_eager((True, False, False, 128), COMPILE_AFTER_S / 2)  # another batch size: its own clock
+    assert not cuda.due(KEY)
+    cuda.record_eager(KEY, COMPILE_AFTER_S / 2)
+    assert cuda.due(KEY) and not cuda.due((True, False, False, 128))
     cpu = CompileChoice(None, CPU)
-    cpu.record_eager(1e6)
-    assert not cpu.due()
-    assert CompileChoice(True, CPU).due() and not CompileChoice(False, torch.device("cuda")).due()
+    cpu.record_eager(KEY, 1e6)
+    assert not cpu.due(KEY)
+    assert CompileChoice(True, CPU).due(KEY) and not CompileChoice(False, torch.device("cuda")).due(KEY)
     assert 10 <= COMPILE_AFTER_S <= 600
 
 
@@ -87,11 +105,11 @@ def test_compile_settings_other_than_none_true_false_are_refused(bad):
 def test_default_smoother_on_the_cpu_never_compiles(monkeypatch):
     model, xs = small_splitz()
     calls = _stand_in_compiler(monkeypatch, lambda net: net)
+    _due_now(monkeypatch)  # however long it has sampled
     smoother = sz.Smoother(model, 0.4)
     smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
-    smoother.engine().compiling.eager_seconds = 1e9  # however long it has sampled
     smoother.predict(xs[1], 200, 0.05, batch_size=64, seed=1)
-    assert calls == [] and smoother.engine().compiling.decisions == {}
+    assert calls == [] and calls.entries == [] and smoother.engine().compiling.decisions == {}
 
 
 def test_compile_none_compiles_once_due_and_keeps_a_faster_compiled_f_r(monkeypatch, auto_on_cpu):
@@ -100,18 +118,18 @@ def test_compile_none_compiles_once_due_and_keeps_a_faster_compiled_f_r(monkeypa
     smoother = sz.Smoother(model, 0.4)
     eager = [smoother.predict(x, 300, 0.05, batch_size=64, seed=i) for i, x in enumerate(xs[:2])]
     engine = smoother.engine()
-    assert calls == [] and engine.compiling.eager_seconds > 0  # before the threshold: eager, time counted
-    engine.compiling.eager_seconds = 1e9
+    (key, seconds), = engine.compiling.eager_seconds.items()
+    assert calls == [] and key == (True, False, False, 64) and seconds > 0  # not due yet: eager, time counted
+    _due_now(monkeypatch)
     got = [smoother.predict(x, 300, 0.05, batch_size=64, seed=i) for i, x in enumerate(xs[:2])]
-    (key, decision), = engine.compiling.decisions.items()
+    decision, = engine.compiling.decisions.values()
     assert decision.used and decision.compiled_s < decision.eager_s and decision.compile_s >= 0, decision
-    assert key[-1] == 64 and "measured at batch 64" in decision.reason
-    assert set(calls) == {64} and len(calls) > 10  # sampled through it, every batch padded to the static size
+    assert "measured at batch 64" in decision.reason
+    assert set(calls) == {64} and len(calls) > 10  # sampled through it, full batches only
     assert [(p.prediction, p.count_top, p.count_second) for p in got] == \
            [(p.prediction, p.count_top, p.count_second) for p in eager]
-    seconds = engine.compiling.eager_seconds
     smoother.predict(xs[2], 300, 0.05, batch_size=64, seed=2)
-    assert engine.compiling.eager_seconds == seconds  # compiled sampling is not eager time
+    assert engine.compiling.eager_seconds[key] == 0  # reset at the decision; compiled sampling is not eager time
 
 
 def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeypatch, auto_on_cpu):
@@ -124,8 +142,8 @@ def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeyp
         return run
 
     calls = _stand_in_compiler(monkeypatch, slower)
+    _due_now(monkeypatch)
     smoother = sz.Smoother(model, 0.4)
-    smoother.engine().compiling.eager_seconds = 1e9
     eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a slower compiled f_R is a measured choice, not a warning
@@ -133,6 +151,7 @@ def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeyp
     decision, = smoother.engine().compiling.decisions.values()
     assert not decision.used and decision.compiled_s > decision.eager_s
     timing_calls = len(calls)
+    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 1e9)  # no second decision for the same key
     smoother.predict(xs[1], 300, 0.05, batch_size=64, seed=1)
     assert len(calls) == timing_calls  # decided once: no batch ran through it afterwards
     assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
@@ -142,13 +161,32 @@ def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeyp
 def test_a_compiled_f_r_that_scores_differently_is_not_used(monkeypatch, auto_on_cpu, setting):
     model, xs = small_splitz()
     _stand_in_compiler(monkeypatch, lambda net: (lambda batch: net(batch) + torch.tensor([0.0, 0, 0, 0, 50.0])))
+    _due_now(monkeypatch)
     smoother = sz.Smoother(model, 0.4, compile=setting)
-    smoother.engine().compiling.eager_seconds = 1e9
     with pytest.warns(UserWarning, match="compiled f_R is not used .*scores differ"):
         got = smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
     eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
     assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top) and got.prediction != 4
     assert not any(d.used for d in smoother.engine().compiling.decisions.values())
+
+
+def test_a_compiled_f_r_that_fails_at_its_first_call_falls_back_to_eager_with_one_warning(monkeypatch, auto_on_cpu):
+    model, xs = small_splitz()
+
+    def failing(net):
+        def run(batch):
+            raise RuntimeError("inductor: no C++ compiler")
+        return run
+
+    _stand_in_compiler(monkeypatch, failing)
+    _due_now(monkeypatch)
+    smoother = sz.Smoother(model, 0.4)
+    with pytest.warns(UserWarning, match="torch.compile failed .*no C\\+\\+ compiler"):
+        got = smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    decision, = smoother.engine().compiling.decisions.values()
+    assert not decision.used and decision.reason == "torch.compile failed"
+    eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
 
 
 def test_compile_true_uses_the_compiled_f_r_from_the_first_batch_without_timing(monkeypatch):
@@ -158,34 +196,62 @@ def test_compile_true_uses_the_compiled_f_r_from_the_first_batch_without_timing(
     smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
     decision, = smoother.engine().compiling.decisions.values()
     assert decision.used and decision.reason == "compile=True" and decision.eager_s is None
-    assert smoother.engine().compiling.eager_seconds == 0 and set(calls) == {64}
+    assert not any(smoother.engine().compiling.eager_seconds.values()) and set(calls) == {64}
 
 
-def test_the_compile_decision_is_made_again_for_an_edited_model(monkeypatch, auto_on_cpu):
+def test_every_compiled_copy_compiles_its_own_entry_function(monkeypatch):
+    """dynamo keeps compiled code and its recompile limit (8) per code object: compiling nn.Sequential.forward would
+    share one budget with every Sequential of the process, and past it would run eagerly without a word."""
     model, xs = small_splitz()
     calls = _stand_in_compiler(monkeypatch, lambda net: net)
-    smoother = sz.Smoother(model, 0.4, compile=True)
+    for batch in (64, 32):
+        sz.Smoother(model, 0.4, compile=True).predict(xs[0], 300, 0.05, batch_size=batch, seed=0)
+    codes = [entry.__code__ for entry in calls.entries]
+    assert len(codes) == 2 and codes[0] is not codes[1]
+    assert all(code is not nn.Sequential.forward.__code__ and code is not compiled_module._forward.__code__
+               for code in codes)
+
+
+@pytest.mark.parametrize("setting", [None, True])
+def test_the_compile_decision_is_made_again_for_an_edited_model(monkeypatch, auto_on_cpu, setting):
+    model, xs = small_splitz()
+    calls = _stand_in_compiler(monkeypatch, lambda net: net)
+    _due_now(monkeypatch)
+    smoother = sz.Smoother(model, 0.4, compile=setting)
+    decided = []
+    choose = CompileChoice.choose
+    monkeypatch.setattr(CompileChoice, "choose", lambda self, *a, **k: decided.append(1) or choose(self, *a, **k))
     smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
+    smoother.predict(xs[1], 200, 0.05, batch_size=64, seed=1)
+    assert len(decided) == 1
     compiled_before = len(calls)
     with torch.no_grad():
         model.right[4].bias += torch.tensor([0.0, 0, 0, 0, 100.0])
     after = smoother.predict(xs[0], 200, 0.05, batch_size=64, seed=0)
     assert after.prediction == 4 and after.count_top == 200  # the edit is seen through a fresh compiled copy
-    assert len(calls) > compiled_before
+    assert len(decided) == 2 and len(calls) > compiled_before and len(calls.entries) == 2
 
 
 @pytest.mark.slow
-def test_a_real_torch_compile_on_the_cpu_certifies_like_eager():
+def test_a_real_torch_compile_on_the_cpu_certifies_like_eager_even_past_dynamos_recompile_limit():
     """Inductor on this machine (C++ code for the CPU): the compiled copy is chosen with compile=True, runs, and
-    certifies what the eager f_R certifies (up to float rounding, which moves no vote of this input)."""
+    certifies what the eager f_R certifies (up to float rounding, which moves no vote of this input), also after
+    another nn.Sequential has used up dynamo's recompile limit in this process."""
     pytest.importorskip("torch._inductor")
+    import torch._dynamo.utils as dynamo_utils
+
+    other = torch.compile(nn.Sequential(nn.Linear(4, 3)), dynamic=False)
+    for rows in range(1, 11):  # 10 static shapes of one nn.Sequential: past the limit of 8
+        other(torch.rand(rows, 4))
     model, xs = small_splitz()
     smoother = sz.Smoother(model, 0.4, compile=True)
+    frames = dynamo_utils.counters["frames"]["ok"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a failed compile would warn and fall back
         got = smoother.certify(xs[0], 20, 300, 0.01, batch_size=64, seed=3)
     decision, = smoother.engine().compiling.decisions.values()
     assert decision.used, decision
+    assert dynamo_utils.counters["frames"]["ok"] > frames  # compiled, not run eagerly by an exhausted dynamo
     eager = sz.Smoother(model, 0.4, compile=False).certify(xs[0], 20, 300, 0.01, batch_size=64, seed=3)
     assert (got.prediction, got.count_a) == (eager.prediction, eager.count_a)
     assert got.radius == pytest.approx(eager.radius, rel=1e-12)
@@ -201,27 +267,35 @@ def test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync():
     start = time.perf_counter()
     smoother.predict(xs[0].cuda(), 20000, 0.05, batch_size=512, seed=0)
     compiling = smoother.engine().compiling
+    key = (True, False, False, 512)
     torch.cuda.set_sync_debug_mode("error")  # reading the events never synchronises
     try:
-        compiling.due()
+        compiling.due(key)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    assert not compiling.due() and not compiling.decisions
-    assert 0 < compiling.eager_seconds <= wall
+    assert not compiling.due(key) and not compiling.decisions and not compiling._pending
+    assert 0 < compiling.eager_seconds[key] <= wall
 
 
 @pytest.mark.gpu
-def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager(monkeypatch):
+@pytest.mark.parametrize("graphs", [None, False])
+def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager(monkeypatch, graphs):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 0.0)  # due at the first batch
     model, xs = small_splitz()
     model = model.cuda()
-    smoother = sz.Smoother(model, 0.4)
+    smoother = sz.Smoother(model, 0.4, cuda_graphs=graphs)
     got = smoother.certify(xs[0].cuda(), 20, 2000, 0.01, batch_size=256, seed=3)
-    decision, = smoother.engine().compiling.decisions.values()
-    assert decision.compile_s is not None and decision.eager_s is not None, decision
-    eager = sz.Smoother(model, 0.4, compile=False).certify(xs[0].cuda(), 20, 2000, 0.01, batch_size=256, seed=3)
-    assert got.prediction == eager.prediction and abs(got.count_a - eager.count_a) <= 2
+    engine = smoother.engine()
+    (key, decision), = engine.compiling.decisions.items()
+    assert decision.compile_s is not None and decision.eager_s is not None and decision.compiled_s is not None
+    compiled = engine.prepared.get(*key[:3], compiled=True)
+    assert compiled.compiled is not None, decision  # compiled, not fallen back
+    if decision.used and graphs is None:  # the compiled copy's own graph choice was made and recorded
+        assert (*key[:3], True, key[3]) in engine.graphs.decisions
+    eager = sz.Smoother(model, 0.4, compile=False, cuda_graphs=graphs).certify(xs[0].cuda(), 20, 2000, 0.01,
+                                                                             batch_size=256, seed=3)
+    assert got.prediction == eager.prediction and abs(got.count_a - eager.count_a) <= 1
