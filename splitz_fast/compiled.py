@@ -8,7 +8,7 @@ process. Whether it pays depends on the model, the card and how long the run is,
 * ``compile=True``: compile at the first batch;
 * ``compile=False``: never;
 * ``compile=None`` (the default): on CUDA, compile once the engine has spent :data:`COMPILE_AFTER_S` seconds sampling
-  eagerly at that batch size. This is the ski-rental rule: a run that ends before then pays nothing, and a run that
+  eagerly at that batch size (full batches only, the ones a compiled copy would run). This is the ski-rental rule: a run that ends before then pays nothing, and a run that
   goes on pays for compiling at most about what it had already spent, so it is never more than about twice as slow
   as it would be had the best choice been known in advance (when compiling takes about :data:`COMPILE_AFTER_S`).
   Off CUDA, ``None`` stays eager: on the CPU the engine's prepared chain and worker threads are what was measured.
@@ -18,7 +18,8 @@ batch-independence probe's tolerance (the same base classifier up to float round
 copy), and, for ``None``, only where the compiled copy (replayed as a CUDA graph where the engine's graph choice says
 so) measures faster at the engine's batch than what the engine runs now (the eager copy, or its CUDA graph). Only full
 batches run compiled: a shorter batch (the end of a window, a sequential test's few draws) runs the eager copy, so
-nothing is padded and nothing recompiles. A compile that fails warns once and sampling stays eager. The switch happens
+nothing is padded and nothing recompiles. Each batch size gets a compiled copy of its own (its own dynamo cache and
+recompile limit). A compile that fails warns once and sampling stays eager. The switch happens
 between sampling calls, so one input's draws may be scored partly eagerly and partly compiled (as with the CUDA graph,
 which replays full batches only): the votes are those of one base classifier up to float rounding.
 """
@@ -111,7 +112,8 @@ class CompileChoice:
         self.setting, self.device = setting, torch.device(device)
         self.eager_seconds: dict[tuple, float] = {}
         self.decisions: dict[tuple, CompileDecision] = {}
-        self._pending: list[tuple[tuple, torch.cuda.Event, torch.cuda.Event]] = []  # timed CUDA blocks not yet read
+        # timed CUDA blocks not yet read: (key, share, start, end)
+        self._pending: list[tuple[tuple, float, torch.cuda.Event, torch.cuda.Event]] = []
         self._warned = False
 
     def due(self, key: tuple) -> bool:
@@ -133,12 +135,12 @@ class CompileChoice:
         self.eager_seconds[key] = self.eager_seconds.get(key, 0.0) + seconds
 
     @contextlib.contextmanager
-    def timed(self, key: tuple, eager: bool):
-        """Count the block's time as eager sampling of ``key`` where ``eager`` (and :attr:`_timing`). On CUDA the time
-        between two events recorded on the sampling stream around the block, read once both have completed
-        (``query``, no host synchronisation): the device's time for the block's batches; elsewhere the block's host
-        time."""
-        if not (eager and self._timing):
+    def timed(self, key: tuple, share: float):
+        """Count ``share`` (0 to 1: the block's eager full batches as a part of its rows) of the block's time as eager
+        sampling of ``key``, where :attr:`_timing`. On CUDA the time between two events recorded on the sampling
+        stream around the block, read once both have completed (``query``, no host synchronisation): the device's
+        time for the block's batches; elsewhere the block's host time."""
+        if not (share > 0 and self._timing):
             yield
         elif self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
@@ -146,18 +148,18 @@ class CompileChoice:
             start.record(stream)
             yield
             end.record(stream)
-            self._pending.append((key, start, end))
+            self._pending.append((key, share, start, end))
             self._collect()  # the list holds only blocks still in flight
         else:
             began = time.perf_counter()
             yield
-            self.record_eager(key, time.perf_counter() - began)
+            self.record_eager(key, share * (time.perf_counter() - began))
 
     def _collect(self) -> None:
         """Add the times of the timed CUDA blocks that have completed."""
-        while self._pending and self._pending[0][2].query():
-            key, start, end = self._pending.pop(0)
-            self.record_eager(key, start.elapsed_time(end) / 1e3)
+        while self._pending and self._pending[0][-1].query():
+            key, share, start, end = self._pending.pop(0)
+            self.record_eager(key, share * start.elapsed_time(end) / 1e3)
 
     def choose(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
@@ -169,15 +171,15 @@ class CompileChoice:
         have fallen back to eager, and must score the batch within ``tolerance`` × (largest non-constant score + 1) of
         ``current`` (:func:`~splitz_fast.graphs.score_gap`); then, with ``compile=None``, the faster wins: ``current``
         against ``compiled`` through ``graphed()`` (its CUDA graph where the engine's graph choice makes one, else
-        ``None``), each :func:`~splitz_fast.graphs.seconds_per_call`. Records the decision under ``key``."""
+        ``None``), each :func:`~splitz_fast.graphs.seconds_per_call`. A failure on the way (running out of device memory
+        included) decides against ``compiled``, with one warning: the eager ``f_R`` is always correct. Records the
+        decision under ``key``."""
         batch = example()
         start = time.perf_counter()
         try:
             got = scores(compiled, batch)
             synchronize(batch.device)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 — the eager f_R is always correct
+        except Exception as err:  # noqa: BLE001 — out of memory included: the eager f_R is always correct
             return self._decide(key, False, f"failed: {type(err).__name__}: {str(err).strip()[:160]}", warn=True)
         compile_s = time.perf_counter() - start
         if compiled.compiled is None:  # CompiledOrEager warned already
@@ -188,10 +190,14 @@ class CompileChoice:
                                             f"{tolerance * scale:.3g})", compile_s, warn=True)
         if self.setting:
             return self._decide(key, True, "compile=True", compile_s)
-        graph = graphed()
-        candidate = (lambda b: scores(compiled, b)) if graph is None else graph.score
-        eager_s = seconds_per_call(lambda: current(batch), batch.device)
-        compiled_s = seconds_per_call(lambda: candidate(batch), batch.device)
+        try:
+            graph = graphed()
+            candidate = (lambda b: scores(compiled, b)) if graph is None else graph.score
+            eager_s = seconds_per_call(lambda: current(batch), batch.device)
+            compiled_s = seconds_per_call(lambda: candidate(batch), batch.device)
+        except torch.OutOfMemoryError as err:  # the compiled copy's buffers on top of the eager run's
+            return self._decide(key, False, f"out of memory while measuring it: {str(err).strip()[:160]}",
+                                compile_s, warn=True)
         return self._decide(key, compiled_s < eager_s, f"measured at batch {key[-1]} after "
                             f"{self.eager_seconds.get(key, 0.0):.0f} s of eager sampling: eager {eager_s * 1e3:.3f} ms, "
                             f"compiled {compiled_s * 1e3:.3f} ms{' (graph)' if graph is not None else ''}; compiling "

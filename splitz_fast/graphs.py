@@ -197,7 +197,9 @@ class GraphChoice:
             graphed = capture_scores(scores, example(), tolerance)
         except GraphCaptureError as err:
             if not any(d.reason.startswith("capture failed") for d in self.decisions.values()):
-                warnings.warn(f"f_R could not run as a CUDA graph ({err}); sampling runs it eagerly", stacklevel=2)
+                copy = "the compiled f_R" if key[-2] else "f_R"  # key: (..., compiled, rows)
+                warnings.warn(f"{copy} could not run as a CUDA graph ({err}); sampling runs it without one",
+                              stacklevel=2)
             self.decisions[key] = GraphDecision(False, f"capture failed: {err}")
             return None
         if self.setting:

@@ -5,9 +5,9 @@ eval mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channel
 to cost less where that was measured (:func:`_cheaper_chain`) — or ``f_R`` itself where preparing changes nothing; the
 user's modules are never modified. On CUDA a second, fused copy (convolution epilogues as single cuDNN calls or Triton
 kernels, :mod:`splitz_fast.epilogues`) is used per layout and batch where the engine measures it faster and scoring
-alike (:meth:`PreparedClassifier.chosen`), and either copy runs through ``torch.compile`` where the engine's
-:class:`~splitz_fast.compiled.CompileChoice` says so (:meth:`PreparedClassifier.compiled_if_chosen`). The copies are rebuilt whenever the user's ``f_R``
-changes (:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is
+alike (:meth:`PreparedClassifier.chosen`), and either copy runs through ``torch.compile`` at a batch size where the
+engine's :class:`~splitz_fast.compiled.CompileChoice` says so (:meth:`PreparedClassifier.compiled_if_chosen`). The
+copies are rebuilt whenever the user's ``f_R`` changes (:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is
 refused: from its modules (:func:`check_batch_independent`) and by a probe at the first batch
 (:func:`probe_batch_independence`).
 """
@@ -39,21 +39,18 @@ PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-
 
 
 class PreparedClassifier:
-    """The user's ``f_R`` (``source``, never modified) as sampled on ``device``, one prepared module per layout.
-
-    Args:
-        right: ``f_R``.
-        device: where sampling runs.
-    """
+    """The user's ``f_R`` (``right``, kept as :attr:`source` and never modified) as sampled on ``device`` (where
+    sampling runs), one prepared module per layout."""
 
     def __init__(self, right: nn.Module, device: torch.device):
         self.source = right
         self.device = torch.device(device)
-        # (channels_last, pool in noise, fused, compiled) -> the prepared module
+        # (channels_last, pool in noise, fused, for compiling) -> the prepared module
         self._prepared: dict[tuple[bool, bool, bool, bool], nn.Module] = {}
         self._graphs: dict[tuple, GraphedScores | None] = {}  # (layout, fused, compiled, rows) -> graph, None: eager
         self._fused: dict[tuple[bool, bool, int], bool] = {}  # (layout, rows) -> whether the fused copy is used
-        self._compiled: dict[tuple[bool, bool, bool, int], bool] = {}  # (layout, fused, rows) -> compiled copy used
+        # (layout, fused, rows) -> the compiled copy that samples them, None: decided against it
+        self._compiled: dict[tuple[bool, bool, bool, int], CompiledOrEager | None] = {}
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
         self._snapshot: ModuleSnapshot | None = None
         self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
@@ -93,16 +90,17 @@ class PreparedClassifier:
         """Whether ``f_R`` is sampled with every BatchNorm folded into the layer before it (also when it has none)."""
         return not self.unfolded_batchnorms
 
-    def get(self, channels_last: bool, pooled: bool = False, fused: bool = False, compiled: bool = False) -> nn.Module:
+    def get(self, channels_last: bool, pooled: bool = False, fused: bool = False,
+            for_compile: bool = False) -> nn.Module:
         """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
         folded, on the device, channels_last for image latents, its convolution epilogues fused when ``fused``
         (:mod:`~splitz_fast.epilogues`)) where preparing changes something, else the user's module itself (or its
-        ``[1:]`` slice, which shares the user's layers). With ``compiled``, that copy (always a copy) through
-        ``torch.compile`` (:class:`~splitz_fast.compiled.CompiledOrEager`)."""
-        key = (channels_last, pooled, fused, compiled)
+        ``[1:]`` slice, which shares the user's layers). With ``for_compile``, always a copy (the user's modules are
+        never handed to ``torch.compile``), shared by the compiled copies of every batch size."""
+        key = (channels_last, pooled, fused, for_compile)
         if key not in self._prepared:
             source = self.source[1:] if pooled else self.source
-            needs_copy = compiled or fused or (channels_last and _has_conv(source)) or any(
+            needs_copy = for_compile or fused or (channels_last and _has_conv(source)) or any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
             prepared = source
             if needs_copy:
@@ -115,8 +113,6 @@ class PreparedClassifier:
                     prepared = prepared.to(memory_format=torch.channels_last)
                 if fused:
                     prepared = fuse_conv_epilogues(prepared)
-                if compiled:
-                    prepared = CompiledOrEager(prepared)
             self._prepared[key] = prepared
         return self._prepared[key]
 
@@ -138,14 +134,18 @@ class PreparedClassifier:
 
     def compiled_if_chosen(self, net: nn.Module, key: tuple[bool, bool, bool, int], due: bool,
                            decide: Callable[[CompiledOrEager], bool]) -> nn.Module:
-        """``net`` (the prepared module of ``key = (channels_last, pooled, fused, rows)``) or its compiled copy, as
-        ``decide(compiled copy)`` says (:meth:`~splitz_fast.compiled.CompileChoice.choose`) once it is ``due``: once
-        per key and prepared copy."""
+        """``net`` (the prepared module of ``key = (channels_last, pooled, fused, rows)``) or a compiled copy of it,
+        as ``decide(compiled copy)`` (:meth:`~splitz_fast.compiled.CompileChoice.choose`) says once it is ``due``:
+        once per key and prepared copy. Each batch size has a compiled copy (entry code object, dynamo cache and
+        recompile limit) of its own; a copy decided against is dropped with its CUDA graph."""
         if key not in self._compiled:
             if not due:
                 return net
-            self._compiled[key] = decide(self.get(*key[:3], compiled=True))
-        return self.get(*key[:3], compiled=True) if self._compiled[key] else net
+            compiled = CompiledOrEager(self.get(*key[:3], for_compile=True))
+            self._compiled[key] = compiled if decide(compiled) else None
+            if self._compiled[key] is None:
+                self._graphs.pop((*key[:3], True, key[3]), None)
+        return net if self._compiled[key] is None else self._compiled[key]
 
     def graphed(self, layout: tuple, rows: int,
                 capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:

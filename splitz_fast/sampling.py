@@ -321,9 +321,14 @@ class SamplingEngine:
             return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
 
         net, graph, key = _sampled_net(self, layout, batch_size, example, tolerance)
-        with self.compiling.timed(key, eager=not isinstance(net, CompiledOrEager)):
-            self._execute(net, _plan(jobs, batch_size), channels_last, pooled, batch_size,
-                          self.prepared.may_run_parallel(net), graph)
+        plan = _plan(jobs, batch_size)
+        # What counts towards compiling for this batch size: eager sampling of its full batches (a short batch never
+        # runs compiled), as their share of the rows.
+        rows = [_rows(segments) for segments in plan]
+        full_rows = sum(r for r in rows if r == batch_size)
+        eager_share = 0.0 if isinstance(net, CompiledOrEager) or not plan else full_rows / sum(rows)
+        with self.compiling.timed(key, eager_share):
+            self._execute(net, plan, channels_last, pooled, batch_size, self.prepared.may_run_parallel(net), graph)
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
                  parallel: bool, graph: GraphedScores | None = None) -> None:
@@ -357,8 +362,7 @@ class SamplingEngine:
 
     def _count_segments(self, net, segments: list[tuple[SamplingJob, int, int | None]], channels_last: bool,
                         pooled: bool, batch_size: int, graph: GraphedScores | None = None) -> None:
-        total = sum(take for _, take, _ in segments)
-        if total < batch_size:
+        if _rows(segments) < batch_size:
             # A short batch (the end of a window) runs eagerly: a graph and a compiled f_R take the full batch only
             # (padding would cost a full batch's work; another shape would recompile).
             graph = None
@@ -382,18 +386,21 @@ def _sampled_net(engine: SamplingEngine, layout: tuple[bool, bool], rows: int, e
     ``engine.compiling`` decides so, and its CUDA graph or ``None``; with the key ``(*layout, fused, rows)`` of the
     compile choice. ``example()`` is a full batch of noisy rows for the measured choices."""
     net, fused = engine.prepared.chosen(layout, rows, engine.fusion, engine._scores, example, tolerance)
-    graph = _graph_of(engine, net, layout, fused, rows, example, tolerance)
     key = (*layout, fused, rows)
 
-    def decide(compiled: CompiledOrEager) -> bool:  # against what the engine runs now: the graph where it has one
-        current = graph.score if graph is not None else functools.partial(engine._scores, net)
-        return engine.compiling.choose(key, current, compiled, engine._scores, lambda: _graph_of(
-            engine, compiled, layout, fused, rows, example, tolerance), example, tolerance)
+    def graph_of(module: nn.Module) -> GraphedScores | None:
+        return _graph_of(engine, module, layout, fused, rows, example, tolerance)
+
+    def decide(compiled: CompiledOrEager) -> bool:
+        # Measured against what the engine runs now: the eager copy's graph where it has one. compile=True only
+        # checks the scores, against the eager copy (a graph of it would never be used).
+        graph = graph_of(net) if engine.compiling.setting is None else None
+        current = functools.partial(engine._scores, net) if graph is None else graph.score
+        return engine.compiling.choose(key, current, compiled, engine._scores, lambda: graph_of(compiled), example,
+                                       tolerance)
 
     net = engine.prepared.compiled_if_chosen(net, key, engine.compiling.due(key), decide)
-    if isinstance(net, CompiledOrEager):
-        graph = _graph_of(engine, net, layout, fused, rows, example, tolerance)
-    return net, graph, key
+    return net, graph_of(net), key
 
 
 def _graph_of(engine: SamplingEngine, net: nn.Module, layout: tuple[bool, bool], fused: bool, rows: int,
@@ -436,6 +443,11 @@ def _noisy_batch(segments: list[tuple[SamplingJob, int, int | None]], sigma: flo
                          at=first)
         start += take
     return out
+
+
+def _rows(segments: list[tuple[SamplingJob, int, int | None]]) -> int:
+    """The rows of one batch of a plan (:func:`_plan`)."""
+    return sum(take for _, take, _ in segments)
 
 
 def _segment(job: SamplingJob, take: int) -> tuple[SamplingJob, int, int | None]:

@@ -151,8 +151,7 @@ def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeyp
     decision, = smoother.engine().compiling.decisions.values()
     assert not decision.used and decision.compiled_s > decision.eager_s
     timing_calls = len(calls)
-    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_S", 1e9)  # no second decision for the same key
-    smoother.predict(xs[1], 300, 0.05, batch_size=64, seed=1)
+    smoother.predict(xs[1], 300, 0.05, batch_size=64, seed=1)  # due again (threshold 0), but decided already
     assert len(calls) == timing_calls  # decided once: no batch ran through it afterwards
     assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
 
@@ -210,6 +209,78 @@ def test_every_compiled_copy_compiles_its_own_entry_function(monkeypatch):
     assert len(codes) == 2 and codes[0] is not codes[1]
     assert all(code is not nn.Sequential.forward.__code__ and code is not compiled_module._forward.__code__
                for code in codes)
+
+
+def test_one_engine_compiles_a_copy_per_batch_size_and_a_failure_at_one_size_leaves_the_others(monkeypatch):
+    """Past dynamo's recompile limit (8 shapes of one code object) a shared compiled copy would run eagerly without a
+    word: each batch size has its own entry function, and its own decision."""
+    model, xs = small_splitz()
+
+    def failing_at_24(net):
+        def run(batch):
+            if batch.shape[0] == 24:
+                raise RuntimeError("inductor: unsupported at this shape")
+            return net(batch)
+        return run
+
+    calls = _stand_in_compiler(monkeypatch, failing_at_24)
+    smoother = sz.Smoother(model, 0.4, compile=True)
+    sizes = [16, 24, 32, 40, 48, 56, 64, 72, 80, 88]  # ten batch sizes, one engine
+    with pytest.warns(UserWarning, match="torch.compile failed .*unsupported at this shape"):
+        for size in sizes:
+            smoother.predict(xs[0], 200, 0.05, batch_size=size, seed=0)
+    decisions = smoother.engine().compiling.decisions
+    assert sorted(key[-1] for key in decisions) == sizes
+    assert [key[-1] for key, d in decisions.items() if not d.used] == [24]
+    codes = {id(entry.__code__) for entry in calls.entries}  # equal code objects compare equal: identity counts
+    assert len(calls.entries) == len(codes) == len(sizes)  # a fresh entry code object per batch size
+    assert set(calls) == set(sizes)  # every size scored through its compiled copy (24 at its failed first call)
+    for size in (16, 88):  # sampled through the compiled copy after the decision: full batches of that size
+        before = calls.count(size)
+        smoother.predict(xs[1], 200, 0.05, batch_size=size, seed=1)
+        assert calls.count(size) - before == 200 // size
+
+
+def test_only_full_batches_count_as_eager_sampling_towards_compiling(monkeypatch, auto_on_cpu):
+    """A short batch never runs compiled: a run made only of short batches (a sequential test's few draws) must not
+    bring a compile for a shape it never samples at closer."""
+    model, xs = _paused_splitz(0.01)
+    _stand_in_compiler(monkeypatch, lambda net: net)
+    smoother = sz.Smoother(model, 0.4)
+    smoother.predict(xs[0], 50, 0.05, batch_size=64, seed=0)  # one short batch
+    assert not any(smoother.engine().compiling.eager_seconds.values())
+    smoother.predict(xs[0], 128 + 64, 0.05, batch_size=64, seed=0)  # three full batches
+    (key, seconds), = smoother.engine().compiling.eager_seconds.items()
+    assert key[-1] == 64 and seconds >= 0.01  # (batches may run on worker threads at once)
+
+
+def test_share_of_a_timed_block_counts_as_eager_time():
+    choice = CompileChoice(None, CPU)
+    choice.AUTO_DEVICES = ("cpu",)
+    with choice.timed(KEY, 0.5):
+        time.sleep(0.05)
+    with choice.timed(KEY, 0.0):  # a compiled block, or only short batches
+        time.sleep(0.05)
+    assert 0.025 <= choice.eager_seconds[KEY] < 0.05
+
+
+def test_running_out_of_memory_at_the_compiled_first_call_keeps_eager_sampling(monkeypatch, auto_on_cpu):
+    model, xs = small_splitz()
+
+    def out_of_memory(net):
+        def run(batch):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run
+
+    _stand_in_compiler(monkeypatch, out_of_memory)
+    _due_now(monkeypatch)
+    smoother = sz.Smoother(model, 0.4)
+    with pytest.warns(UserWarning, match="compiled f_R is not used .*OutOfMemoryError"):
+        got = smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    decision, = smoother.engine().compiling.decisions.values()
+    assert not decision.used
+    eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
+    assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
 
 
 @pytest.mark.parametrize("setting", [None, True])
@@ -292,10 +363,14 @@ def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_ea
     engine = smoother.engine()
     (key, decision), = engine.compiling.decisions.items()
     assert decision.compile_s is not None and decision.eager_s is not None and decision.compiled_s is not None
-    compiled = engine.prepared.get(*key[:3], compiled=True)
-    assert compiled.compiled is not None, decision  # compiled, not fallen back
-    if decision.used and graphs is None:  # the compiled copy's own graph choice was made and recorded
-        assert (*key[:3], True, key[3]) in engine.graphs.decisions
+    assert decision.reason.startswith("measured at batch 256"), decision  # compiled, not fallen back
+    compiled_graph = (*key[:3], True, key[3])
+    assert (engine.prepared._compiled[key] is not None) == decision.used  # what the engine samples through
+    if decision.used and graphs is None:  # the compiled copy's own graph choice was made, and is what replays
+        graph_decision = engine.graphs.decisions[compiled_graph]
+        assert (engine.prepared._graphs[compiled_graph] is not None) == graph_decision.used
+    if not decision.used:  # a copy decided against is dropped with its graph
+        assert compiled_graph not in engine.prepared._graphs
     eager = sz.Smoother(model, 0.4, compile=False, cuda_graphs=graphs).certify(xs[0].cuda(), 20, 2000, 0.01,
                                                                              batch_size=256, seed=3)
     assert got.prediction == eager.prediction and abs(got.count_a - eager.count_a) <= 1

@@ -154,7 +154,7 @@ def test_a_capture_that_fails_warns_once_and_samples_eagerly():
         again = [(r.prediction, r.count_a) for r in smoother.certify_many(xs, 10, 400, 0.01, batch_size=64,
                                                                            seeds=range(5))]
     messages = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
-    assert len(messages) == 1 and "sampling runs it eagerly" in messages[0]
+    assert len(messages) == 1 and "sampling runs it without one" in messages[0]
     decisions = list(smoother.engine().graphs.decisions.values())
     assert decisions and not any(d.used for d in decisions) and decisions[0].reason.startswith("capture failed")
     eager = [(r.prediction, r.count_a) for r in Smoother(model, 0.5, cuda_graphs=False).certify_many(
