@@ -347,7 +347,11 @@ def graph_cell(row: dict) -> str:
     """The table's last column: whether the full batches replayed a CUDA graph (of the eager or the compiled copy),
     whether ``f_R``'s fused copy sampled, and whether the compiled copy did, each with the measurement behind it."""
     cells = []
+    compiled_used = {(d["channels_last"], d["pooled"], d["fused"], d["batch"]) for d in row.get("compiled") or []
+                     if d["used"]}
     for d in row.get("cuda_graphs") or []:
+        if d.get("compiled") and (d["channels_last"], d["pooled"], d["fused"], d["batch"]) not in compiled_used:
+            continue  # the graph of a compiled copy that was not used (its time is in the compiled cell)
         timing = (f" ({d['eager_s'] * 1e3:.2f} → {d['graph_s'] * 1e3:.2f} ms/batch)" if d.get("graph_s") is not None
                   else f" ({d['reason']})")
         label = "compiled graph " if d.get("compiled") else ("graph " if cells else "")

@@ -761,8 +761,8 @@ def _add_certify_predict_parser(sub) -> None:
         c.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
         c.add_argument("--batch", type=int, default=None,
                        help="noise samples per forward pass of f_R; unset, the fastest batch measured on this device "
-                            "(up to 4096, or 32768 on CUDA) is used. It never changes the results: an image's noise "
-                            "depends only on its seed")
+                            "(up to 4096, or 32768 on CUDA) is used. It never changes an image's noise, which "
+                            "depends only on its seed (only f_R's float rounding)")
         c.add_argument("--skip", type=int, default=1, help="every SKIP-th image")
         _add_max_option(c, "images")
         c.add_argument("--split", default="test",

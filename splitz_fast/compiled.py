@@ -48,8 +48,9 @@ def _forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledOrEager(nn.Module):
-    """``net`` through ``torch.compile`` with static shapes, falling back to ``net`` itself (with one warning) if
-    compiling or a compiled call fails outside a CUDA graph capture — no compiler, an unsupported platform or model;
+    """``net`` through ``torch.compile`` with static shapes, falling back to ``net`` itself (with a warning through
+    ``warn``: the engine's :meth:`CompileChoice.warn_once`) if compiling or a compiled call fails outside a CUDA graph
+    capture — no compiler, an unsupported platform or model;
     eager is always a correct base classifier. :attr:`compiled` is ``None`` once it has fallen back.
 
     What is compiled is a copy of a one-line entry function with a code object of its own: dynamo keeps its compiled
@@ -57,9 +58,9 @@ class CompiledOrEager(nn.Module):
     ``nn.Sequential.forward`` budget with every other ``nn.Sequential`` compiled in the process (the user's included),
     and past it would run eagerly without a word."""
 
-    def __init__(self, net: nn.Module):
+    def __init__(self, net: nn.Module, warn: Callable[[str], None]):
         super().__init__()
-        self.net = net
+        self.net, self._warn = net, warn
         self.compiled = None
         entry = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__)
         try:
@@ -68,7 +69,7 @@ class CompiledOrEager(nn.Module):
             self._give_up(err)
 
     def _give_up(self, err: Exception) -> None:
-        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly", stacklevel=4)
+        self._warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly")
         self.compiled = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,44 +175,52 @@ class CompileChoice:
         ``None``), each :func:`~splitz_fast.graphs.seconds_per_call`. A failure on the way (running out of device memory
         included) decides against ``compiled``, with one warning: the eager ``f_R`` is always correct. Records the
         decision under ``key``."""
+        try:
+            decision, warn = self._measure(key, current, compiled, scores, graphed, example, tolerance)
+        except Exception as err:  # noqa: BLE001 — out of device memory included: the eager f_R is always correct
+            decision, warn = CompileDecision(False, f"failed: {type(err).__name__}: {str(err).strip()[:160]}"), True
+        if warn:
+            self.warn_once(f"the compiled f_R is not used ({decision.reason}); sampling runs f_R eagerly")
+        self.decisions[key] = decision
+        self.eager_seconds[key] = 0.0  # a later decision for key (after an edit of f_R) waits its own time
+        return decision.used
+
+    def _measure(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
+                 scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                 graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
+                 tolerance: float) -> tuple[CompileDecision, bool]:
+        """The steps of :meth:`choose`: its decision, and whether it deserves a warning."""
         batch = example()
         start = time.perf_counter()
-        try:
-            got = scores(compiled, batch)
-            synchronize(batch.device)
-        except Exception as err:  # noqa: BLE001 — out of memory included: the eager f_R is always correct
-            return self._decide(key, False, f"failed: {type(err).__name__}: {str(err).strip()[:160]}", warn=True)
+        got = scores(compiled, batch)
+        synchronize(batch.device)
         compile_s = time.perf_counter() - start
         if compiled.compiled is None:  # CompiledOrEager warned already
-            return self._decide(key, False, "torch.compile failed", compile_s)
+            return CompileDecision(False, "torch.compile failed", compile_s), False
         difference, scale = score_gap(got, current(batch))
         if not difference <= tolerance * scale:
-            return self._decide(key, False, f"its scores differ from the eager f_R's by {difference:.3g} (allowed "
-                                            f"{tolerance * scale:.3g})", compile_s, warn=True)
+            return CompileDecision(False, f"its scores differ from the eager f_R's by {difference:.3g} (allowed "
+                                          f"{tolerance * scale:.3g})", compile_s), True
         if self.setting:
-            return self._decide(key, True, "compile=True", compile_s)
-        try:
-            graph = graphed()
-            candidate = (lambda b: scores(compiled, b)) if graph is None else graph.score
-            eager_s = seconds_per_call(lambda: current(batch), batch.device)
-            compiled_s = seconds_per_call(lambda: candidate(batch), batch.device)
-        except torch.OutOfMemoryError as err:  # the compiled copy's buffers on top of the eager run's
-            return self._decide(key, False, f"out of memory while measuring it: {str(err).strip()[:160]}",
-                                compile_s, warn=True)
-        return self._decide(key, compiled_s < eager_s, f"measured at batch {key[-1]} after "
-                            f"{self.eager_seconds.get(key, 0.0):.0f} s of eager sampling: eager {eager_s * 1e3:.3f} ms, "
-                            f"compiled {compiled_s * 1e3:.3f} ms{' (graph)' if graph is not None else ''}; compiling "
-                            f"took {compile_s:.1f} s", compile_s, eager_s, compiled_s)
+            return CompileDecision(True, "compile=True", compile_s), False
+        graph = graphed()
+        candidate = (lambda b: scores(compiled, b)) if graph is None else graph.score
+        eager_s = seconds_per_call(lambda: current(batch), batch.device)
+        compiled_s = seconds_per_call(lambda: candidate(batch), batch.device)
+        if compiled.compiled is None:  # fell back to eager while measured: eager against eager
+            return CompileDecision(False, "torch.compile failed", compile_s), False
+        return CompileDecision(compiled_s < eager_s, f"measured at batch {key[-1]} after "
+                               f"{self.eager_seconds.get(key, 0.0):.0f} s of eager sampling: eager "
+                               f"{eager_s * 1e3:.3f} ms, compiled {compiled_s * 1e3:.3f} ms"
+                               f"{' (graph)' if graph is not None else ''}; compiling took {compile_s:.1f} s",
+                               compile_s, eager_s, compiled_s), False
 
-    def _decide(self, key: tuple, used: bool, reason: str, compile_s: float | None = None,
-                eager_s: float | None = None, compiled_s: float | None = None, warn: bool = False) -> bool:
-        """Record the decision for ``key`` (its eager time starts again from zero) and warn once where asked."""
-        if warn and not self._warned:
+    def warn_once(self, message: str) -> None:
+        """One warning per engine about its compiled ``f_R`` (a failed compile at any batch size, or a compiled copy
+        that is not used for a reason other than speed): one is enough to say that sampling runs eagerly."""
+        if not self._warned:
             self._warned = True
-            warnings.warn(f"the compiled f_R is not used ({reason}); sampling runs f_R eagerly", stacklevel=4)
-        self.decisions[key] = CompileDecision(used, reason, compile_s, eager_s, compiled_s)
-        self.eager_seconds[key] = 0.0
-        return used
+            warnings.warn(message, stacklevel=3)
 
 
 def check_compile_setting(setting: object) -> None:

@@ -133,18 +133,20 @@ class PreparedClassifier:
         return (self.get(*layout, fused=True), True) if self._fused[key] else (plain, False)
 
     def compiled_if_chosen(self, net: nn.Module, key: tuple[bool, bool, bool, int], due: bool,
-                           decide: Callable[[CompiledOrEager], bool]) -> nn.Module:
-        """``net`` (the prepared module of ``key = (channels_last, pooled, fused, rows)``) or a compiled copy of it,
-        as ``decide(compiled copy)`` (:meth:`~splitz_fast.compiled.CompileChoice.choose`) says once it is ``due``:
+                           decide: Callable[[nn.Module], CompiledOrEager | None]) -> nn.Module:
+        """``net`` (the prepared module of ``key = (channels_last, pooled, fused, rows)``) or the compiled copy that
+        ``decide(copy to compile)`` returns (:meth:`~splitz_fast.compiled.CompileChoice.choose`) once it is ``due``:
         once per key and prepared copy. Each batch size has a compiled copy (entry code object, dynamo cache and
-        recompile limit) of its own; a copy decided against is dropped with its CUDA graph."""
+        recompile limit) of its own. What the decision leaves unused is dropped: the eager copy's CUDA graph of that
+        batch, or the compiled copy with its graph (and the copy compiled from, when no batch size uses it)."""
         if key not in self._compiled:
             if not due:
                 return net
-            compiled = CompiledOrEager(self.get(*key[:3], for_compile=True))
-            self._compiled[key] = compiled if decide(compiled) else None
-            if self._compiled[key] is None:
-                self._graphs.pop((*key[:3], True, key[3]), None)
+            self._compiled[key] = decide(self.get(*key[:3], for_compile=True))
+            unused_graph_is_compiled = self._compiled[key] is None  # graph keys: (*layout, fused, compiled, rows)
+            self._graphs.pop((*key[:3], unused_graph_is_compiled, key[3]), None)
+            if not any(k[:3] == key[:3] and c is not None for k, c in self._compiled.items()):
+                self._prepared.pop((*key[:3], True), None)
         return net if self._compiled[key] is None else self._compiled[key]
 
     def graphed(self, layout: tuple, rows: int,

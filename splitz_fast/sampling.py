@@ -13,8 +13,9 @@ the native C++ kernel of ``csrc/`` on the CPU — one stream, kernels/noise_vote
 sample index × D + element), and on the fallback path (``SPLITZ_BACKEND=reference``, or no Triton / no C++ compiler)
 because :class:`NoiseStream` draws standard normals (``Tensor.normal_``) in fixed blocks of :data:`NOISE_BLOCK`
 samples and hands them out in order. So a certificate is reproducible whatever batch size the engine picks, and
-certifying a stream of inputs gives the results of certifying them one by one (on the CPU exactly up to ``f_R``'s
-batch-dependent float rounding, which the tests show does not move a vote in practice; likewise on GPU).
+certifying a stream of inputs gives the results of certifying them one by one, up to ``f_R``'s float rounding (which
+may depend on the batch size and, on CUDA, on the engine's measured choices and cuDNN's autotuned algorithms; it moves
+a vote only where that sits on a class boundary).
 Selection and estimation draws are consecutive, disjoint index ranges of one stream, hence independent.
 """
 from __future__ import annotations
@@ -391,13 +392,15 @@ def _sampled_net(engine: SamplingEngine, layout: tuple[bool, bool], rows: int, e
     def graph_of(module: nn.Module) -> GraphedScores | None:
         return _graph_of(engine, module, layout, fused, rows, example, tolerance)
 
-    def decide(compiled: CompiledOrEager) -> bool:
+    def decide(copy: nn.Module) -> CompiledOrEager | None:
         # Measured against what the engine runs now: the eager copy's graph where it has one. compile=True only
         # checks the scores, against the eager copy (a graph of it would never be used).
+        compiled = CompiledOrEager(copy, engine.compiling.warn_once)
         graph = graph_of(net) if engine.compiling.setting is None else None
         current = functools.partial(engine._scores, net) if graph is None else graph.score
-        return engine.compiling.choose(key, current, compiled, engine._scores, lambda: graph_of(compiled), example,
+        used = engine.compiling.choose(key, current, compiled, engine._scores, lambda: graph_of(compiled), example,
                                        tolerance)
+        return compiled if used else None
 
     net = engine.prepared.compiled_if_chosen(net, key, engine.compiling.due(key), decide)
     return net, graph_of(net), key

@@ -3,10 +3,10 @@
 ``g(x) = argmax_c P_δ[f_R(f_L(x) + δ) = c]`` with ``δ ~ N(0, σ² I)`` in the latent space of ``f_L``. The smoother
 owns σ: the sampling engine (:mod:`splitz_fast.sampling`) draws the noise with it, and the same σ enters the radius.
 Certification of one input is a pure function of that input, the model and the seed — also inside
-:meth:`Smoother.certify_many`, which packs the samples of several inputs into shared ``f_R`` batches. On CUDA this holds
-up to the float rounding of ``f_R``, which the engine's measured choices (CUDA graph, fused copy, ``torch.compile``)
-and the batch size may change (``cuda_graphs=False, fused_kernels=False, compile=False`` at a fixed batch size takes
-them out).
+:meth:`Smoother.certify_many`, which packs the samples of several inputs into shared ``f_R`` batches — up to the
+float rounding of ``f_R``, which the batch size and, on CUDA, the engine's measured choices (CUDA graph, fused copy,
+``torch.compile``, cuDNN's autotuned convolution algorithms) may change: a vote that sits on a class boundary may
+then fall the other way.
 
 Radius (Theorem 1): ``max over evaluated γ of min(R / L(x, γ), γ)`` with ``R = σ Φ⁻¹(p_A_lower)`` and ``L`` a
 certificate bound (:mod:`splitz_fast.radius`).
