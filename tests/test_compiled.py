@@ -364,6 +364,28 @@ def test_a_real_torch_compile_on_the_cpu_certifies_like_eager_even_past_dynamos_
     assert got.radius == pytest.approx(eager.radius, rel=1e-12)
 
 
+@pytest.mark.slow
+def test_a_real_torch_compile_serves_ten_batch_sizes_of_one_engine():
+    """Ten static shapes through one engine, past dynamo's recompile limit of 8 per code object: each batch size
+    compiles a frame of its own (a shared compiled copy would run eagerly from the ninth shape on, without a word)."""
+    pytest.importorskip("torch._inductor")
+    import torch._dynamo.utils as dynamo_utils
+
+    model, xs = small_splitz()
+    smoother = sz.Smoother(model, 0.4, compile=True)
+    sizes = [16, 24, 32, 40, 48, 56, 64, 72, 80, 88]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for size in sizes:
+            frames = dynamo_utils.counters["frames"]["ok"]
+            got = smoother.predict(xs[0], 200, 0.05, batch_size=size, seed=0)
+            assert dynamo_utils.counters["frames"]["ok"] == frames + 1, size  # compiled, not run eagerly
+            eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 200, 0.05, batch_size=size, seed=0)
+            assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
+    decisions = smoother.engine().compiling.decisions
+    assert sorted(key[-1] for key in decisions) == sizes and all(d.used for d in decisions.values())
+
+
 @pytest.mark.gpu
 def test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync():
     if not torch.cuda.is_available():
