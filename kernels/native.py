@@ -20,6 +20,7 @@ sources: each family keeps its own binding list, and a build failure in one leav
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -99,23 +100,46 @@ def extensions_root() -> Path:
 
 def load_built(name: str) -> ModuleType | None:
     """The extension ``name`` imported from a finished build in torch's cache, or ``None`` when there is none (never
-    built, a build in progress holds the cache's ``lock``, the file does not import): then ``cpp_extension.load``
-    builds or waits. ``name`` digests the sources, flags and torch version (:func:`_build_name`), so a finished build
-    of that name is the build ``load`` would make."""
+    built, a build in progress, the file does not import): then ``cpp_extension.load`` builds or waits. ``name``
+    digests the sources, flags and torch version (:func:`_build_name`), so a finished build of that name is the build
+    ``load`` would make.
+
+    A build in progress is told by the cache folder's ``lock`` file without ever creating it, because torch's builders
+    read that file two ways: newer ones hold an OS lock on it while they build (the file stays afterwards), older ones
+    (torch 2.11) create it to build and delete it when done, so to them a file left behind means "being built" and
+    they wait for it forever. Here the file, where it exists, is opened read-only and locked shared (``flock``) while
+    the module is imported: a newer builder's exclusive lock makes that fail (``None``), and a builder cannot start
+    replacing the library mid-import. Several processes load at once without excluding each other."""
     directory = extensions_root() / name
     library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
     if not library.is_file():
         return None
     try:
-        from filelock import FileLock  # the OS-level lock torch's builder holds while it builds
-
-        with FileLock(str(directory / "lock"), timeout=0):
+        with _shared_build_lock(directory / "lock"):
             spec = importlib.util.spec_from_file_location(name, library)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-    except Exception:  # being built (Timeout), no filelock, a damaged file: the builder decides
+    except Exception:  # being built (the lock is held), no flock (Windows), a damaged file: the builder decides
         return None
     return module
+
+
+@contextlib.contextmanager
+def _shared_build_lock(lock: Path):
+    """Hold a shared ``flock`` on ``lock`` if the file exists (raises ``BlockingIOError`` while a builder holds it);
+    never creates the file."""
+    import fcntl  # POSIX only: elsewhere ImportError, and load_built leaves it to the builder
+
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _load(sources: tuple[str, ...]) -> ModuleType | None:

@@ -1,6 +1,7 @@
 """Helpers shared by the test files (importable because pytest puts this folder on sys.path)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -60,10 +61,35 @@ def finish_torchrun(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        # Every process of the run, found before any is killed: some torch versions start the ranks in sessions of
+        # their own, which killing torchrun's group misses; a rank left alive would hold the output pipe open forever.
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out = "(no output: a process outside the run's tree still holds its pipe)"
         pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-3000:]}")
     return proc.returncode, out
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), read from ``/proc`` (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            child = int(stat.parent.name)
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the field after the state
+            children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def small_splitz(seed: int = 0):

@@ -32,6 +32,22 @@ def _one_line_error(capsys) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ shard spec
+def test_a_hung_run_is_killed_whole_even_a_rank_in_a_session_of_its_own():
+    """The timeout of the torchrun tests: a child that started its own session (as torch 2.11's ranks do) and holds
+    the output pipe is killed too, so the test fails at its limit instead of waiting forever."""
+    import subprocess
+
+    holder = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+              "start_new_session=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    time.sleep(1.0)  # the child has started
+    began = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 0.5 s"):
+        _finish(proc, 0.5)
+    assert time.monotonic() - began < 60
+
+
 def test_shards_are_strided_balanced_and_cover_every_index_once():
     indices = list(range(0, 100, 7))  # 15 indices
     parts = [ShardSpec(k, 4).select(indices) for k in range(4)]
