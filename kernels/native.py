@@ -142,6 +142,22 @@ def _shared_build_lock(lock: Path):
         os.close(fd)  # releases the lock
 
 
+def builder(name: str):
+    """``torch.utils.cpp_extension.load``, imported only now that something is built (its import prints torch's "No
+    CUDA runtime" warning on machines without a GPU). Where torch's builder is the older kind (torch 2.11) and the
+    cache folder of ``name`` holds a ``lock`` file, it warns first, naming the file: that builder waits, without a
+    word and for as long as the file exists, for whoever made it — another process building now, or a build that was
+    killed (Ctrl-C during the first build), whose file is never removed."""
+    from torch.utils import cpp_extension
+
+    lock = extensions_root() / name / "lock"
+    if hasattr(cpp_extension, "FileBaton") and lock.exists():  # the older builder's lock: a file while it builds
+        warnings.warn(f"splitz_fast: waiting for {lock} before building the native kernels: another process is "
+                      "building them; if none is (an earlier build was interrupted), delete that file.", RuntimeWarning,
+                      stacklevel=3)
+    return cpp_extension.load
+
+
 def _load(sources: tuple[str, ...]) -> ModuleType | None:
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
@@ -150,9 +166,7 @@ def _load(sources: tuple[str, ...]) -> ModuleType | None:
         built = load_built(_build_name(directory, sources))
         if built is not None:
             return built
-        from torch.utils.cpp_extension import load  # the builder, only when something is built
-
-        return load(
+        return builder(_build_name(directory, sources))(
             name=_build_name(directory, sources),
             sources=[str(directory / name) for name in sources],
             extra_include_paths=[str(directory)],

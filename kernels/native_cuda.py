@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from .native import NATIVE_ENV, csrc_dir, load_built
+from .native import NATIVE_ENV, builder, csrc_dir, load_built
 
 CUDA_OPS: frozenset[str] = frozenset({"noisy_latents", "count_votes"})  # ops with a CUDA kernel in csrc/
 CUDA_SOURCES = ("noise_votes_cuda_bind.cpp", "noise_votes_cuda.cu")
@@ -68,9 +68,7 @@ def cuda_module() -> ModuleType | None:
         built = load_built(_build_name(directory))
         if built is not None:
             return built
-        from torch.utils.cpp_extension import load  # the builder, only when something is built
-
-        return load(
+        return builder(_build_name(directory))(
             name=_build_name(directory),
             sources=[str(directory / name) for name in CUDA_SOURCES],
             extra_include_paths=[str(directory)],

@@ -199,3 +199,35 @@ def test_a_build_in_progress_is_left_to_the_builder(tmp_path, monkeypatch):
         assert native.load_built(name) is None
     assert (tmp_path / name / "lock").exists()
     assert native.load_built(name) is not None
+
+
+@pytest.mark.parametrize("older_builder", [True, False])
+def test_a_leftover_lock_file_is_named_before_torchs_older_builder_waits_on_it(tmp_path, monkeypatch, older_builder):
+    """torch 2.11's builder waits silently for as long as the cache folder's ``lock`` file exists, and an interrupted
+    build never removes it: the loader names the file and what to do before handing over. The newer builder (an OS
+    lock; the file stays after every build) gets no warning."""
+    import warnings
+
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    from splitz_fast.kernels import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    if older_builder:
+        monkeypatch.setattr(cpp_extension, "FileBaton", FileBaton, raising=False)
+    else:
+        monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
+    built = object()
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built)  # the build itself is not under test
+    lock = tmp_path / native._build_name(native.csrc_dir()) / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native._load(native.SOURCES) is built
+    named = [w for w in caught if str(lock) in str(w.message)]
+    assert len(named) == (1 if older_builder else 0), [str(w.message) for w in caught]
+    if older_builder:
+        assert "delete that file" in str(named[0].message)
