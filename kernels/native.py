@@ -163,11 +163,12 @@ def _load(sources: tuple[str, ...]) -> ModuleType | None:
         return None
     try:
         directory = csrc_dir()
-        built = load_built(_build_name(directory, sources))
+        build = _build_name(directory, sources)  # digests the sources: once
+        built = load_built(build)
         if built is not None:
             return built
-        return builder(_build_name(directory, sources))(
-            name=_build_name(directory, sources),
+        return builder(build)(
+            name=build,
             sources=[str(directory / name) for name in sources],
             extra_include_paths=[str(directory)],
             extra_cflags=list(CFLAGS),

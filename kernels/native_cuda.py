@@ -65,11 +65,12 @@ def cuda_module() -> ModuleType | None:
         return None
     try:
         directory = csrc_dir()
-        built = load_built(_build_name(directory))
+        build = _build_name(directory)  # digests the sources: once
+        built = load_built(build)
         if built is not None:
             return built
-        return builder(_build_name(directory))(
-            name=_build_name(directory),
+        return builder(build)(
+            name=build,
             sources=[str(directory / name) for name in CUDA_SOURCES],
             extra_include_paths=[str(directory)],
             extra_cflags=list(CXX_FLAGS),
