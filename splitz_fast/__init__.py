@@ -19,7 +19,8 @@ from .lipschitz import (
     lipschitz_bound,
     lipschitz_estimate,
 )
-from .modules import ClippedReLU, LeftHalf, ModuleSnapshot, SplitModel, Standardize, split_sequential
+from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
+from .snapshot import ModuleSnapshot
 from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
 from .margin import MarginCertifier
 from .sequential import (BetaBinomialCS, Decision, SequentialCertifier, SequentialCertifyResult, SequentialResult,

@@ -14,8 +14,8 @@ process. Whether it pays depends on the model, the card and how long the run is,
   Off CUDA, ``None`` stays eager: on the CPU the engine's prepared chain and worker threads are what was measured.
 
 The compiled ``f_R`` is used only where it scores a batch of real noisy rows like the eager one, within the
-batch-independence probe's tolerance (the same base classifier up to float rounding, like the CUDA graph and the fused
-copy), and, for ``None``, only where the compiled copy (replayed as a CUDA graph where the engine's graph choice says
+rounding the eager copy makes (:func:`~splitz_fast.score_checks.copy_tolerance`: the same base classifier up to float
+rounding, like the CUDA graph and the fused copy), and, for ``None``, only where the compiled copy (replayed as a CUDA graph where the engine's graph choice says
 so) measures faster at the engine's batch than what the engine runs now (the eager copy, or its CUDA graph). Only full
 batches run compiled: a shorter batch (the end of a window, a sequential test's few draws) runs the eager copy, so
 nothing is padded and nothing recompiles. Each batch size gets a compiled copy of its own (its own dynamo cache and
@@ -35,7 +35,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .graphs import GraphedScores, score_gap, seconds_per_call, synchronize
+from .graphs import GraphedScores, seconds_per_call, synchronize
+from .score_checks import score_gap
 
 # Seconds of eager sampling at one batch size after which an engine with compile=None compiles f_R for it (on CUDA).
 # About what compiling a network of tens to a hundred layers takes (one static batch shape, cold caches): the
@@ -165,12 +166,12 @@ class CompileChoice:
     def choose(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
-               tolerance: float) -> bool:
+               tolerance: Callable[[], float]) -> bool:
         """Whether to sample ``key`` through ``compiled`` rather than as now (``current(batch)``: the engine's scores
         of a full batch, through its CUDA graph where it uses one). ``compiled`` (the same prepared ``f_R``, scored by
         ``scores(net, batch)``) is called first on ``example()`` (compiling, outside any timing but its own), must not
-        have fallen back to eager, and must score the batch within ``tolerance`` × (largest non-constant score + 1) of
-        ``current`` (:func:`~splitz_fast.graphs.score_gap`); then, with ``compile=None``, the faster wins: ``current``
+        have fallen back to eager, and must score the batch within ``tolerance()`` × (largest non-constant score + 1) of
+        ``current`` (:func:`~splitz_fast.score_checks.score_gap`); then, with ``compile=None``, the faster wins: ``current``
         against ``compiled`` through ``graphed()`` (its CUDA graph where the engine's graph choice makes one, else
         ``None``), each :func:`~splitz_fast.graphs.seconds_per_call`. A failure on the way (running out of device memory
         included) decides against ``compiled``, with one warning: the eager ``f_R`` is always correct. Records the
@@ -188,7 +189,7 @@ class CompileChoice:
     def _measure(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
                  scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                  graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
-                 tolerance: float) -> tuple[CompileDecision, bool]:
+                 tolerance: Callable[[], float]) -> tuple[CompileDecision, bool]:
         """The steps of :meth:`choose`: its decision, and whether it deserves a warning."""
         batch = example()
         start = time.perf_counter()
@@ -198,9 +199,10 @@ class CompileChoice:
         if compiled.compiled is None:  # CompiledOrEager warned already
             return CompileDecision(False, "torch.compile failed", compile_s), False
         difference, scale = score_gap(got, current(batch))
-        if not difference <= tolerance * scale:
+        allowed = tolerance() * scale
+        if not difference <= allowed:
             return CompileDecision(False, f"its scores differ from the eager f_R's by {difference:.3g} (allowed "
-                                          f"{tolerance * scale:.3g})", compile_s), True
+                                          f"{allowed:.3g})", compile_s), True
         if self.setting:
             return CompileDecision(True, "compile=True", compile_s), False
         graph = graphed()

@@ -16,8 +16,8 @@ convolutions carry the folded biases) in place:
 
 Only exact ``nn.Conv2d`` with zero padding given as numbers and exact ``nn.ReLU`` / ``torch.relu`` / ``F.relu`` /
 ``Tensor.relu`` are rewritten (a subclass may compute something else). The function is the same: ReLU of the same
-sum; on CUDA the fused call rounds as cuDNN's epilogue does (within the batch-independence probe's tolerance of the
-unfused kernels; tested), elsewhere the modules run the unfused operations, bitwise the unfused result.
+sum; on CUDA the fused call rounds as cuDNN's epilogue does (within the rounding of the unfused kernels,
+:func:`~splitz_fast.score_checks.copy_tolerance`; tested), elsewhere the modules run the unfused operations, bitwise the unfused result.
 
 A convolution followed by its ReLU and a 2x2 max pool (LeNet's layers) goes further: :class:`ConvReLUMaxPool2` runs
 all three as one Triton kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`;
@@ -25,7 +25,8 @@ the prepared chain's rewrite, :func:`~splitz_fast.prepared.fused_conv_pools`).
 
 Whether the sampling engine uses the fused copy of ``f_R`` is decided by measurement, at run time
 (:class:`FusionChoice`, the engine's ``fused_kernels`` setting): on CUDA, per layout and batch, the fused copy must
-score a noisy batch like the plain copy (within the batch-independence probe's tolerance) and take less time.
+score a noisy batch like the plain copy (within the plain copy's own rounding,
+:func:`~splitz_fast.score_checks.copy_tolerance`) and take less time.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .folding import free_submodule_name, has_forward_hooks
-from .graphs import check_cuda_setting, score_gap, seconds_per_call
+from .graphs import check_cuda_setting, seconds_per_call
+from .score_checks import score_gap
 from .kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
@@ -174,11 +176,11 @@ class FusionChoice:
 
     def choose(self, key: tuple, plain: Callable[[torch.Tensor], torch.Tensor],
                fused: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
-               tolerance: float) -> bool:
+               tolerance: Callable[[], float]) -> bool:
         """Whether to sample through ``fused`` rather than ``plain`` (two scorers of the same ``f_R``) at the batch
         of ``example()``: both score it first (compiling and autotuning outside any timing), the fused scores must
-        lie within ``tolerance`` × (largest non-constant score + 1) of the plain ones
-        (:func:`~splitz_fast.graphs.score_gap`), then (by default) the faster wins. Records the decision under ``key``."""
+        lie within ``tolerance()`` × (largest non-constant score + 1) of the plain ones
+        (:func:`~splitz_fast.score_checks.score_gap`), then (by default) the faster wins. Records the decision under ``key``."""
         batch = example()
         try:
             want, got = plain(batch), fused(batch)
@@ -187,7 +189,7 @@ class FusionChoice:
         except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the plain f_R is always correct
             return self._refuse(key, f"failed: {type(err).__name__}: {str(err).strip()[:160]}")
         difference, scale = score_gap(got, want)
-        allowed = tolerance * scale
+        allowed = tolerance() * scale
         if not difference <= allowed:
             return self._refuse(key, f"scores differ from the plain f_R's by {difference:.3g} (allowed {allowed:.3g})")
         if self.setting:

@@ -8,7 +8,7 @@ buffer, both outside the graph, on the same stream, so the order of work is what
 
 The base classifier does not change: the graph replays the kernels that the prepared ``f_R`` launched while it was
 captured, on the same shapes. :func:`capture_scores` checks this on a noisy batch before the graph is used (its scores
-against an eager forward of the same batch, to the batch-independence probe's tolerance), and
+against an eager forward of the same batch, to the rounding the eager forward makes: :mod:`~splitz_fast.score_checks`), and
 :func:`graph_is_faster` times both at the static batch where the choice is left to measurement. Where capturing fails
 (an ``f_R`` that synchronises with the host, data-dependent shapes, ...), or the check fails, the engine warns once and
 samples eagerly.
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .score_checks import score_gap
 
 # Eager calls on a side stream before the capture: cuDNN's benchmark mode picks its algorithms, lazy initialisation
 # (cuBLAS workspaces, autocast, compiled code) happens outside the graph.
@@ -57,10 +59,10 @@ class GraphedScores:
 
 
 def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor,
-                   tolerance: float) -> GraphedScores:
+                   tolerance: Callable[[], float]) -> GraphedScores:
     """Capture ``scores`` (the engine's forward of the prepared ``f_R``, in its precision) on a static batch shaped
     like ``example`` (a batch of real noisy rows, in the layout the engine feeds) and check the graph: its scores for
-    ``example`` must match an eager call's within ``tolerance`` relative to the largest score of a class that is not
+    ``example`` must match an eager call's within ``tolerance()`` (:func:`~splitz_fast.score_checks.copy_tolerance`) relative to the largest score of a class that is not
     constant (+1; :func:`score_gap`). Raises :class:`GraphCaptureError` if capturing or the check fails.
 
     The capture only records the calling thread's work (``capture_error_mode="thread_local"``): the radius search of
@@ -84,7 +86,7 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
         _release_default_generator(example.device)
         raise GraphCaptureError(f"{type(err).__name__}: {err}") from err
     gap, scale = score_gap(output, expected)
-    if not gap <= tolerance * scale:
+    if not gap <= tolerance() * scale:
         raise GraphCaptureError(f"the replayed graph's scores differ from the eager forward's by {gap:.3g} (scores up "
                                 f"to {scale - 1:.3g})")
     return GraphedScores(graph, static_input, output)
@@ -111,26 +113,6 @@ def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
     eager = seconds_per_call(lambda: scores(batch), batch.device)
     graph = seconds_per_call(graphed.replay, batch.device)
     return graph < eager, eager, graph
-
-
-def score_gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """How far two scorings ``[rows, classes]`` of one batch lie apart, as ``(gap, scale)``: the largest difference
-    over every score, where equal values (the same infinity, NaN in both) count as none and a NaN or infinity against
-    anything else as an infinite one (an ``f_R`` that scores masked classes −inf is one function, whatever
-    ``inf − inf`` says); ``scale`` is one plus the largest finite score of ``want`` in the classes that are not
-    constant, which the checks' relative tolerances multiply. A constant class — the same value in every row of both
-    scorings, such as a masked class at −1e6 — changes no vote and would otherwise widen the tolerance until a
-    difference that does change votes passed."""
-    got, want = got.float(), want.float()
-    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
-    gap = torch.where(same, torch.zeros_like(want), (got - want).abs()).nan_to_num(nan=float("inf"))
-    if want.ndim == 2 and want.shape[0]:
-        constant = same.all(dim=0) & ((want == want[:1]) | (torch.isnan(want) & torch.isnan(want[:1]))).all(dim=0)
-        varying = want[:, ~constant] if not constant.all() else want
-    else:
-        varying = want
-    finite = varying[torch.isfinite(varying)]
-    return (float(gap.max()) if gap.numel() else 0.0), (float(finite.abs().max()) if finite.numel() else 0.0) + 1.0
 
 
 def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
@@ -187,7 +169,7 @@ class GraphChoice:
         self.decisions: dict[tuple, GraphDecision] = {}
 
     def choose(self, key: tuple, scores: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
-               tolerance: float) -> GraphedScores | None:
+               tolerance: Callable[[], float]) -> GraphedScores | None:
         """A checked graph of ``scores`` at the shape of ``example()`` (a batch of noisy rows), or ``None`` where the
         engine should stay eager: off CUDA, ``cuda_graphs=False``, a failed capture, or (by default) eager measured
         faster. Records the decision under ``key``."""

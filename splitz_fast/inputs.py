@@ -12,7 +12,8 @@ from typing import TypeVar
 import torch
 
 from ._checks import check_tensor
-from .modules import ModuleSnapshot, SplitModel, evaluating
+from .modules import SplitModel, evaluating
+from .snapshot import ModuleSnapshot, check_no_global_hooks
 
 T = TypeVar("T")
 
@@ -61,11 +62,12 @@ class CallGuard:
     """The model one certify/predict call works on: the halves it started with, and a snapshot of each.
 
     A call over many inputs is a lazy generator, and the caller's code runs between its results. If ``model.left`` or
-    ``model.right`` is replaced, or any tensor or layer of either is edited meanwhile (``.data`` writes and ``copy_``
-    under ``no_grad`` included), later latents, bounds and votes would come from different networks than the earlier
-    ones; :meth:`check`, called before every result and before sampling each input, stops the call with an error
-    instead (a new call certifies the edited model). A check costs host-side comparisons and one device comparison per
-    (device, element width) group of each half (:class:`~splitz_fast.modules.ModuleSnapshot`).
+    ``model.right`` is replaced, or any tensor, layer, hook, replaced method or plain attribute of either is edited
+    meanwhile (``.data`` writes and ``copy_`` under ``no_grad`` included; :class:`~splitz_fast.snapshot.ModuleSnapshot`),
+    or a global module forward hook is registered, later latents, bounds and votes would come from different networks
+    than the earlier ones; :meth:`check`, called before every result and before sampling each input, stops the call
+    with an error instead (a new call certifies the edited model). A check costs host-side comparisons and one device
+    comparison per (device, element width) group of each half.
 
     Args:
         model: the model of the call.
@@ -75,6 +77,7 @@ class CallGuard:
 
     def __init__(self, model: SplitModel, right: ModuleSnapshot | None = None):
         model.check_structure()
+        check_no_global_hooks()
         self.model, self.left, self.right = model, model.left, model.right
         self.left_snapshot = ModuleSnapshot(model.left)
         self.right_snapshot = ModuleSnapshot(model.right) if right is None else right
@@ -85,10 +88,11 @@ class CallGuard:
             or not self.left_snapshot.matches(model.left) or not self.right_snapshot.matches(model.right)
 
     def check(self) -> None:
+        check_no_global_hooks()
         if self.edited():
             raise RuntimeError("the model was edited while a certify/predict call was running over its inputs "
-                               "(a half replaced, or a tensor or layer of f_L or f_R changed); start a new call after "
-                               "editing the model")
+                               "(a half replaced, or a tensor, layer, hook or attribute of f_L or f_R changed); start a new "
+                               "call after editing the model")
 
 
 def resolve_seed(seed: int | None) -> int:

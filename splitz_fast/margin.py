@@ -17,7 +17,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from .modules import ModuleSnapshot, SplitModel
+from .modules import SplitModel
+from .snapshot import ModuleSnapshot
 from .radius import BoundOptions, RadiusSearch, check_bound_options
 from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, about_given_input

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels.thresholds import normalize_threshold
+from .snapshot import hooked_modules, instance_overrides
 
 AFFINE_TYPES = (nn.Conv2d, nn.Linear)
 
@@ -97,71 +98,6 @@ class ClippedReLU(nn.Module):
         return f"threshold_shape={tuple(self.threshold.shape)}, learnable={isinstance(self.threshold, nn.Parameter)}"
 
 
-# Bit patterns compared by ModuleSnapshot: each element read as the unsigned/signed integer of its width.
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flattened with its elements read as same-width integers (float32 → int32, bfloat16 → int16, …): equal
-    bits compare equal, so a NaN matches itself and ``-0.0`` differs from ``0.0`` (``torch.equal`` on floats says the
-    opposite of both)."""
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.reshape(-1).view(_SAME_WIDTH_INT[t.element_size()])
-
-
-def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``module`` — non-persistent buffers too, which the state dict leaves out."""
-    return [*module.named_parameters(), *module.named_buffers()]
-
-
-def _grouped_bits(tensors: list[tuple[str, torch.Tensor]]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for _, t in tensors:
-        bits = _bits(t)
-        groups.setdefault((bits.device, bits.dtype), []).append(bits)
-    return groups
-
-
-class ModuleSnapshot:
-    """A copy of a module's structure and tensors, to tell whether something cached from it (a bound, a prepared
-    copy) or a running call still describes it.
-
-    Compared by value, so no change slips through: ``.data`` writes and ``copy_`` under ``no_grad`` (which do not bump
-    a tensor's version counter), ``load_state_dict``, a layer swapped in place. :meth:`matches` first compares on the
-    host what costs no device work — the module tree's ``repr`` (layer geometry), its ``input_shape`` if it has one,
-    and the name, dtype, device and shape of every parameter and buffer (non-persistent buffers included) — then the
-    values with **one** ``torch.equal`` per (device, element width): the tensors of a group flattened, read bit by bit
-    as integers of their width and concatenated, against the snapshot's concatenation. A check costs one host
-    synchronisation per group (usually one), however many tensors the module has. A snapshot is never changed after
-    it is made, so several holders may share one.
-    """
-
-    def __init__(self, module: nn.Module):
-        tensors = _named_tensors(module)
-        self.structure = self._structure(module)
-        self.layout = self._layout(tensors)
-        self.bits = {key: torch.cat(parts) for key, parts in _grouped_bits(tensors).items()}  # cat copies
-
-    @staticmethod
-    def _structure(module: nn.Module) -> tuple:
-        return repr(module), getattr(module, "input_shape", None)
-
-    @staticmethod
-    def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
-        return tuple((name, t.dtype, t.device, t.shape) for name, t in tensors)
-
-    def matches(self, module: nn.Module) -> bool:
-        """Whether ``module`` has the same structure and bit-identical tensors (names, dtype, device, shape, values)."""
-        tensors = _named_tensors(module)
-        if self._structure(module) != self.structure or self._layout(tensors) != self.layout:
-            return False
-        groups = _grouped_bits(tensors)  # same layout: the same groups as the snapshot's
-        return all(torch.equal(parts[0] if len(parts) == 1 else torch.cat(parts), self.bits[key])
-                   for key, parts in groups.items())
-
-
 class Standardize(nn.Module):
     """``(x − μ) / sd`` per input channel (dim 1). It belongs to ``f_L``; its ``1/sd`` is folded into the first layer's
     weights by the bound code, and zero padding of the next convolution stays zero in standardized space."""
@@ -231,6 +167,14 @@ def check_affine(layer: nn.Module) -> None:
         raise ValueError(f"f_L's Conv2d needs integer padding, got padding={layer.padding!r}: write it out "
                          "(padding=0 for 'valid'; for 'same' with stride 1, padding=dilation·(kernel_size − 1)/2 "
                          "per side, an odd kernel)")
+
+
+def affine(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """``layer``'s affine map (a checked ``nn.Conv2d`` or ``nn.Linear``, :func:`check_affine`) applied to ``h`` from its
+    weight and bias, as the bound code reads them."""
+    if isinstance(layer, nn.Conv2d):
+        return F.conv2d(h, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+    return F.linear(h, layer.weight, layer.bias)
 
 
 def check_activation(act: nn.Module) -> None:
@@ -334,10 +278,15 @@ class LeftHalf(nn.Module):
             if self.pool(k) is not None and k == depth - 1:
                 raise ValueError("a pool after the last affine layer of f_L belongs to f_R (the latent is taken "
                                  "before it)")
-        hooked = [name or "f_L" for name, m in self.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        hooked = [name or "f_L" for name in hooked_modules(self)]
         if hooked:
             raise ValueError(f"f_L has forward hooks on {', '.join(hooked)}: a hook may change an output the Lipschitz "
                              "bound does not see; remove them (handle.remove()) before bounding or certifying")
+        overridden = instance_overrides(self)
+        if overridden:
+            raise ValueError(f"f_L has methods replaced on the instance ({', '.join(overridden)}): f_L is computed "
+                             "from its layers' weights, as the Lipschitz bound reads them, so the replacement would "
+                             "not run; delete the instance attribute (del module.forward) or move the layer into f_R")
 
     def _check_values(self) -> None:
         """Refuse NaN/Inf weights (they would reach the eigensolvers as an opaque solver error) and negative or NaN
@@ -362,10 +311,8 @@ class LeftHalf(nn.Module):
         return h.flatten(1) if isinstance(layer, nn.Linear) and h.ndim > 2 else h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.standardize(x) if self.standardize is not None else x
-        for layer, act, pool in zip(self.layers, self.activations, self.pools):
-            h = pool(act(layer(self.layer_input(layer, h))))
-        return h
+        """``f_L(x)``, computed by :func:`latent_of` (no submodule is called)."""
+        return latent_of(self, x)
 
     @torch.no_grad()
     def thresholds_per_element_(self) -> None:
@@ -390,6 +337,27 @@ class LeftHalf(nn.Module):
                 act.project_()
 
 
+def latent_of(left: LeftHalf, x: torch.Tensor) -> torch.Tensor:
+    """``f_L(x)`` from the weights, thresholds, pool geometry and standardization constants that the bound code reads,
+    with the functional ops it models: no submodule of ``left`` is called, so what a hook or a method replaced on an
+    instance would compute cannot differ from what is bounded (:meth:`LeftHalf.check_structure` refuses both, and
+    global module hooks never run here). The latent noise is added to is this function."""
+    h = x
+    if left.standardize is not None:
+        check_standardize(left.standardize)
+        h = (h - left.standardize._view(left.standardize.mean, h)) / left.standardize._view(left.standardize.std, h)
+    for k, layer in enumerate(left.layers):
+        check_affine(layer)
+        h = affine(layer, left.layer_input(layer, h))
+        act = left.activation(k)
+        if act is not None:
+            h = torch.minimum(F.relu(h), normalize_threshold(act.threshold, tuple(h.shape[1:])).to(h.dtype))
+        pool = left.pool(k)
+        if pool is not None:
+            h = F.max_pool2d(h, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+    return h
+
+
 class SplitModel(nn.Module):
     """``f = f_R ∘ f_L``. ``forward`` is the noiseless classifier; smoothing adds noise between the halves.
 
@@ -407,7 +375,7 @@ class SplitModel(nn.Module):
         """Refuse halves that cannot be certified *as they are now* (certifiers call this on every call, since
         ``model.left`` / ``model.right`` may be replaced after construction): ``left`` must be a :class:`LeftHalf`
         that passes :meth:`LeftHalf.check_structure`, without standardization at split 0."""
-        if not isinstance(self.left, LeftHalf):
+        if not isinstance(self.left, LeftHalf) or _own_forward(self.left, LeftHalf, "forward", "layer_input"):
             raise TypeError(f"model.left must be a splitz_fast.LeftHalf, got {type(self.left).__name__}; build f_L "
                             "with LeftHalf(...) or split_sequential()")
         if self.left.standardize is not None and self.left.depth == 0:

@@ -1,15 +1,17 @@
 """``f_R`` as the sampling engine runs it, and the checks that its votes are i.i.d. draws of one base classifier.
 
-:class:`PreparedClassifier` keeps, per ``(channels_last, pooled)`` layout, a prepared copy of the user's ``f_R`` —
-eval mode, BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged
-to cost less where that was measured (:func:`_cheaper_chain`) — or ``f_R`` itself where preparing changes nothing; the
-user's modules are never modified. On CUDA a second, fused copy (convolution epilogues as single cuDNN calls or Triton
-kernels, :mod:`splitz_fast.epilogues`) is used per layout and batch where the engine measures it faster and scoring
-alike (:meth:`PreparedClassifier.chosen`), and either copy runs through ``torch.compile`` at a batch size where the
-engine's :class:`~splitz_fast.compiled.CompileChoice` says so (:meth:`PreparedClassifier.compiled_if_chosen`). The
-copies are rebuilt whenever the user's ``f_R`` changes (:meth:`PreparedClassifier.check_current`, by value). An ``f_R`` whose votes would depend on the batch is
-refused: from its modules (:func:`check_batch_independent`) and by a probe at the first batch
-(:func:`probe_batch_independence`).
+:class:`PreparedClassifier` samples a private copy of the user's ``f_R``, taken at the start of a call whenever
+``f_R`` changed (:meth:`PreparedClassifier.check_current`, by value: tensors, layers, hooks, replaced methods, plain
+attributes), so the votes of a call come from ``f_R`` as it was when the call started; the user's modules are never
+modified or run. Per ``(channels_last, pooled)`` layout it keeps a prepared module made from that copy — eval mode,
+BatchNorm folded (:mod:`splitz_fast.folding`), on the device, channels_last for image latents, rearranged to cost less
+where that was measured (:func:`_cheaper_chain`) — where ``f_R`` has no hooks or replaced methods (a rewrite would drop
+or move them), else the copy exactly as it is. On CUDA a second, fused copy (convolution epilogues as single cuDNN
+calls or Triton kernels, :mod:`splitz_fast.epilogues`) is used per layout and batch where the engine measures it faster
+and scoring alike to rounding (:meth:`PreparedClassifier.chosen`), and either copy runs through ``torch.compile`` at a
+batch size where the engine's :class:`~splitz_fast.compiled.CompileChoice` says so
+(:meth:`PreparedClassifier.compiled_if_chosen`). An ``f_R`` whose votes would depend on the batch is refused: from its
+modules (:func:`check_batch_independent`) and by a probe at the first batch (:func:`probe_batch_independence`).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import torch.nn as nn
 from .compiled import CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
-from .graphs import GraphedScores, score_gap
-from .modules import ModuleSnapshot
+from .graphs import GraphedScores
+from .score_checks import MeasuredTolerances, score_gap
+from .snapshot import ModuleSnapshot, hooked_modules, instance_overrides
 
 # The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
 # between batchings, relative to the largest score of a class that is not constant (+1). The allowance covers
@@ -39,8 +42,8 @@ PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 5e-
 
 
 class PreparedClassifier:
-    """The user's ``f_R`` (``right``, kept as :attr:`source` and never modified) as sampled on ``device`` (where
-    sampling runs), one prepared module per layout."""
+    """The user's ``f_R`` (``right``, kept as :attr:`source` and never modified or run) as sampled on ``device`` (where
+    sampling runs), one prepared module per layout, all made from one private copy (:func:`sampled_copy`)."""
 
     def __init__(self, right: nn.Module, device: torch.device):
         self.source = right
@@ -52,22 +55,28 @@ class PreparedClassifier:
         # (layout, fused, rows) -> the compiled copy that samples them, None: decided against it
         self._compiled: dict[tuple[bool, bool, bool, int], CompiledOrEager | None] = {}
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
+        self.tolerances = MeasuredTolerances()  # what a graph, fused or compiled copy may differ by, per (layout, rows)
         self._snapshot: ModuleSnapshot | None = None
+        self._base: nn.Module | None = None  # the private copy of f_R that every prepared module is made from
+        self.rewritable = False  # whether the copies may rearrange f_R (sampled_copy)
         self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
         self._warned_unfolded: set[tuple[str, ...]] = set()
 
     def check_current(self) -> None:
-        """Drop the prepared copies if the user's ``f_R`` changed since they were made (weights, buffers, layers).
-        Called once per certify/predict call, so a changed model is never sampled through a stale copy; during the
-        call, the call's guard (:class:`~splitz_fast.inputs.CallGuard`) holds :attr:`snapshot` and refuses edits."""
+        """Make the prepared copies anew if the user's ``f_R`` changed since they were made (anything
+        :class:`~splitz_fast.snapshot.ModuleSnapshot` compares). Called once per certify/predict call. Every module the
+        engine samples is made from one private copy of ``f_R`` taken here (eval mode), never the user's modules, so
+        another thread's edits cannot reach the votes; the snapshot is of that copy, and the call's guard
+        (:class:`~splitz_fast.inputs.CallGuard`) stops the call when ``f_R`` no longer matches it."""
         if self._snapshot is None or not self._snapshot.matches(self.source):
             self._prepared.clear()
             self._graphs.clear()
             self._fused.clear()
             self._compiled.clear()
             self._probed.clear()
+            self.tolerances.clear()
             self._unfolded = None
-            self._snapshot = ModuleSnapshot(self.source)
+            self._base, self._snapshot, self.rewritable = sampled_copy(self.source)
 
     @property
     def snapshot(self) -> ModuleSnapshot:
@@ -94,20 +103,24 @@ class PreparedClassifier:
             for_compile: bool = False) -> nn.Module:
         """``f_R`` as sampled (without its leading max pool when ``pooled``): a prepared copy (eval mode, BatchNorm
         folded, on the device, channels_last for image latents, its convolution epilogues fused when ``fused``
-        (:mod:`~splitz_fast.epilogues`)) where preparing changes something, else the user's module itself (or its
-        ``[1:]`` slice, which shares the user's layers). With ``for_compile``, always a copy (the user's modules are
-        never handed to ``torch.compile``), shared by the compiled copies of every batch size."""
+        (:mod:`~splitz_fast.epilogues`)) where preparing changes something and f_R is :attr:`rewritable`, else the
+        private copy of :meth:`check_current` itself (or its ``[1:]`` slice). With ``for_compile``, a copy of its own,
+        shared by the compiled copies of every batch size."""
         key = (channels_last, pooled, fused, for_compile)
+        if self._base is None:
+            self.check_current()
+        if pooled and not self.rewritable:
+            raise ValueError("f_R has hooks or replaced methods: its leading pool is not drawn with the noise")
         if key not in self._prepared:
-            source = self.source[1:] if pooled else self.source
-            needs_copy = for_compile or fused or (channels_last and _has_conv(source)) or any(
-                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
+            source = self._base[1:] if pooled else self._base
+            needs_copy = self.rewritable and (for_compile or fused or (channels_last and _has_conv(source)) or any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules()))
             prepared = source
             if needs_copy:
                 folded, unfolded = folded_copy(source)
                 if not pooled:
                     self._unfolded = unfolded
-                self._warn_unfolded(unfolded)
+                _warn_unfolded(unfolded, self._warned_unfolded)
                 prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device, fused=fused)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
@@ -118,12 +131,12 @@ class PreparedClassifier:
 
     def chosen(self, layout: tuple[bool, bool], rows: int, fusion: FusionChoice,
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
-               tolerance: float) -> tuple[nn.Module, bool]:
+               tolerance: Callable[[], float]) -> tuple[nn.Module, bool]:
         """The prepared module that samples ``layout`` at batch ``rows``, and whether it is the fused copy: decided
         by ``fusion`` (:meth:`~splitz_fast.epilogues.FusionChoice.choose`, scoring ``example()`` through ``scores``)
         once per layout and batch; the plain copy where fusing is not considered or would change nothing."""
         plain = self.get(*layout)
-        if not fusion.considered:
+        if not fusion.considered or not self.rewritable:
             return plain, False
         key = (*layout, rows)
         if key not in self._fused:  # decided once: the sampling loop asks again for every window
@@ -140,7 +153,7 @@ class PreparedClassifier:
         recompile limit) of its own. What the decision leaves unused is dropped: the eager copy's CUDA graph of that
         batch, or the compiled copy with its graph (and the copy compiled from, when no batch size uses it)."""
         if key not in self._compiled:
-            if not due:
+            if not due or not self.rewritable:
                 return net
             self._compiled[key] = decide(self.get(*key[:3], for_compile=True))
             unused_graph_is_compiled = self._compiled[key] is None  # graph keys: (*layout, fused, compiled, rows)
@@ -161,9 +174,10 @@ class PreparedClassifier:
 
     def may_run_parallel(self, net: nn.Module) -> bool:
         """Whether ``net``'s batches may run on several worker threads (the engine's ``_execute``): on the CPU,
-        through an eager prepared copy of ``f_R`` (never the user's own modules, which need not be thread-safe)."""
-        return (self.device.type == "cpu" and not isinstance(net, CompiledOrEager) and net is not self.source
-                and self.is_copy(net))
+        through an eager prepared copy of ``f_R`` without hooks or replaced methods and made of PyTorch's and this
+        library's modules only (a user's own module, or hook, need not be thread-safe)."""
+        return (self.device.type == "cpu" and not isinstance(net, CompiledOrEager) and self.rewritable
+                and self.is_copy(net) and all(_library_module(m) for m in net.modules()))
 
     def is_copy(self, net: nn.Module) -> bool:
         """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
@@ -177,18 +191,6 @@ class PreparedClassifier:
             probe_batch_independence(net, scores, latent, sigma, dtype, *layout)
             self._probed.add(layout)
 
-    def _warn_unfolded(self, unfolded: dict[str, str]) -> None:
-        """Warn once per engine (and set of layers) that the prepared ``f_R`` keeps BatchNorm layers unfolded."""
-        if not unfolded or tuple(unfolded) in self._warned_unfolded:
-            return
-        self._warned_unfolded.add(tuple(unfolded))
-        shown = [f"{name or 'f_R'} ({why})" for name, why in unfolded.items()]
-        if len(shown) > 5:
-            shown = shown[:5] + [f"and {len(shown) - 5} more"]
-        warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
-                      f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
-                      "of the model as it is", stacklevel=5)
-
 
 def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Tensor, sigma: float,
                              dtype: torch.dtype, channels_last: bool, pooled: bool) -> None:
@@ -201,7 +203,7 @@ def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Ten
     :data:`PROBE_REPEATS` times through one copy (state kept between calls: the last call against the first);
     ``scores(net, batch)`` is how the engine scores a batch (its precision). All scores must agree to
     :data:`PROBE_TOLERANCE`, relative to the largest score of a class that is not constant (for the rounding
-    differences of batch-size-dependent kernels; :func:`~splitz_fast.graphs.score_gap`).
+    differences of batch-size-dependent kernels; :func:`~splitz_fast.score_checks.score_gap`).
 
     It also refuses NaN scores: a NaN row has no class (``argmax`` would read the first NaN as the maximum, so an
     ``f_R`` with NaN weights would "certify" its first class with a large radius). Infinite scores are accepted
@@ -491,6 +493,47 @@ def _is_maxpool2(pool: nn.Module) -> bool:
     return (pair(pool.kernel_size) == (2, 2) and pair(pool.stride if pool.stride is not None else 2) == (2, 2)
             and pair(pool.padding) == (0, 0) and pair(pool.dilation) == (1, 1) and not pool.ceil_mode
             and not pool.return_indices)
+
+
+def _warn_unfolded(unfolded: dict[str, str], warned: set[tuple[str, ...]]) -> None:
+    """Warn once per engine (``warned``: its sets of layers warned of) that the prepared ``f_R`` keeps BatchNorm layers
+    unfolded."""
+    if not unfolded or tuple(unfolded) in warned:
+        return
+    warned.add(tuple(unfolded))
+    shown = [f"{name or 'f_R'} ({why})" for name, why in unfolded.items()]
+    if len(shown) > 5:
+        shown = shown[:5] + [f"and {len(shown) - 5} more"]
+    warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
+                  f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
+                  "of the model as it is", stacklevel=6)
+
+
+def sampled_copy(source: nn.Module) -> tuple[nn.Module, ModuleSnapshot, bool]:
+    """The private copy of ``source`` that a call samples (:func:`private_copy`), its snapshot, and whether it may be
+    rewritten: not when a module has forward hooks or a method replaced on the instance, which a rewrite (folding,
+    reordering, fusing, compiling, pooling in the noise) would drop or move."""
+    base = private_copy(source)
+    snapshot = ModuleSnapshot(base)
+    if not snapshot.matches(source):
+        raise ValueError("f_R's copy.deepcopy does not compute with what f_R does (a __deepcopy__ that drops or "
+                         "changes state): sampling runs a private copy of f_R, so make its copy complete")
+    return base, snapshot, not hooked_modules(base) and not instance_overrides(base)
+
+
+def private_copy(module: nn.Module) -> nn.Module:
+    """A ``copy.deepcopy`` of ``module`` in eval mode, or a one-line error saying why ``f_R`` cannot be copied."""
+    try:
+        return copy.deepcopy(module).eval()
+    except (TypeError, RuntimeError, copy.Error) as err:
+        raise ValueError(f"f_R cannot be copied ({type(err).__name__}: {str(err).strip()[:120]}): sampling runs a "
+                         "private copy of f_R, so that edits while a call runs cannot mix its votes; keep only "
+                         "copyable state (tensors, numbers, modules) on f_R's modules") from None
+
+
+def _library_module(module: nn.Module) -> bool:
+    """Whether ``module``'s class is PyTorch's or this library's (their forwards keep no state between calls)."""
+    return type(module).__module__.split(".")[0] in ("torch", "splitz_fast")
 
 
 def _has_conv(module: nn.Module) -> bool:

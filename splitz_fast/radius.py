@@ -35,7 +35,8 @@ from .lipschitz import (
     global_lipschitz_bound,
     lipschitz_bound,
 )
-from .modules import LeftHalf, ModuleSnapshot, SplitModel
+from .modules import LeftHalf, SplitModel
+from .snapshot import ModuleSnapshot
 
 GAMMA_SEARCHES = ("bisection", "one-step")
 BOUNDS = ("local", "global")

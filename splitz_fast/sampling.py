@@ -45,9 +45,10 @@ from .kernels.noise_votes import (
     noisy_latents_native,
 )
 from .compiled import CompileChoice, CompiledOrEager, check_compile_setting
+from .cuda_math import cuda_math
 from .epilogues import FusionChoice
 from .graphs import GraphChoice, GraphedScores, synchronize
-from .prepared import PROBE_TOLERANCE, PreparedClassifier, check_batch_independent, noisy_rows, starts_with_maxpool2
+from .prepared import PreparedClassifier, check_batch_independent, noisy_rows, starts_with_maxpool2
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
 # autocast. The base classifier of the smoothed classifier is then "f_R in this precision": the certificate holds for
@@ -233,8 +234,7 @@ class SamplingEngine:
     """Votes of ``f_R`` over noisy copies of latents, for one input or a stream of them.
 
     Args:
-        right: ``f_R``, never modified: the engine samples through a prepared copy where preparing changes something
-            (:attr:`prepared`, a :class:`~splitz_fast.prepared.PreparedClassifier`), else through ``f_R`` itself.
+        right: ``f_R``, never modified or run: the engine samples prepared copies of it (:attr:`prepared`).
         num_classes: length of ``f_R``'s score vector.
         sigma: noise level σ > 0 in latent units.
         device: where sampling runs (``f_R``'s device).
@@ -255,10 +255,7 @@ class SamplingEngine:
                  precision: str = "float32", compile: bool | None = None, cuda_graphs: bool | None = None,
                  fused_kernels: bool | None = None):
         check_engine_settings(precision, cuda_graphs, fused_kernels, compile)
-        self.num_classes = num_classes
-        self.sigma = sigma
-        self.device = torch.device(device)
-        self.precision = precision
+        self.num_classes, self.sigma, self.device, self.precision = num_classes, sigma, torch.device(device), precision
         self.dtype = PRECISIONS[precision]
         self.graphs = GraphChoice(cuda_graphs, self.device)
         self.fusion = FusionChoice(fused_kernels, self.device)
@@ -280,13 +277,14 @@ class SamplingEngine:
         LeNet split 1 it removes the largest single cost of a sample (the full-size noisy batch and its pooling
         pass)."""
         return (len(latent_shape) == 3 and latent_shape[1] % 2 == 0 and latent_shape[2] % 2 == 0
-                and starts_with_maxpool2(self.source) and pooled_noise_kernel(self.device) is not None)
+                and starts_with_maxpool2(self.source) and self.prepared.rewritable
+                and pooled_noise_kernel(self.device) is not None)
 
     def _scores(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         # No autocast weight cache: it lives for one call here anyway, and a CUDA graph capture must not use it.
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32,
                                   cache_enabled=False)
-        with autocast, _cuda_math(self.device, tf32=self.precision == "tf32"):
+        with autocast, cuda_math(self.device, tf32=self.precision == "tf32"):
             return _checked_scores(net(batch), self.num_classes)
 
     # ------------------------------------------------------------------ batch size
@@ -315,11 +313,14 @@ class SamplingEngine:
             raise ValueError("all jobs of one run must have latents of the same shape")
         channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
         pooled = self.pools_in_noise(shape)
-        layout, latent, tolerance = (channels_last, pooled), jobs[0].latent, PROBE_TOLERANCE[self.dtype]
+        layout, latent = (channels_last, pooled), jobs[0].latent
         self.prepared.probe_once(self.prepared.get(*layout), layout, self._scores, latent, self.sigma, self.dtype)
 
         def example() -> torch.Tensor:  # a full batch of noisy rows, for the measured choices
             return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
+
+        tolerance = self.prepared.tolerances.lazy((*layout, batch_size), lambda: self.prepared.get(*layout),
+                                                  self._scores, example, self.precision)
 
         net, graph, key = _sampled_net(self, layout, batch_size, example, tolerance)
         plan = _plan(jobs, batch_size)
@@ -381,7 +382,7 @@ class SamplingEngine:
 
 
 def _sampled_net(engine: SamplingEngine, layout: tuple[bool, bool], rows: int, example: Callable[[], torch.Tensor],
-                 tolerance: float) -> tuple[nn.Module, GraphedScores | None, tuple[bool, bool, bool, int]]:
+                 tolerance: Callable[[], float]) -> tuple[nn.Module, GraphedScores | None, tuple[bool, bool, bool, int]]:
     """How ``engine`` scores full batches of ``rows`` in ``layout`` (``(channels_last, pooled)``): the prepared copy
     (fused where measured faster: :meth:`~splitz_fast.prepared.PreparedClassifier.chosen`), compiled where
     ``engine.compiling`` decides so, and its CUDA graph or ``None``; with the key ``(*layout, fused, rows)`` of the
@@ -407,7 +408,7 @@ def _sampled_net(engine: SamplingEngine, layout: tuple[bool, bool], rows: int, e
 
 
 def _graph_of(engine: SamplingEngine, net: nn.Module, layout: tuple[bool, bool], fused: bool, rows: int,
-              example: Callable[[], torch.Tensor], tolerance: float) -> GraphedScores | None:
+              example: Callable[[], torch.Tensor], tolerance: Callable[[], float]) -> GraphedScores | None:
     """The CUDA graph of ``net``'s full batches, or None (eager): decided by ``engine.graphs`` once per prepared copy
     (plain or fused, eager or compiled) and batch."""
     key = (*layout, fused, isinstance(net, CompiledOrEager), rows)
@@ -489,8 +490,7 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     # once, for the size chosen here.
     net = engine.prepared.get(channels_last, pooled)
     parallel = engine.prepared.may_run_parallel(net)
-    if net is engine.source or pooled and not engine.prepared.is_copy(net):
-        net = copy.deepcopy(net)  # timing runs must not touch the user's modules (they may keep state)
+    net = copy.deepcopy(net)  # timing runs must not change the copy that samples (its modules may keep state)
     latent = torch.zeros(shape, device=engine.device)
     stream = NoiseStream(0, engine.device)
     counts = torch.zeros(engine.num_classes, dtype=torch.int64, device=engine.device)
@@ -570,27 +570,6 @@ def _samples_per_second(engine: "SamplingEngine", net, job: SamplingJob, channel
         one_pass()
         passes += 1
     return passes * batches * job.num / (time.perf_counter() - start)
-
-
-class _cuda_math:
-    """While sampling on CUDA: ``torch.backends.cudnn.benchmark`` on (static shapes: the autotuned convolution algorithm
-    is reused) and TF32 for convolutions and matmuls exactly when the precision is ``tf32``; the user's settings are
-    restored afterwards."""
-
-    def __init__(self, device: torch.device, tf32: bool):
-        self.active, self.tf32 = device.type == "cuda", tf32
-
-    def __enter__(self):
-        if self.active:
-            self.previous = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-                             torch.backends.cuda.matmul.allow_tf32)
-            torch.backends.cudnn.benchmark = True
-            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = self.tf32
-
-    def __exit__(self, *exc):
-        if self.active:
-            (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-             torch.backends.cuda.matmul.allow_tf32) = self.previous
 
 
 __all__ = ["NoiseStream", "SamplingEngine", "SamplingJob", "PRECISIONS", "NOISE_BLOCK",

@@ -20,7 +20,8 @@ import torch
 
 from ._checks import check_certify_counts, check_count, check_positive
 from .inputs import CallGuard, inputs_of, model_device, with_seeds
-from .modules import SplitModel
+from .cuda_math import ieee_float32
+from .modules import SplitModel, latent_of
 from .outcomes import ABSTAIN, CertifyResult, PredictResult, about_given_input
 from .protocols import CertificationProtocol, get_protocol
 from .radius import BoundOptions, RadiusSearch, check_bound_options
@@ -85,8 +86,7 @@ class Smoother:
 
     @property
     def model(self) -> SplitModel:
-        """The model this smoother certifies (fixed at construction). Its halves may be edited or replaced between
-        calls (``model.left = ...``): every call reads them as they are then."""
+        """The model this smoother certifies (fixed at construction); every call reads its halves as they are then."""
         return self._model
 
     # The settings a run records (CLI sidecars) read these names.
@@ -102,9 +102,8 @@ class Smoother:
         return model_device(self.model)
 
     def engine(self) -> SamplingEngine:
-        """The sampling engine for ``f_R`` as the model holds it now, on the model's current device: rebuilt when
-        ``model.right`` was replaced, its prepared copy when the module's tensors or layers changed
-        (:meth:`~splitz_fast.prepared.PreparedClassifier.check_current`)."""
+        """The sampling engine for ``f_R`` as the model holds it now, on its current device: rebuilt when ``model.right``
+        was replaced, its copies when ``f_R`` changed (:meth:`~splitz_fast.prepared.PreparedClassifier.check_current`)."""
         model, device = self.model, self.device
         engine = self._engine
         if engine is None or engine.device != device or engine.source is not model.right \
@@ -116,8 +115,10 @@ class Smoother:
 
     @torch.inference_mode()
     def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """``f_L(x)`` for one input ``x`` as float32 (computed once per input; noise is added after it)."""
-        return self.model.left(x.unsqueeze(0))[0].float().contiguous()
+        """``f_L(x)`` for one input as float32, from the weights the bound reads (:func:`~splitz_fast.modules.latent_of`:
+        no module call, no hook) in IEEE float32 also on CUDA (:func:`~splitz_fast.cuda_math.ieee_float32`)."""
+        with ieee_float32(self.device):
+            return latent_of(self.model.left, x.unsqueeze(0))[0].float().contiguous()
 
     def batch_size_for(self, engine: SamplingEngine, latent: torch.Tensor, batch_size: int | None) -> int:
         """The ``f_R`` batch of a call: ``batch_size`` checked, or the engine's measured one when ``None``."""

@@ -1090,19 +1090,20 @@ def test_tf32_is_a_labelled_precision_and_float32_is_ieee_on_cuda():
     """On CUDA the engine runs f_R with TF32 convolutions and matmuls exactly when the precision is ``tf32`` (PyTorch
     enables cuDNN TF32 by default: "float32" must switch it off), and restores the user's flags; on the CPU ``tf32``
     computes what ``float32`` does."""
-    from splitz_fast.sampling import PRECISIONS, _cuda_math
+    from splitz_fast.cuda_math import cuda_math
+    from splitz_fast.sampling import PRECISIONS
 
     assert PRECISIONS["tf32"] is torch.float32
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     before = (cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32)
     try:
         cudnn.allow_tf32, matmul.allow_tf32 = True, False  # PyTorch's defaults
-        with _cuda_math(torch.device("cuda"), tf32=False):
+        with cuda_math(torch.device("cuda"), tf32=False):
             assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == (False, False, True)
         assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)
-        with _cuda_math(torch.device("cuda"), tf32=True):
+        with cuda_math(torch.device("cuda"), tf32=True):
             assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
-        with _cuda_math(torch.device("cpu"), tf32=False):
+        with cuda_math(torch.device("cpu"), tf32=False):
             assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)  # nothing touched off CUDA
         assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)
     finally:

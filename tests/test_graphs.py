@@ -13,7 +13,8 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import Smoother, SplitModel
-from splitz_fast.graphs import GraphCaptureError, capture_scores, score_gap
+from splitz_fast.graphs import GraphCaptureError, capture_scores
+from splitz_fast.score_checks import score_gap
 from splitz_fast.sampling import SamplingEngine
 from _helpers import small_splitz
 
@@ -87,7 +88,7 @@ def test_graphs_are_dropped_with_the_prepared_copy_when_f_r_changes():
 
 def test_capture_refuses_a_cpu_batch():
     with pytest.raises(GraphCaptureError, match="CUDA graphs need a CUDA device, f_R samples on cpu"):
-        capture_scores(nn.Linear(3, 2), torch.zeros(4, 3), 1e-2)
+        capture_scores(nn.Linear(3, 2), torch.zeros(4, 3), lambda: 1e-2)
 
 
 # ---------------------------------------------------------------------------------------------------- on a GPU
@@ -99,7 +100,7 @@ def test_replay_scores_what_is_in_the_input_buffer_like_eager(precision):
     engine = SamplingEngine(model.right, 5, 0.5, torch.device("cuda"), precision=precision, cuda_graphs=True)
     net = engine.prepared.get(channels_last=True)
     example = torch.randn(32, 3, 6, 6, device="cuda").to(engine.dtype).contiguous(memory_format=torch.channels_last)
-    graphed = capture_scores(lambda b: engine._scores(net, b), example, 1e-2)
+    graphed = capture_scores(lambda b: engine._scores(net, b), example, lambda: 1e-2)
     for seed in range(3):
         rows = torch.randn(32, 3, 6, 6, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         graphed.input.copy_(rows.to(engine.dtype))
@@ -172,7 +173,7 @@ def test_a_failed_capture_leaves_the_default_generator_usable_where_it_was():
     expected = torch.rand(5, device="cuda")
     torch.cuda.manual_seed(123)
     with pytest.raises(GraphCaptureError):
-        capture_scores(net, example, 1e-3)
+        capture_scores(net, example, lambda: 1e-3)
     assert torch.equal(torch.rand(5, device="cuda"), expected)
 
 

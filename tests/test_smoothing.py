@@ -17,8 +17,9 @@ from scipy.stats import beta, binom, binomtest, norm
 import splitz_fast as sz
 from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel
 from splitz_fast import prepared
+from splitz_fast.prepared import PreparedClassifier
 from splitz_fast.kernels.noise_votes import noisy_latents_native
-from splitz_fast.sampling import NOISE_BLOCK, NoiseStream
+from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine
 
 
 # ====================================================================== small models
@@ -54,16 +55,31 @@ class LinearBinary(nn.Module):
 
 
 class Recorder(nn.Module):
-    """Wraps f_R and keeps a copy of every (noisy) batch it is called on."""
+    """Wraps f_R and keeps a copy of every (noisy) batch it is called on, also when the sampler calls its private copy:
+    ``record`` is one list's own ``append``, which ``copy.deepcopy`` shares (a list attribute would be copied, and
+    growing it would be an edit of the model)."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        self.batches: list[torch.Tensor] = []
+        self.record = [].append
+
+    @property
+    def batches(self) -> list[torch.Tensor]:
+        return self.record.__self__
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        self.batches.append(u.detach().clone())
+        self.record(u.detach().clone())
         return self.inner(u)
+
+
+@pytest.fixture
+def sampled_rows_only(monkeypatch):
+    """The batch-independence probe and the batch-size tuner score noisy rows of their own through copies of f_R,
+    which share a Recorder's list: left out (the tuner's pick fixed at 64), so that a Recorder sees exactly the
+    certificate's samples."""
+    monkeypatch.setattr(PreparedClassifier, "probe_once", lambda self, *args: None)
+    monkeypatch.setattr(SamplingEngine, "batch_size", lambda self, shape, cap: 64)
 
 
 def plain_rs(right: nn.Module, input_shape, num_classes: int) -> SplitModel:
@@ -243,7 +259,7 @@ def test_split0_reference_comparison_includes_abstention():
 
 # ====================================================================== independence of selection and estimation
 @pytest.mark.parametrize("batch_size", [37, 10_000])
-def test_selection_and_estimation_samples_are_independent(batch_size):
+def test_selection_and_estimation_samples_are_independent(batch_size, sampled_rows_only):
     d, sigma, n0, n = 8, 0.7, 200, 1000
     rec = Recorder(LinearBinary(torch.ones(d), 0.0))
     model = plain_rs(rec, (d,), 2)
@@ -628,7 +644,7 @@ def test_splitz_global_bound_radius():
     assert local.radius >= r.radius * (1 - 1e-9)
 
 
-def test_splitz_noise_is_added_in_the_latent_space():
+def test_splitz_noise_is_added_in_the_latent_space(sampled_rows_only):
     # f_R must see f_L(x) + δ (6-dim latent), never the 4-dim input.
     model, x = _splitz_model()
     rec = Recorder(model.right)
