@@ -5,7 +5,7 @@ these sources on first use: splitz_fast/kernels/native.py)."""
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 NATIVE_SOURCE_SUFFIXES = {".h", ".cpp", ".cu"}
@@ -22,7 +22,7 @@ class BuildPyWithNativeSources(build_py):
 
 
 setup(
-    packages=["splitz_fast", "splitz_fast.kernels"],
+    packages=[*find_packages(include=["splitz_fast", "splitz_fast.*"]), "splitz_fast.kernels"],
     package_dir={"splitz_fast": "splitz_fast", "splitz_fast.kernels": "kernels"},
     cmdclass={"build_py": BuildPyWithNativeSources},
 )

@@ -128,7 +128,7 @@ def batch_signature(batch: torch.Tensor) -> tuple:
 
 
 class BatchShapes:
-    """Records the batches a :class:`~splitz_fast.sampling.SamplingEngine` feeds ``f_R`` (:func:`batch_signature`),
+    """Records the batches a :class:`~splitz_fast.sampling.engine.SamplingEngine` feeds ``f_R`` (:func:`batch_signature`),
     by wrapping the engine's scoring call (one set insertion per batch) while the context is open. ``freeze()`` ends
     the warm-up: signatures seen after it that were not seen before are ``new``."""
 

@@ -73,7 +73,8 @@ if str(HERE) not in sys.path:  # the benchmark modules import each other by bare
     sys.path.insert(0, str(HERE))
 
 import splitz_fast as sz  # noqa: E402
-from splitz_fast.windows import WINDOW_BATCHES  # noqa: E402
+from splitz_fast.bounds.gram import factor_gram  # noqa: E402
+from splitz_fast.certify.windows import WINDOW_BATCHES  # noqa: E402
 from splitz_fast.kernels import conv_relu_pool  # noqa: E402
 from compile_watch import BatchShapes, CompileCounter, timed_region_record  # noqa: E402
 from conftest import environment  # noqa: E402
@@ -164,7 +165,7 @@ def load_inputs(workload: Workload, split: int, count: int, device: torch.device
     xs = torch.rand(count, *workload.shape)
     if workload.mnist:
         try:
-            from splitz_fast.data import load_mnist
+            from splitz_fast.data.packages import load_mnist
 
             xs = load_mnist("test")[0][:count].clone()
             inputs = "MNIST test digits"
@@ -520,7 +521,7 @@ FUSED_COMPARISONS = ((0, 0, "bfloat16"), (0, 0, "tf32"), (0, 1, "bfloat16"), (1,
 
 def run_fused_kernels_comparison(recorder: Recorder, images: int, device: torch.device, quick: bool, deadline: float):
     """CERTIFY (:data:`FUSED_COMPARISONS`) through the plain prepared ``f_R`` (``fused_kernels=False``) against its
-    fused copy (``fused_kernels=True``: :mod:`splitz_fast.epilogues`): what the default's run-time measurement
+    fused copy (``fused_kernels=True``: :mod:`splitz_fast.sampling.epilogues`): what the default's run-time measurement
     (``fused_kernels=None``, recorded in stage 1's rows) should agree with. On the CPU, where nothing fuses, both
     settings sample the plain ``f_R`` (a smoke test of the row)."""
     forced = True if device.type == "cuda" else None
@@ -570,7 +571,7 @@ def run_gamma_batch_comparison(recorder: Recorder, images: int, device: torch.de
 @contextlib.contextmanager
 def _dense_estimator(name: str):
     """``lipschitz.DEVICE_DENSE_ESTIMATOR = name`` for the block (what a GPU measurement would decide)."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     default = lipschitz.DEVICE_DENSE_ESTIMATOR
     lipschitz.DEVICE_DENSE_ESTIMATOR = name
@@ -584,13 +585,13 @@ def exact_bound_case(device: torch.device, repeats: int = 10) -> dict:
     """One exact bound of LeNet's first layer on the device (the masked Gram of d = 784 at γ = 0.5 on an MNIST-sized
     input): milliseconds of ``certified_lambda_max`` with each dense device estimate (median of ``repeats``), and how
     far apart the two proven bounds are."""
-    from splitz_fast.lipschitz import masked_operators
+    from splitz_fast.bounds.lipschitz import masked_operators
 
     torch.manual_seed(0)
     left = sz.lenet(split_index=1).left.to(device)
     x = torch.rand(1, 1, 28, 28, device=device)
     bounds = sz.ball_bounds(left, x, 0.5)
-    gram, terms = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0, sparse=False)
+    gram, terms = factor_gram(masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0], 0, sparse=False)
     row = dict(what=f"exact bound, LeNet conv1 Gram (d = {gram.shape[0]}): squaring vs eigvalsh estimate",
                device=device_name(device))
     values = {}
@@ -614,8 +615,8 @@ def gram_build_case(device: torch.device, repeats: int = 10) -> dict:
     """The masked Gram of LeNet's first layer (d = 784 at γ = 0.5, as :func:`exact_bound_case`) built with its half
     stencil gathered in one pass against summed tap by tap (``gram.GATHERED_STENCIL_DEVICES``): milliseconds per Gram
     (median of ``repeats``), and whether the two Grams agree to rounding."""
-    from splitz_fast import gram as grams
-    from splitz_fast.lipschitz import masked_operators
+    from splitz_fast.bounds import gram as grams
+    from splitz_fast.bounds.lipschitz import masked_operators
 
     torch.manual_seed(0)
     left = sz.lenet(split_index=1).left.to(device)
@@ -631,7 +632,7 @@ def gram_build_case(device: torch.device, repeats: int = 10) -> dict:
             for _ in range(repeats + 1):  # the first call builds the gather's index (cached)
                 synchronize(device)
                 start = time.perf_counter()
-                built[label] = op.gram(0, sparse=False)[0]
+                built[label] = factor_gram(op, 0, sparse=False)[0]
                 synchronize(device)
                 times.append(time.perf_counter() - start)
             row[f"{label}_ms"] = 1e3 * sorted(times[1:])[repeats // 2]
@@ -647,7 +648,7 @@ def batched_bound_case(device: torch.device, repeats: int = 10) -> dict:
     """The Grams of one radius-search round (LeNet conv1 for 2 inputs at 3 γ's each): milliseconds of certifying them
     together (``certified_lambda_max_many``) and one by one (``certified_lambda_max`` each), median of ``repeats``,
     and how far apart the two sets of proven bounds are."""
-    from splitz_fast.lipschitz import certified_lambda_max_many, masked_operators
+    from splitz_fast.bounds.lipschitz import certified_lambda_max_many, masked_operators
 
     torch.manual_seed(0)
     left = sz.lenet(split_index=1).left.to(device)
@@ -656,7 +657,7 @@ def batched_bound_case(device: torch.device, repeats: int = 10) -> dict:
     for gamma in (0.2, 0.4, 0.6):
         bounds = sz.ball_bounds(left, xs, gamma)
         op = masked_operators(left, bounds, (1, 28, 28), 2, bounds.input_scale)[0]
-        grams += [op.gram(b) for b in range(2)]
+        grams += [factor_gram(op, b) for b in range(2)]
     row = dict(what=f"exact bounds of one search round ({len(grams)} LeNet conv1 Grams): batched vs one by one",
                device=device_name(device))
     ways = {"batched": lambda: certified_lambda_max_many([g for g, _ in grams], [t for _, t in grams]),
@@ -680,7 +681,7 @@ def batched_bound_case(device: torch.device, repeats: int = 10) -> dict:
 @contextlib.contextmanager
 def _certificates_one_by_one():
     """The radius search's exact factors certified one Gram at a time (as before they were batched)."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     batched = lipschitz.certified_lambda_max_many
     lipschitz.certified_lambda_max_many = lambda grams, terms, estimator="auto": [

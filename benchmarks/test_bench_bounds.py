@@ -81,8 +81,8 @@ def test_radius_search_trained_lenet_real_mnist(benchmark, record_env, monkeypat
     agree (the skip never changes a radius; the shift estimate only moves the bound by ~1e-10 relative)."""
     from scipy.stats import norm
 
-    from splitz_fast import lipschitz
-    from splitz_fast.radius import BoundOptions, bisection_reference
+    from splitz_fast.bounds import lipschitz
+    from splitz_fast.bounds.radius import BoundOptions, bisection_reference
 
     try:
         model = sz.lenet(split_index=1, pretrained=True).eval().to(DEVICE)

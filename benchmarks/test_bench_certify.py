@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import splitz_fast as sz
-from splitz_fast.lipschitz import PowerIterationState
-from splitz_fast.training import TrainConfig, splitz_loss
+from splitz_fast.bounds.lipschitz import PowerIterationState
+from splitz_fast.training.loop import TrainConfig, splitz_loss
 
 from conftest import DEVICE, QUICK, synchronize
 

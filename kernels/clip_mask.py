@@ -5,10 +5,10 @@ Given the first layer's pre-activation ``z`` (``[B, *S]``, computed once by the 
     latent = min(relu(z), θ)                                   f_L(x) for a one-layer f_L (gradient to z and θ)
     mask   = (z + γ_b·r > 0) & (z − γ_b·r < θ)                 the varying mask over the ball ‖x' − x‖ ≤ γ_b
 
-with ``r`` the first layer's row norms ``‖w_i D‖₂`` (:func:`splitz_fast.bounds.first_layer_row_norms`, shared by the
-batch) — the mask of :func:`splitz_fast.bounds.ball_bounds`'s first layer as the training estimate computes it
+with ``r`` the first layer's row norms ``‖w_i D‖₂`` (:func:`splitz_fast.bounds.intervals.first_layer_row_norms`, shared by the
+batch) — the mask of :func:`splitz_fast.bounds.intervals.ball_bounds`'s first layer as the training estimate computes it
 (float32, no rounding margin: the estimate's masks need not be rigorous). The reference runs the clipped ReLU
-(:class:`splitz_fast.modules.ClippedReLU`'s ops) and the interval step (:func:`.interval_clip.interval_clip_reference`)
+(:class:`splitz_fast.model.modules.ClippedReLU`'s ops) and the interval step (:func:`.interval_clip.interval_clip_reference`)
 — about ten passes over ``[B, *S]`` forward and backward; the native kernel (``csrc/train_cpu.cpp``) reads ``z``
 once and writes the latent and a ``uint8`` mask, and its backward is one pass (torch's rules: relu passes where its
 output is > 0, minimum passes where ``relu(z) < θ`` and splits a tie in half). Both compute the mask with the same

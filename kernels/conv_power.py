@@ -1,6 +1,6 @@
 """The masked convolution factor of the training Lipschitz estimate, fused per image: its power step and its norm.
 
-For a ``Conv2d`` factor ``A_b = diag(m_b) W diag(f_b)`` of :func:`splitz_fast.lipschitz.lipschitz_estimate`
+For a ``Conv2d`` factor ``A_b = diag(m_b) W diag(f_b)`` of :func:`splitz_fast.bounds.lipschitz.lipschitz_estimate`
 (``m`` the varying mask of the layer's outputs, ``f`` the input factor: the previous layer's mask and/or ``1/sd``):
 
 * :func:`masked_conv_gram` — ``A_bᵀ A_b v_b = f ⊙ Wᵀ(m ⊙ W(f ⊙ v_b))``, one power step, without gradient;
@@ -67,7 +67,7 @@ def native_conv_ok(layer: nn.Module) -> bool:
 def input_factor(in_mask: torch.Tensor | None, in_scale: torch.Tensor | None, in_shape: tuple[int, ...],
                  dtype: torch.dtype) -> torch.Tensor | None:
     """The input factor ``f = in_mask ⊙ in_scale`` as ``[1 or B, *in_shape]`` in ``dtype`` (``None`` when both are
-    ``None``), as :class:`splitz_fast.operators.MaskedAffine` forms it."""
+    ``None``), as :class:`splitz_fast.bounds.operators.MaskedAffine` forms it."""
     factor = None if in_scale is None else in_scale.to(dtype).expand(1, *in_shape)
     if in_mask is not None:
         m = in_mask.to(dtype).reshape(-1, *in_shape)

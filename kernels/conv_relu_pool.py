@@ -23,7 +23,7 @@ multiply in that type with float32 accumulation (as cuDNN does); float32 inputs 
 where ``tf32`` is asked (the engine's ``tf32`` precision, which turns on cuDNN's TF32 for the eager path).
 
 Supported: ``groups=1``, stride 1, dilation 1, zero padding given as numbers; anything else is refused with the reason
-(the chain rewrite in :mod:`splitz_fast.epilogues` only offers layers that qualify).
+(the chain rewrite in :mod:`splitz_fast.sampling.epilogues` only offers layers that qualify).
 """
 from __future__ import annotations
 

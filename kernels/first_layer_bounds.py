@@ -12,7 +12,7 @@ in ``h`` space, and a ball ``‖x' − x‖₂ ≤ γ_b`` per sample ``b``::
     latent  = min(max(z, 0), θ)                        f_L(x) of a one-layer f_L
     center, radius of [clip(lower), clip(upper)]       the interval that feeds layer 2
 
-— the ``k = 0`` step of :func:`splitz_fast.bounds.ball_bounds`, where ``rel_rounding = bounds.ROUNDING_MARGIN``
+— the ``k = 0`` step of :func:`splitz_fast.bounds.intervals.ball_bounds`, where ``rel_rounding = bounds.ROUNDING_MARGIN``
 for certificates (float64) and 0 for the training estimate (float32). The margin dominates the rounding error of the
 sums whatever their order (see bounds.py), so the kernel's summation order (tap by tap) needs no bit-equality with
 the reference's convolution: the tests compare within float64/float32 rounding.

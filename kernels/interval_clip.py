@@ -2,7 +2,7 @@
 
 Given the pre-activation at the interval center ``z`` and a radius, it produces the pre-activation bounds, the
 varying mask and the interval of the clipped-ReLU output that feeds the next layer — the body of the layer loop of
-:func:`splitz_fast.bounds.ball_bounds`::
+:func:`splitz_fast.bounds.intervals.ball_bounds`::
 
     r_eff  = gamma[b] · r          (or r, without gamma)
     total  = r_eff + margin        (margin optional)

@@ -3,7 +3,7 @@ the convolution factors of the power iterations (training estimate and probabili
 
 For a convolution ``W`` (``groups=1``, zero padding, any stride/padding/dilation) and, per sample ``b``, an output
 mask ``m_b`` (``[C_out, H_out, W_out]``) and an input factor ``f_b`` (``[C_in, H, W]``: the folded ``1/sd`` times the
-previous layer's varying mask), the operator of :class:`splitz_fast.operators.MaskedAffine` is
+previous layer's varying mask), the operator of :class:`splitz_fast.bounds.operators.MaskedAffine` is
 ``A_b = diag(m_b) · W · diag(f_b)``. This op computes, batched:
 
 * ``transpose=False`` (``matvec``):  ``y_b = m_b ⊙ conv(f_b ⊙ v_b)``,            ``v: [B, C_in, H, W] → [B, C_out, H_out, W_out]``;

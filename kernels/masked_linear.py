@@ -1,7 +1,7 @@
 """Masked products of a ``Linear`` layer for a batch, with the masks applied inside a tiled Triton matmul.
 
 For ``W: [out, in]`` and, per sample ``b``, an output mask ``m_out_b: [out]``, an input mask ``m_in_b: [in]`` and a
-shared input scale ``s: [in]`` (the folded ``1/sd``), the operator of :class:`splitz_fast.operators.MaskedAffine`
+shared input scale ``s: [in]`` (the folded ``1/sd``), the operator of :class:`splitz_fast.bounds.operators.MaskedAffine`
 is ``A_b = diag(m_out_b) · W · diag(s ⊙ m_in_b)``. This op computes, for the whole batch in one launch,
 
 * ``transpose=False`` (``matvec``):  ``y_b = m_out_b ⊙ (W (s ⊙ m_in_b ⊙ v_b))``,   ``v: [B, in] → y: [B, out]``;

@@ -4,7 +4,7 @@
 
 ``z_k`` is sample ``k`` of the Philox stream of ``csrc/philox.h`` (:mod:`.noise_votes`' contract: element ``i`` of
 sample ``k`` of a call at sample offset ``offset`` is ``z_t``, ``t = (offset + k)·D + i``, ``D`` = elements per latent,
-``i`` row-major) under a 64-bit ``seed``. The SPLITZ training step (:func:`splitz_fast.training.splitz_loss`) draws a
+``i`` row-major) under a 64-bit ``seed``. The SPLITZ training step (:func:`splitz_fast.training.loop.splitz_loss`) draws a
 fresh ``seed`` from its ``torch.Generator`` every step (:func:`draw_seed`), so training stays reproducible from the
 run's seed, and the certificate's noise (a different seed space, drawn by the smoother) is never reused.
 

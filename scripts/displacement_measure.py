@@ -14,9 +14,9 @@ import torch
 from scipy.stats import norm
 
 import splitz_fast as sz
-from splitz_fast.datasets import get_dataset
-from splitz_fast.displacement import displacement_radius
-from splitz_fast.radius import BoundOptions, RadiusSearch
+from splitz_fast.data.datasets import get_dataset
+from splitz_fast.bounds.displacement import displacement_radius
+from splitz_fast.bounds.radius import BoundOptions, RadiusSearch
 
 
 def main() -> None:

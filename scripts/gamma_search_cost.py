@@ -18,10 +18,10 @@ import time
 import torch
 
 from splitz_fast import BoundOptions, Smoother
-from splitz_fast.inputs import prepare_input
-from splitz_fast.analysis import read_certification
-from splitz_fast.cli import load_model
-from splitz_fast.datasets import get_dataset
+from splitz_fast.certify.inputs import prepare_input
+from splitz_fast.analysis.tables import read_certification
+from splitz_fast.cli.main import load_model
+from splitz_fast.data.datasets import get_dataset
 
 
 def main() -> None:

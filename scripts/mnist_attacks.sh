@@ -53,7 +53,7 @@ wait "$splitz_job" || status=$?
 import csv, json, sys
 from pathlib import Path
 
-from splitz_fast.training import checkpoint_digest, load_checkpoint_file
+from splitz_fast.training.loop import checkpoint_digest, load_checkpoint_file
 
 rs_run, splitz_run, rs_cert, splitz_cert, out = map(Path, sys.argv[1:6])
 eps = sys.argv[6:]

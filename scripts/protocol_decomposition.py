@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 import splitz_fast as sz
-from splitz_fast.analysis import certified_accuracy, read_certification
-from splitz_fast.attacks import falsify_certificates
-from splitz_fast.smoothing import CertifyResult
+from splitz_fast.analysis.tables import certified_accuracy, read_certification
+from splitz_fast.certify.attacks import falsify_certificates
+from splitz_fast.certify.smoothing import CertifyResult
 
 PROTOCOLS = ("sound", "paper", "published-code")
 RADII = (0.5, 1.0, 1.5, 1.75, 2.0, 2.25, 2.5)

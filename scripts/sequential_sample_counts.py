@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from splitz_fast.sequential import Decision, certify_sequential, latent_thresholds
-from splitz_fast.stats import clopper_pearson_lower
+from splitz_fast.certify.sequential import Decision, certify_sequential, latent_thresholds
+from splitz_fast.certify.stats import clopper_pearson_lower
 
 
 def recover_count(p_lower: float, n: int, alpha: float) -> int:

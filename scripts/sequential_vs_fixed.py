@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from splitz_fast import SequentialCertifier, Smoother, run_over_dataset
-from splitz_fast.runs import CertifyRun
-from splitz_fast.analysis import read_certification
-from splitz_fast.cli import load_model
-from splitz_fast.datasets import get_dataset
-from splitz_fast.runs import select_indices
+from splitz_fast.runs.loop import CertifyRun
+from splitz_fast.analysis.tables import read_certification
+from splitz_fast.cli.main import load_model
+from splitz_fast.data.datasets import get_dataset
+from splitz_fast.runs.loop import select_indices
 
 
 def certify(certifier, dataset, out: Path, args, settings: dict, indices: list[int], n: int) -> None:

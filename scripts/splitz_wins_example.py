@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.analysis import certified_accuracy
-from splitz_fast.results import HEADER, format_row
+from splitz_fast.analysis.tables import certified_accuracy
+from splitz_fast.runs.rows import HEADER, format_row
 
 THRESHOLD_T, THETA, SIGMA_LATENT = 1.4, 0.2, 0.02
 RS_SIGMAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)

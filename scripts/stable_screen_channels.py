@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import torch
 
-from splitz_fast.analysis import read_certification
-from splitz_fast.bounds import ball_bounds
-from splitz_fast.datasets import get_dataset
-from splitz_fast.models import build_model
-from splitz_fast.training import held_out_part, load_checkpoint_file, load_state_into
+from splitz_fast.analysis.tables import read_certification
+from splitz_fast.bounds.intervals import ball_bounds
+from splitz_fast.data.datasets import get_dataset
+from splitz_fast.zoo.models import build_model
+from splitz_fast.training.loop import held_out_part, load_checkpoint_file, load_state_into
 
 
 def main(pairs: list[str]) -> None:

@@ -10,36 +10,50 @@ Workflow pieces: ``sz.build_model`` (model zoo), ``sz.get_dataset`` (offline/use
 loss, resumable), ``sz.load_checkpoint`` (a trained checkpoint's model and σ), ``sz.run_over_dataset`` (resumable
 certification TSVs), ``sz.analysis`` (tables and plots), ``sz.attacks`` (l2 attacks on the smoothed and base classifiers, attack-based checks of certificates).
 """
-from .bounds import BallBounds, ball_bounds
-from .lipschitz import (
+from ._moved import MOVED, install as _install_moved_paths, moved_module
+from .analysis.diagnostics import diagnose, neuron_states
+from .analysis.envelope import envelope_report
+from .bounds.intervals import BallBounds, ball_bounds
+from .bounds.lipschitz import (
     LipschitzBound,
     PowerIterationState,
     certified_lambda_max,
     global_lipschitz_bound,
     lipschitz_bound,
     lipschitz_estimate,
-)
-from .modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
-from .snapshot import ModuleSnapshot
-from .smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
-from .margin import MarginCertifier
-from .sequential import (BetaBinomialCS, Decision, SequentialCertifier, SequentialCertifyResult, SequentialResult,
-                         certify_sequential, latent_thresholds)
-from .radius import BoundOptions, RadiusSearch
-from .protocols import (PROTOCOLS, CertificationProtocol, DisplacementCertificate, PaperAlgorithm1, PublishedCode,
-                        SoundCertificate)
-from .sampling import NoiseStream, SamplingEngine
-from .stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
-from .models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, lenet_rs_init, tabular_mlp
-from .datasets import DATASETS, DatasetInfo, get_dataset
-from .training import TrainConfig, splitz_loss, train
-from .checkpoints import LoadedCheckpoint, checkpoint_digest, load_checkpoint
-from .runs import AttackRun, CertifyRun, MarginRun, PredictRun, RunTask, ShardSpec, merge_shards, run_over_dataset
-from .attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
-from .recipes import RECIPES, Recipe, recipe_config
-from .envelope import envelope_report
-from .diagnostics import diagnose, neuron_states
-from . import analysis, attacks, diagnostics, envelope, recipes
+                               )
+from .bounds.radius import BoundOptions, RadiusSearch
+from .certify.attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
+from .certify.margin import MarginCertifier
+from .certify.protocols import (PROTOCOLS, CertificationProtocol, DisplacementCertificate, PaperAlgorithm1,
+                                PublishedCode, SoundCertificate)
+from .certify.sequential import (BetaBinomialCS, Decision, SequentialCertifier, SequentialCertifyResult,
+                                 SequentialResult, certify_sequential, latent_thresholds)
+from .certify.smoothing import ABSTAIN, CertifyResult, PredictResult, Smoother
+from .certify.stats import clopper_pearson_lower, latent_radius, max_latent_radius, two_sided_binomial_pvalue
+from .checkpoints.splitz import LoadedCheckpoint, checkpoint_digest, load_checkpoint
+from .data.datasets import DATASETS, DatasetInfo, get_dataset
+from .model.modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
+from .model.snapshot import ModuleSnapshot
+from .runs.loop import AttackRun, CertifyRun, MarginRun, PredictRun, RunTask, ShardSpec, merge_shards, run_over_dataset
+from .sampling.engine import NoiseStream, SamplingEngine
+from .training.loop import TrainConfig, splitz_loss, train
+from .training.recipes import RECIPES, Recipe, recipe_config
+from .zoo.models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, lenet_rs_init, tabular_mlp
+from . import analysis
+from .analysis import diagnostics, envelope
+from .certify import attacks
+from .training import recipes
+
+_install_moved_paths()
+
+
+def __getattr__(name: str):
+    """``sz.<old module>`` (a 0.1 path, :data:`~splitz_fast._moved.MOVED`): the moved module, with a warning."""
+    if name in MOVED:
+        return moved_module(name)
+    raise AttributeError(f"module 'splitz_fast' has no attribute {name!r}")
+
 
 __version__ = "0.2.0.dev0"
 

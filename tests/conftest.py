@@ -31,8 +31,8 @@ def tiny(monkeypatch):
     datasets), so every command runs in well under a second."""
     from torch.utils.data import TensorDataset
 
-    import splitz_fast.datasets as datasets
-    from splitz_fast.datasets import DatasetInfo
+    import splitz_fast.data.datasets as datasets
+    from splitz_fast.data.datasets import DatasetInfo
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, 4, generator=gen)

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from splitz_fast import analysis as an
-from splitz_fast import results
+from splitz_fast.analysis import tables as an
+from splitz_fast.runs import rows as results
 
 SPLITZ_HEADER = "idx\tlabel\tpredict\tradius\tcorrect\ttime\tL\tgamma\tR_latent\tpA_lower\tbound\tfailure_prob"
 COHEN_HEADER = "idx\tlabel\tpredict\tradius\tcorrect\ttime"
@@ -93,7 +93,7 @@ def test_read_tolerates_crlf_blank_lines_and_no_trailing_newline(tmp_path):
 
 
 def test_round_trip_with_the_results_writer(tmp_path):
-    from splitz_fast.smoothing import CertifyResult
+    from splitz_fast.certify.smoothing import CertifyResult
 
     def result(prediction, radius, seconds):
         return CertifyResult(prediction=prediction, radius=radius, p_a_lower=0.9, latent_radius=radius,
@@ -364,7 +364,7 @@ def test_analyze_names_runs(tmp_path, table_b):
 
 def test_a_run_given_twice_or_two_runs_of_one_name_are_refused(tmp_path, monkeypatch, capsys):
     """Runs are keyed by name: a second one of the same name silently replaced the first before."""
-    from splitz_fast.cli import main
+    from splitz_fast.cli.main import main
 
     a = write(tmp_path / "A.tsv", SPLITZ_HEADER, A_ROWS)
     (tmp_path / "other").mkdir()
@@ -386,8 +386,8 @@ def test_a_negative_label_is_refused_so_an_abstention_cannot_count_as_correct(tm
 @pytest.mark.parametrize("radius,failure", [(0.1234567891, 0.0010005), (1.9999999, 0.001 + 4.9e-7), (0.5, 0.001)])
 def test_rows_never_round_a_certificate_in_the_users_disfavour(radius, failure):
     """A printed radius is never above the certified one, a printed failure probability never below the true one."""
-    from splitz_fast.results import format_row
-    from splitz_fast.smoothing import CertifyResult
+    from splitz_fast.runs.rows import format_row
+    from splitz_fast.certify.smoothing import CertifyResult
 
     result = CertifyResult(prediction=3, radius=radius, p_a_lower=0.9, latent_radius=radius, lipschitz=1.0,
                            gamma=radius, bound_kind="local-probabilistic", failure_prob=failure, count_a=90, n=100,
@@ -401,8 +401,8 @@ def test_a_nearly_constant_classifier_is_flagged_in_tables_envelopes_and_diagnos
     """A smoothed classifier that answers one class for (nearly) every input is certifiably robust everywhere: its
     certified accuracy is that class's share of the data. analyze's run names, the envelope's cells and diagnose
     say so."""
-    from splitz_fast.analysis import CertificationTable, constant_prediction, labelled
-    from splitz_fast.envelope import envelope_report
+    from splitz_fast.analysis.tables import CertificationTable, constant_prediction, labelled
+    from splitz_fast.analysis.envelope import envelope_report
 
     def table(predict, label, radius):
         predict, label = np.asarray(predict), np.asarray(label)
@@ -425,7 +425,7 @@ def test_a_nearly_constant_classifier_is_flagged_in_tables_envelopes_and_diagnos
     assert "10.0 (σ=1)*" in row  # ε = 1.5: only the constant run certifies (class 1 is 10 % of the labels)
     assert "from a run whose smoothed classifier is (nearly) constant" in report
     assert "SPLITZ σ=1 (predicts class 1 for 100 % of inputs)" in report
-    from splitz_fast.diagnostics import CertificateDiagnostics, NeuronStates, diagnostics_report
+    from splitz_fast.analysis.diagnostics import CertificateDiagnostics, NeuronStates, diagnostics_report
 
     ones = np.ones(3)
     diag = CertificateDiagnostics(np.arange(3), ones, ones, 0.9 * ones, NeuronStates(0 * ones, 0 * ones, ones,
@@ -440,7 +440,7 @@ def test_an_unfinished_run_is_marked_and_runs_over_other_inputs_are_not_subtract
     and the envelope subtracted a 3-input run from a 5-input one."""
     import json
 
-    from splitz_fast.envelope import envelope_report
+    from splitz_fast.analysis.envelope import envelope_report
 
     def run(name, rows, count, **extra):
         path = write(tmp_path / f"{name}.tsv", SPLITZ_HEADER, rows)

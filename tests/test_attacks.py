@@ -1,4 +1,4 @@
-"""splitz_fast.attacks: the l2 attacks (ball and box kept, success on an easy linear model, argument checks), the
+"""splitz_fast.certify.attacks: the l2 attacks (ball and box kept, success on an easy linear model, argument checks), the
 resumable `splitz attack` run, and the attack-based falsification of our certificates — certified inputs attacked
 inside 0.99 × their radius must not flip beyond the rate α allows, while the same procedure against a radius inflated
 ×3 must find flips (so the check has teeth)."""
@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import splitz_fast as sz
-from splitz_fast.attacks import (ATTACK_HEADER, ATTACKS, Attacker, deepfool_l2, falsify_certificates, fgsm_l2, pgd_l2,
-                                 project_l2)
-from splitz_fast.cli import main
-from splitz_fast.runs import AttackRun, run_over_dataset
+from splitz_fast.certify.attacks import (ATTACK_HEADER, ATTACKS, Attacker, deepfool_l2, falsify_certificates, fgsm_l2, pgd_l2,
+                                         project_l2)
+from splitz_fast.cli.main import main
+from splitz_fast.runs.loop import AttackRun, run_over_dataset
 
 
 def _norms(t: torch.Tensor) -> torch.Tensor:

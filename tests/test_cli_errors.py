@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import splitz_fast.training as training
+import splitz_fast.training.loop as training
 from splitz_fast import Smoother
-from splitz_fast.cli import build_parser, main
-from splitz_fast.datasets import DATASETS
-import splitz_fast.outcomes as outcomes
-import splitz_fast.windows as windows
-from splitz_fast.training import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+from splitz_fast.cli.main import build_parser, main
+from splitz_fast.data.datasets import DATASETS
+import splitz_fast.certify.outcomes as outcomes
+import splitz_fast.certify.windows as windows
+from splitz_fast.training.loop import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 
 TRAIN = ["--sigma", "0.5", "--epochs", "2", "--batch", "8", "--val-fraction", "0.25", "--lr-schedule", "none"]
@@ -238,8 +238,8 @@ def test_garbage_or_empty_checkpoint_is_one_line(tmp_path, capsys, tiny, content
 def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, capsys, monkeypatch, checkpoint, tiny):
     """The documented Python way in: ``sz.load_checkpoint`` (weights_only) gives the model `splitz certify` certifies."""
     import splitz_fast as sz
-    import splitz_fast.checkpoints as checkpoints
-    from splitz_fast.cli import load_model
+    import splitz_fast.checkpoints.splitz as checkpoints
+    from splitz_fast.cli.main import load_model
 
     loads = []
     real_load = torch.load

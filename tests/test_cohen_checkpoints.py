@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast import cli
-from splitz_fast.checkpoints import checkpoint_digest, load_checkpoint_file
+from splitz_fast.cli import main as cli
+from splitz_fast.checkpoints.splitz import checkpoint_digest, load_checkpoint_file
 
 # The normalisation constants of Cohen et al.'s datasets.py.
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
@@ -256,8 +256,8 @@ def fake_cifar10(monkeypatch):
     """Four random CIFAR-shaped images under any dataset name (this process only)."""
     from torch.utils.data import TensorDataset
 
-    import splitz_fast.datasets as datasets
-    from splitz_fast.datasets import DatasetInfo
+    import splitz_fast.data.datasets as datasets
+    from splitz_fast.data.datasets import DatasetInfo
 
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.rand(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen))

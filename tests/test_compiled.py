@@ -1,4 +1,4 @@
-"""When the sampling engine samples through ``torch.compile(f_R)`` (splitz_fast.compiled): never on the CPU by default,
+"""When the sampling engine samples through ``torch.compile(f_R)`` (splitz_fast.sampling.compiled): never on the CPU by default,
 on CUDA only after COMPILE_AFTER_S seconds of eager sampling (the ski-rental rule), and then only where the compiled
 f_R scores like the eager one and measures faster. The compiler is replaced by stand-ins that are faster, slower or
 wrong on purpose (a real compile on the CPU is in the slow test at the end, on CUDA in the gpu test)."""
@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast import compiled as compiled_module
-from splitz_fast.compiled import COMPILE_AFTER_S, CompileChoice, check_compile_setting
+from splitz_fast.sampling import compiled as compiled_module
+from splitz_fast.sampling.compiled import COMPILE_AFTER_S, CompileChoice, check_compile_setting
 from _helpers import small_splitz
 
 CPU = torch.device("cpu")
@@ -305,7 +305,7 @@ def test_out_of_memory_while_checking_the_scores_decides_against_the_compiled_co
 def test_compile_true_never_asks_for_a_graph_of_the_eager_copy(monkeypatch):
     """compile=True samples full batches compiled from the first one: a CUDA graph of the eager copy would hold
     memory and never replay (graph keys: channels_last, pooled, fused, compiled, rows)."""
-    from splitz_fast.graphs import GraphChoice
+    from splitz_fast.sampling.graphs import GraphChoice
 
     model, xs = small_splitz()
     _stand_in_compiler(monkeypatch, lambda net: net)

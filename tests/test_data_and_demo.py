@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import splitz_fast as sz
-from splitz_fast.cli import main
-from splitz_fast.data import DatasetUnavailableError, load_mnist, package_file
-from splitz_fast.results import COHEN_COLUMNS
+from splitz_fast.cli.main import main
+from splitz_fast.data.packages import DatasetUnavailableError, load_mnist, package_file
+from splitz_fast.runs.rows import COHEN_COLUMNS
 from _helpers import installed
 
 
@@ -46,7 +46,7 @@ def test_missing_dataset_package_says_how_to_install():
 @needs_mnist
 @needs_lenet
 def test_pretrained_lenet5_clean_accuracy():
-    from splitz_fast.zoo import pretrained_lenet5
+    from splitz_fast.zoo.pretrained import pretrained_lenet5
 
     images, labels = load_mnist("test")
     net = pretrained_lenet5()

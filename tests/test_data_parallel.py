@@ -1,4 +1,4 @@
-"""Data-parallel training (`torchrun ... -m splitz_fast train`, splitz_fast.distributed.DataParallelGroup) on the CPU with
+"""Data-parallel training (`torchrun ... -m splitz_fast train`, splitz_fast.runs.torchrun.DataParallelGroup) on the CPU with
 gloo: two ranks sharing a global batch must take the step one process takes on it (the gradients, the parameters
 and the power-iteration warm starts), a torchrun run must write the single-process run's checkpoints, and the
 device-resident data must come in the order DataLoader(shuffle=True) gave."""
@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _helpers import TORCHRUN, finish_torchrun, installed, start_torchrun
 from splitz_fast.kernels import BACKEND_ENV
-from splitz_fast.models import build_model
-from splitz_fast.training import (SINGLE_PROCESS, DataParallelGroup, TrainConfig, epoch_order, load_checkpoint_file,
-                                  train, training_step)
+from splitz_fast.zoo.models import build_model
+from splitz_fast.training.loop import (SINGLE_PROCESS, DataParallelGroup, TrainConfig, epoch_order, load_checkpoint_file,
+                                       train, training_step)
 
 
 # ------------------------------------------------------------------------------------------------ data order
@@ -154,7 +154,7 @@ def test_two_ranks_take_the_single_process_step_on_the_same_global_batch(case, t
 # ------------------------------------------------------------------------------------------------ teardown
 GLOO_TEARDOWN_SCRIPT = """
 import json, os, sys, torch.distributed as dist
-from splitz_fast.distributed import TorchrunEnv, process_group
+from splitz_fast.runs.torchrun import TorchrunEnv, process_group
 env = TorchrunEnv.from_environ()
 with process_group(env, "cpu"):
     dist.barrier()
@@ -189,7 +189,7 @@ def test_torchrun_training_writes_the_single_process_checkpoints_and_resumes(tmp
     """SPLITZ MLP on Law School (split 1, λ > 0, learnable thresholds), 2 epochs of 3 batches of 63 (unequal rank
     chunks): the torchrun run's last.pt / best.pt hold the single-process weights; a run stopped after one
     epoch and continued with `--resume` under torchrun ends there too."""
-    from splitz_fast.datasets import get_dataset
+    from splitz_fast.data.datasets import get_dataset
 
     options = ["--sigma", "0.5", "--epochs", "2", "--batch", "63", "--max-batches", "3", "--val-fraction", "0.00655",
                "--lr-schedule", "none", "--learnable-threshold", "--seed", "3"]

@@ -1,4 +1,4 @@
-"""``splitz_fast.datasets.get_dataset``: offline package data, user folders (faked in tmp_path), helpful errors."""
+"""``splitz_fast.data.datasets.get_dataset``: offline package data, user folders (faked in tmp_path), helpful errors."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitz_fast.data import DatasetUnavailableError
-from splitz_fast.datasets import (
+from splitz_fast.data.packages import DatasetUnavailableError
+from splitz_fast.data.datasets import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     DATASETS,
@@ -19,7 +19,7 @@ from splitz_fast.datasets import (
     SPLITS,
     DatasetInfo,
     get_dataset,
-)
+                                       )
 from _helpers import installed
 
 
@@ -231,7 +231,7 @@ def _write_fake_imagefolder(root, classes=("n01", "n02", "n03"), per_class=2, si
 def test_a_folder_with_other_class_names_than_training_had_is_refused(tmp_path, capsys):
     """An ImageFolder numbers its class folders in sorted order: certifying a folder of other classes against a model
     trained on these would count an unseen class as the one with its number."""
-    from splitz_fast.cli import main
+    from splitz_fast.cli.main import main
 
     _write_fake_imagefolder(tmp_path / "a", classes=("cat", "dog", "fish"), per_class=2, size=(64, 64))
     _write_fake_imagefolder(tmp_path / "b", classes=("cat", "dog", "eel"), per_class=1, size=(64, 64))

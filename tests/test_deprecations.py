@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.margin import MarginCertifier
-from splitz_fast.radius import DEPRECATED_BOUND_KEYWORDS
+from splitz_fast.certify.margin import MarginCertifier
+from splitz_fast.bounds.radius import DEPRECATED_BOUND_KEYWORDS
 
 # One non-default value per 0.1.0 keyword of Smoother / MarginCertifier.
 OLD_SPELLINGS = {

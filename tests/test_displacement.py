@@ -1,4 +1,4 @@
-"""Soundness and tightness of the latent-displacement bound (splitz_fast/displacement.py).
+"""Soundness and tightness of the latent-displacement bound (splitz_fast/bounds/displacement.py).
 
 Oracles never use the library's bound code: a float64 copy of ``f_L`` evaluated at sampled and adversarially pushed
 points in the ball, a dense autograd Jacobian with its SVD for the spectral norms, per-neuron clipped ranges from the
@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.displacement import displacement_bound, displacement_radius
-from splitz_fast.lipschitz import lipschitz_bound
-from splitz_fast.radius import BoundOptions, RadiusSearch
+from splitz_fast.bounds.displacement import displacement_bound, displacement_radius
+from splitz_fast.bounds.lipschitz import lipschitz_bound
+from splitz_fast.bounds.radius import BoundOptions, RadiusSearch
 from test_lipschitz import _clipped  # a ClippedReLU with random thresholds in [low, high)
 
 

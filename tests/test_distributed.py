@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from _helpers import TORCHRUN, finish_torchrun as _finish, installed, start_torchrun as _torchrun
-from splitz_fast.cli import main
-from splitz_fast.distributed import TorchrunEnv
-from splitz_fast.runs import ShardData, ShardSpec, merge_shards
+from splitz_fast.cli.main import main
+from splitz_fast.runs.torchrun import TorchrunEnv
+from splitz_fast.runs.loop import ShardData, ShardSpec, merge_shards
 
 def _rows(path: Path, drop_time: bool = True) -> list[list[str]]:
     """Data rows of a TSV; without the `time` column (index 5 of certify, 4 of predict) unless asked."""
@@ -202,7 +202,7 @@ def test_an_error_under_torchrun_is_printed_by_rank_0_and_in_every_ranks_error_f
     which torchrun's failure report shows (read here with torchrun's own classes), so another rank's line is kept."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    import splitz_fast.cli as cli
+    import splitz_fast.cli.main as cli
 
     demo = "error: `splitz demo` runs as one process; under torchrun (WORLD_SIZE=2)"
     parser = "splitz certify: error: argument sigma: invalid float value: 'abc' — see `splitz certify --help`"
@@ -255,7 +255,7 @@ def test_certify_margin_shards_merge_to_the_single_process_rows(tmp_path, capsys
 def test_ctrl_c_in_a_shard_names_the_shard_file_and_the_resume_command(tmp_path, capsys, monkeypatch, checkpoint):
     import shlex
 
-    import splitz_fast.windows as windows
+    import splitz_fast.certify.windows as windows
 
     out = tmp_path / "c.tsv"
     args = _args("certify", checkpoint, out, "--shard", "1/2")
@@ -386,7 +386,7 @@ def test_every_option_of_the_torchrun_commands_gets_through_torchruns_parser(cap
     does, and ``--max-inputs`` is its spelling for torchrun."""
     from torch.distributed.run import get_args_parser
 
-    from splitz_fast.cli import build_parser
+    from splitz_fast.cli.main import build_parser
 
     torchrun = get_args_parser()
 

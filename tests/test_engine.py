@@ -1,4 +1,4 @@
-"""The dataset-level engine (splitz_fast.sampling / smoothing.certify_many / radius) and the soundness of its caches:
+"""The dataset-level engine (splitz_fast.sampling.engine / smoothing.certify_many / radius) and the soundness of its caches:
 results of a stream equal one-by-one certification, the noise does not depend on batching, f_R is
 prepared without changing the user's model, batched γ passes never lose radius, and no cached bound or prepared
 copy survives a change of the model.
@@ -16,11 +16,11 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import LeftHalf, Smoother, SplitModel
-from splitz_fast.radius import BoundOptions, bisection_reference
+from splitz_fast.bounds.radius import BoundOptions, bisection_reference
 from _helpers import small_splitz as _small_splitz
-from splitz_fast.windows import WINDOW_BATCHES
-from splitz_fast.sampling import (NOISE_BLOCK, TUNE_MIN_BATCH, NoiseStream, SamplingEngine, fold_batchnorm,
-                                  unfolded_batchnorms)
+from splitz_fast.certify.windows import WINDOW_BATCHES
+from splitz_fast.sampling.engine import (NOISE_BLOCK, TUNE_MIN_BATCH, NoiseStream, SamplingEngine, fold_batchnorm,
+                                         unfolded_batchnorms)
 
 
 CPU = torch.device("cpu")
@@ -376,7 +376,7 @@ def test_linear_batchnorm1d_folds_for_feature_vectors_only():
 def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
     """The 2x2 max pool runs as two strided maxima (_MaxPool2x2) on the CPU only; a copy prepared for CUDA keeps
     nn.MaxPool2d (decided from the device; nothing is allocated on it here)."""
-    from splitz_fast import prepared as preparing
+    from splitz_fast.sampling import prepared as preparing
 
     right = sz.build_model("lenet", split_index=0).right
     cuda, cpu = torch.device("cuda"), CPU
@@ -399,7 +399,7 @@ def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
 def test_a_per_channel_bias_added_after_a_max_pool_is_bitwise_the_same(dtype, pool):
     """The identity behind adding a convolution's bias after its pool on CUDA: rounding fl(v + b) is monotone in v,
     so maxpool(v + b) equals maxpool(v) + b bit for bit in every float type, with padding (-inf) and NaN."""
-    from splitz_fast.prepared import _ChannelBias
+    from splitz_fast.sampling.prepared import _ChannelBias
 
     gen = _gen(21)
     v = (torch.randn(3, 4, 7, 7, generator=gen) * 100).to(dtype)
@@ -417,7 +417,7 @@ def test_conv_bias_moves_after_its_max_pool_on_cuda_only():
     """A CUDA chain adds a convolution's bias after the max pool that follows it (the same parameter, shared); a CPU
     chain keeps it in the convolution (oneDNN adds it there). Convolutions not followed by a pool keep theirs. The
     function is the same (float64, where only the summation order of the bias differs)."""
-    from splitz_fast import prepared as preparing
+    from splitz_fast.sampling import prepared as preparing
 
     right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3), nn.ReLU(),
                           nn.Flatten(), nn.Linear(4 * 2 * 2, 3)).double().eval()
@@ -457,7 +457,7 @@ def test_flatten_linear_reads_a_channels_last_activation_without_copying_it(dtyp
     """_FlattenLinear computes linear(flatten(x)) for channels_last, NCHW and odd inputs (a permutation of each
     output's summands: equal in float64 to rounding, float32 within its own); on a channels_last activation it
     dispatches no copy, where Flatten + Linear copies the activation into NCHW order."""
-    from splitz_fast.prepared import _FlattenLinear
+    from splitz_fast.sampling.prepared import _FlattenLinear
 
     linear = nn.Linear(6 * 3 * 5, 4).to(dtype)
     fused = _FlattenLinear(linear, 6)
@@ -478,7 +478,7 @@ def test_flatten_linear_reads_a_channels_last_activation_without_copying_it(dtyp
 def test_chain_flattens_in_storage_order_on_cuda_only():
     """A channels_last chain prepared for CUDA replaces Flatten + Linear with _FlattenLinear (the Linear's parameters
     shared, the channels those of the last convolution); CPU and NCHW chains keep both; the function is the same."""
-    from splitz_fast import prepared as preparing
+    from splitz_fast.sampling import prepared as preparing
 
     right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3), nn.ReLU(),
                           nn.Flatten(), nn.Linear(6 * 2 * 2, 3), nn.ReLU(), nn.Linear(3, 2)).double().eval()
@@ -498,7 +498,7 @@ def test_chain_flattens_in_storage_order_on_cuda_only():
 def test_flatten_linear_of_a_cuda_copy_follows_edits_of_the_users_linear(monkeypatch):
     """The permuted weight of a CUDA-prepared chain is made from f_R as it is: after an in-place edit of the user's
     Linear, check_current rebuilds the copy, whose scores (float64) then equal the edited f_R's, not the old ones."""
-    from splitz_fast.prepared import PreparedClassifier, _FlattenLinear
+    from splitz_fast.sampling.prepared import PreparedClassifier, _FlattenLinear
 
     monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)  # a CUDA copy, built on the CPU
     right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
@@ -537,7 +537,7 @@ def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_p
     BatchNorm-free models keep their sidecars (and resume)."""
     from types import SimpleNamespace
 
-    from splitz_fast import cli
+    from splitz_fast.cli import main as cli
 
     small, pooling = _small_splitz()[0], _pooling_splitz()[0]
     unfoldable = SplitModel(copy.deepcopy(small.left), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4),
@@ -580,7 +580,7 @@ def test_pool_fused_into_the_noise_gives_the_same_votes(precision, monkeypatch):
 def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(monkeypatch):
     """ReLU -> MaxPool2d pairs of a plain chain run as MaxPool2d -> ReLU (in place) in the prepared copy: the same
     outputs (max commutes with the monotone ReLU; NaN propagates), and the same votes as the unchanged chain."""
-    from splitz_fast import prepared as preparing
+    from splitz_fast.sampling import prepared as preparing
 
     torch.manual_seed(3)
     right = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1),
@@ -612,7 +612,7 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     """The prepared chain's 2x2 max pool (_MaxPool2x2: two maxima of strided views) gives bitwise F.max_pool2d's
     values, NaN and infinities included, odd sizes floored, for contiguous and channels_last inputs (1-channel ones
     too); its 4-D output is channels_last when the chain runs channels_last."""
-    from splitz_fast.prepared import _MaxPool2x2
+    from splitz_fast.sampling.prepared import _MaxPool2x2
 
     x = torch.randn(*shape, generator=_gen(5))
     x.view(-1)[::7] = float("nan")
@@ -625,7 +625,7 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
     if channels_last and x.ndim == 4:
         assert got.is_contiguous(memory_format=torch.channels_last)
-    from splitz_fast import prepared as preparing
+    from splitz_fast.sampling import prepared as preparing
 
     chain = preparing._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
                                                   nn.MaxPool2d(2, ceil_mode=True)), channels_last, device=CPU)
@@ -682,7 +682,7 @@ def test_worker_threads_give_the_same_votes_and_restore_the_thread_count(split, 
 
 
 def test_only_a_plain_leading_2x2_max_pool_is_fused():
-    from splitz_fast.prepared import starts_with_maxpool2
+    from splitz_fast.sampling.prepared import starts_with_maxpool2
 
     rest = [nn.Flatten(), nn.Linear(4, 2)]
     assert starts_with_maxpool2(nn.Sequential(nn.MaxPool2d(2), *rest))
@@ -777,7 +777,7 @@ def test_the_tuner_cap_is_the_given_one_or_the_default_of_the_device():
 def test_the_tuner_stops_where_throughput_levels_off_or_falls(monkeypatch, rates, tried, chosen):
     """The batch sweep (scripted rates per size): stops after two sizes in a row that gain under TUNE_MIN_GAIN over
     the best (a plateau or past the optimum), once past TUNE_MIN_SEARCH; returns the fastest size it measured."""
-    import splitz_fast.sampling as sampling
+    import splitz_fast.sampling.engine as sampling
 
     calls = []
 
@@ -798,7 +798,7 @@ def test_the_tuner_stops_where_throughput_levels_off_or_falls(monkeypatch, rates
 def test_the_tuner_keeps_the_batch_working_memory_within_its_share_of_the_card(monkeypatch):
     """With the share set to 64 MiB, LeNet's measured batch (whose throughput would still grow) stops where its
     working memory would pass it, and a batch of that size indeed stays within it."""
-    import splitz_fast.sampling as sampling
+    import splitz_fast.sampling.engine as sampling
 
     total = torch.cuda.get_device_properties(0).total_memory
     limit = 64 * 2 ** 20
@@ -1064,7 +1064,7 @@ def test_batched_certificates_of_a_window_match_each_inputs_own_search(monkeypat
     inputs of a round are certified in one batch (several Grams per batched step): every result matches the input's
     own search up to the last bits of its bound, and the radius is min(R/L, γ) with L the host solver's certificate at
     that γ (to the shift's slack)."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     monkeypatch.setattr(lipschitz, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
     batch_sizes = []
@@ -1091,7 +1091,7 @@ def test_tf32_is_a_labelled_precision_and_float32_is_ieee_on_cuda():
     enables cuDNN TF32 by default: "float32" must switch it off), and restores the user's flags; on the CPU ``tf32``
     computes what ``float32`` does."""
     from splitz_fast.cuda_math import cuda_math
-    from splitz_fast.sampling import PRECISIONS
+    from splitz_fast.sampling.engine import PRECISIONS
 
     assert PRECISIONS["tf32"] is torch.float32
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul

@@ -1,4 +1,4 @@
-"""Fused convolution epilogues (splitz_fast/epilogues.py): which patterns the rewrite fuses and which it leaves, that
+"""Fused convolution epilogues (splitz_fast/sampling/epilogues.py): which patterns the rewrite fuses and which it leaves, that
 the rewritten ResNets compute the same function (bitwise where the fused modules run unfused: the CPU), that a cuDNN
 refusal falls back with one warning, that the engine's fused copy of f_R is used only where it scores like the plain
 copy and measures faster (once per layout and batch), and, on a GPU, that the fused cuDNN calls agree with the
@@ -16,11 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import splitz_fast as sz
-from splitz_fast import epilogues
-from splitz_fast.epilogues import (ConvAddReLU, ConvReLU, FusionChoice, fuse_conv_epilogues, has_fused_modules)
-from splitz_fast.folding import folded_copy
-from splitz_fast.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, score_gap
-from splitz_fast.sampling import SamplingEngine
+from splitz_fast.sampling import epilogues
+from splitz_fast.sampling.epilogues import (ConvAddReLU, ConvReLU, FusionChoice, fuse_conv_epilogues, has_fused_modules)
+from splitz_fast.sampling.folding import folded_copy
+from splitz_fast.sampling.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, score_gap
+from splitz_fast.sampling.engine import SamplingEngine
 
 
 def _gpu(test):
@@ -271,7 +271,7 @@ def test_fused_cudnn_calls_match_the_unfused_kernels(precision, add):
     """torch.cudnn_convolution_relu / _add_relu on channels_last CUDA tensors (as the engine runs them) against
     conv + add + ReLU in the same precision; the fused call is accepted (no fallback)."""
     from splitz_fast.cuda_math import cuda_math
-    from splitz_fast.sampling import PRECISIONS
+    from splitz_fast.sampling.engine import PRECISIONS
 
     torch.manual_seed(7)
     conv = nn.Conv2d(16, 32, 3, padding=1).cuda().eval().to(memory_format=torch.channels_last)

@@ -12,9 +12,9 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 import splitz_fast as sz
-from splitz_fast.bounds import ball_bounds
-from splitz_fast.models import tabular_mlp
-from splitz_fast.training import TrainConfig, flatness_penalty, load_checkpoint_file, splitz_loss, train
+from splitz_fast.bounds.intervals import ball_bounds
+from splitz_fast.zoo.models import tabular_mlp
+from splitz_fast.training.loop import TrainConfig, flatness_penalty, load_checkpoint_file, splitz_loss, train
 
 
 def _conv_left(seed: int) -> sz.LeftHalf:
@@ -128,8 +128,8 @@ def test_training_with_the_flatness_term_records_it_and_resumes_to_the_same_mode
 def test_diagnose_reports_the_flatness_of_the_masked_operator_on_the_certified_ball():
     """diagnose's flatness is ‖A‖_F² / (n L²) with A the Jacobian-like masked operator on B(x, γ*): checked against a
     dense SVD where γ* = 0 (A is then f_L's Jacobian at x) and the table's L is its exact norm."""
-    from splitz_fast.analysis import CertificationTable
-    from splitz_fast.diagnostics import diagnose, diagnostics_report
+    from splitz_fast.analysis.tables import CertificationTable
+    from splitz_fast.analysis.diagnostics import diagnose, diagnostics_report
 
     left = _conv_left(5).float()
     model = sz.SplitModel(left, nn.Sequential(nn.Flatten(), nn.Linear(3 * 3 * 3, 2)), num_classes=2)

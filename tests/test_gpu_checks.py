@@ -203,7 +203,7 @@ def test_floors_reproduce_spec_figures_on_an_h100():
 def test_count_cost_counts_flops_and_activation_writes_of_each_op():
     """Hand-counted: conv(1→2, 3×3, pad 1) on 4×4 → BN → ReLU → 2×2 max pool → flatten (a view) → linear(8→3); and a
     residual block (conv-BN-ReLU-conv-BN, + identity, ReLU) whose fused chains write two of its seven tensors."""
-    from splitz_fast.models import BasicBlock
+    from splitz_fast.zoo.models import BasicBlock
 
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.BatchNorm2d(2), torch.nn.ReLU(),
                               torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8, 3))
@@ -429,7 +429,7 @@ def test_the_gram_build_row_times_both_stencils_and_restores_the_default():
     code = """if True:
         import json, torch
         from benchmarks import targets
-        from splitz_fast import gram
+        from splitz_fast.bounds import gram
         default = gram.GATHERED_STENCIL_DEVICES
         row = targets.gram_build_case(torch.device("cpu"), repeats=2)
         print(json.dumps(dict(row=row, restored=gram.GATHERED_STENCIL_DEVICES == default, cell=targets.ab_cell(row))))

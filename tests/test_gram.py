@@ -17,9 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import splitz_fast as sz
-from splitz_fast import gram, lipschitz
-from splitz_fast.lipschitz import certified_lambda_max, masked_operators
-from splitz_fast.operators import MaskedAffine
+from splitz_fast.bounds import gram, lipschitz
+from splitz_fast.bounds.lipschitz import certified_lambda_max, masked_operators
+from splitz_fast.bounds.gram import factor_gram
+from splitz_fast.bounds.operators import MaskedAffine
 
 # (C_in, C_out, H, W, kernel, stride, padding, dilation)
 CONVS = {
@@ -82,7 +83,7 @@ def _dense_factor(layer: nn.Module, in_shape, out_mask, in_mask, scale) -> torch
 
 
 def _check(op: MaskedAffine, dense: torch.Tensor, sparse: bool | None):
-    gram, terms = op.gram(0, sparse=sparse)
+    gram, terms = factor_gram(op, 0, sparse=sparse)
     assert gram.dtype == torch.float64
     if sparse:
         assert gram.layout == torch.sparse_csr
@@ -178,7 +179,7 @@ def test_banded_cholesky_decides_positive_definiteness(name, panel_min, monkeypa
     out_shape = tuple(conv(torch.zeros(1, c_in, h, w)).shape[1:])
     out_mask, in_mask = _masks("random", (c_in, h, w), out_shape, torch.Generator().manual_seed(3))
     op = MaskedAffine(conv, (c_in, h, w), out_mask=out_mask, in_mask=in_mask, in_scale=None, batch=1)
-    gram, terms = op.gram(0, sparse=True)
+    gram, terms = factor_gram(op, 0, sparse=True)
     upper = gram.to_dense()
     top = float(torch.linalg.eigvalsh(upper + upper.triu(1).mT)[-1])
     monkeypatch.setattr(lipschitz, "BAND_BLOCK_MIN", panel_min)
@@ -197,7 +198,7 @@ def test_banded_certificate_widens_the_shift_on_a_repeated_top_eigenvalue():
     with torch.no_grad():
         conv.weight.fill_(0.5)
     op = MaskedAffine(conv, (1, 8, 8), out_mask=None, in_mask=None, in_scale=None, batch=1)
-    gram, terms = op.gram(0, sparse=True)
+    gram, terms = factor_gram(op, 0, sparse=True)
     assert gram.shape == (64, 64)
     assert 1.0 <= certified_lambda_max(gram, terms) <= 1.0 + 1e-9  # densified
     with pytest.MonkeyPatch.context() as patch:
@@ -225,7 +226,7 @@ def test_lenet_splitz_conv2_gram_is_banded_and_small(gamma):
     _, _, op = _lenet_splitz_conv2(gamma)
     d = 25_088 if gamma is None else int(op.in_mask.sum())
     assert 0 < d <= 25_088
-    gram, terms = op.gram(0)
+    gram, terms = factor_gram(op, 0)
     assert gram.layout == torch.sparse_csr and gram.shape == (d, d)
     nnz = gram.values().numel()
     # upper half of a row's 5×5-pixel, 32-channel neighbourhood: 12 pixels after it, and channels c' ≥ c of its own

@@ -1,4 +1,4 @@
-"""CUDA graphs of f_R (splitz_fast/graphs.py and the engine's use of them): the options and their errors everywhere;
+"""CUDA graphs of f_R (splitz_fast/sampling/graphs.py and the engine's use of them): the options and their errors everywhere;
 on a GPU, that a replayed graph scores whatever is in its input buffer exactly as the eager forward does, that
 certificates through graphs are those of the eager path, that a capture that fails falls back with one warning, that
 the default decides by measurement and records it, and that an edited f_R is captured again."""
@@ -13,9 +13,9 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import Smoother, SplitModel
-from splitz_fast.graphs import GraphCaptureError, capture_scores
-from splitz_fast.score_checks import score_gap
-from splitz_fast.sampling import SamplingEngine
+from splitz_fast.sampling.graphs import GraphCaptureError, capture_scores
+from splitz_fast.sampling.score_checks import score_gap
+from splitz_fast.sampling.engine import SamplingEngine
 from _helpers import small_splitz
 
 
@@ -57,7 +57,7 @@ def test_on_a_cpu_the_default_samples_eagerly_and_decides_nothing():
 def test_graphs_are_dropped_with_the_prepared_copy_when_f_r_changes():
     """A graph holds the addresses of the prepared copy's tensors: the cache asks for a new capture after any edit of
     the user's f_R (weights in place, a replaced layer), and never between calls on an unchanged f_R."""
-    from splitz_fast.prepared import PreparedClassifier
+    from splitz_fast.sampling.prepared import PreparedClassifier
 
     model, _ = small_splitz()
     prepared = PreparedClassifier(model.right, torch.device("cpu"))

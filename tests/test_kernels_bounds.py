@@ -24,16 +24,16 @@ import pytest  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import splitz_fast as sz  # noqa: E402
-from splitz_fast.bounds import (  # noqa: E402
+from splitz_fast.bounds.intervals import (  # noqa: E402
     ROUNDING_MARGIN, affine, ball_bounds, bias_magnitude, first_layer_row_norms, input_scale, linear_part,
-)
+                                          )
 from splitz_fast.kernels.interval_clip import (  # noqa: E402
     IntervalClip, interval_clip, interval_clip_reference, interval_clip_triton,
-)
+                                               )
 from splitz_fast.kernels.masked_linear import (  # noqa: E402
     launch_masked_linear, launch_masked_weight_grad, masked_linear, masked_linear_reference, masked_linear_triton,
-)
-from splitz_fast.operators import MaskedAffine  # noqa: E402
+                                               )
+from splitz_fast.bounds.operators import MaskedAffine  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()

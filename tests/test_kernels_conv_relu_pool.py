@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 import splitz_fast.kernels as kernels
-from splitz_fast.epilogues import ConvReLUMaxPool2
+from splitz_fast.sampling.epilogues import ConvReLUMaxPool2
 from splitz_fast.kernels.conv_relu_pool import (CONFIGS, GATHER_MAX_BLOCK_M, OP_NAME, _timed_configs,
                                                 conv_relu_maxpool2, conv_relu_maxpool2_reference,
                                                 conv_relu_maxpool2_triton)
@@ -137,7 +137,7 @@ def test_prepared_lenet_chain_fuses_each_conv_relu_pool_and_keeps_the_function(s
     """LeNet's fused chain for CUDA runs each Conv2d + ReLU + MaxPool2d(2) as one ConvReLUMaxPool2 sharing the
     convolution's parameters (built without a GPU for a CUDA device, then run on the CPU, where the fused module
     computes the eager chain); the plain chain keeps its layers."""
-    from splitz_fast import prepared as preparing
+    from splitz_fast.sampling import prepared as preparing
 
     model = sz.build_model("lenet", split_index=split).eval()
     right = model.right[1:] if split else model.right  # s = 1: the leading pool is drawn by the noise kernel

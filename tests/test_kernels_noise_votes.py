@@ -38,7 +38,7 @@ from splitz_fast.kernels.noise_votes import (  # noqa: E402
     noisy_latents_reference,
     philox_words_reference,
     stream_normals_reference,
-)
+                                             )
 
 CUDA = torch.cuda.is_available()
 def _latent(shape, device, seed=0, dtype=torch.float32):
@@ -394,7 +394,7 @@ def test_pooled_draw_input_validation(pooled):
 def test_fused_pool_dispatch_follows_the_gpu_measurement(monkeypatch):
     """On CUDA ``auto`` fuses the noise and f_R's leading pool with the Triton kernel (measured faster on an H100);
     forcing Triton selects it too; on the CPU the native kernel fuses where it is built."""
-    from splitz_fast.sampling import pooled_noise_kernel
+    from splitz_fast.sampling.engine import pooled_noise_kernel
 
     cuda = torch.device("cuda")
     monkeypatch.setenv("SPLITZ_BACKEND", "auto")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ("splitz_fast", "benchmarks", "scripts", "tests", "setup.py")
+CHECKED = ("splitz_fast", "kernels", "benchmarks", "scripts", "tests", "setup.py")
 
 
 def test_pyflakes_finds_nothing():

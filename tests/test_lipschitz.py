@@ -13,9 +13,10 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.lipschitz import (certified_lambda_max_many, lanczos_top_eigenvalue, masked_operators,
-                                   probabilistic_norm_bound, squaring_top_eigenvalue)
-from splitz_fast.operators import MaskedAffine
+from splitz_fast.bounds.lipschitz import (certified_lambda_max_many, lanczos_top_eigenvalue, masked_operators,
+                                          probabilistic_norm_bound, squaring_top_eigenvalue)
+from splitz_fast.bounds.gram import factor_gram
+from splitz_fast.bounds.operators import MaskedAffine
 
 
 def _clipped(shape, low=0.2, high=1.5, gen=None):
@@ -311,7 +312,7 @@ def test_lanczos_estimate_matches_a_dense_solver_on_lenet_grams(seed):
     left = sz.lenet(split_index=1).left
     x = torch.rand(1, 1, 28, 28)
     bounds = sz.ball_bounds(left, x, 0.3 * seed)
-    gram, _ = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0, sparse=False)
+    gram, _ = factor_gram(masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0], 0, sparse=False)
     exact = float(torch.linalg.eigvalsh(gram)[-1])
     estimate = lanczos_top_eigenvalue(gram)
     assert exact * (1 - 1e-10) <= estimate <= exact * (1 + 1e-12)
@@ -325,7 +326,7 @@ def test_squaring_estimate_matches_a_dense_solver_on_lenet_grams(seed):
     left = sz.lenet(split_index=1).left
     x = torch.rand(1, 1, 28, 28)
     bounds = sz.ball_bounds(left, x, 0.3 + 0.3 * seed)
-    gram, terms = masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0, sparse=False)
+    gram, terms = factor_gram(masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0], 0, sparse=False)
     exact = float(torch.linalg.eigvalsh(gram)[-1])
     assert squaring_top_eigenvalue(gram) == pytest.approx(exact, rel=1e-13)
     squared = sz.certified_lambda_max(gram, terms, "squaring")
@@ -369,7 +370,7 @@ def _hard_grams(gen: torch.Generator) -> list[torch.Tensor]:
               torch.zeros(0, 0, dtype=torch.float64)]
     left = sz.lenet(split_index=1).left
     bounds = sz.ball_bounds(left, torch.rand(1, 1, 28, 28, generator=gen), 0.4)
-    grams.append(masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0].gram(0)[0])
+    grams.append(factor_gram(masked_operators(left, bounds, (1, 28, 28), 1, bounds.input_scale)[0], 0)[0])
     return grams
 
 
@@ -378,7 +379,7 @@ def test_batched_certificates_are_proven_bounds_equal_to_one_by_one(monkeypatch)
     are bounded together, zero-padded to the largest, and each result is a proven upper bound on λ_max (above the
     dense solver's eigenvalue) equal to certified_lambda_max of that Gram alone up to the estimate's rounding; the
     batched step settles every Gram here except the empty one (no per-Gram fallback)."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     grams = _hard_grams(torch.Generator().manual_seed(11))
     terms = [g.shape[0] + 3 for g in grams]
@@ -404,7 +405,7 @@ def test_batched_certificates_hand_unsettled_grams_to_the_single_path(monkeypatc
     """A Gram whose batched estimate is too low for every tight shift (here: no squaring at all, so the estimate is a
     column's Rayleigh quotient) is bounded by certified_lambda_max on its own — the host solver's shift — and the
     result is still a proven bound; other estimators never batch."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     gen = torch.Generator().manual_seed(12)
     grams = [(lambda a: a.T @ a)(torch.randn(d + 2, d, generator=gen, dtype=torch.float64)) for d in (6, 30, 17)]
@@ -427,7 +428,7 @@ def test_batched_certificates_hand_unsettled_grams_to_the_single_path(monkeypatc
 def test_a_poor_lanczos_estimate_falls_back_to_the_host_solver(monkeypatch):
     """A Lanczos estimate far below λ_max fails every tight shift; the host solver's estimate must then keep the
     bound tight (and it is a proven bound either way)."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(80, 60, generator=gen, dtype=torch.float64)
@@ -480,7 +481,7 @@ def test_exact_bound_on_cuda_matches_the_cpu_certificate(seed, estimator, monkey
     squaring, both Grams in one batch, under auto and squaring; Lanczos one by one); the CPU uses the host solver.
     Both are proven bounds of the same Gram, so they must agree to the shift's slack and sit above the dense solver's
     λ_max."""
-    import splitz_fast.lipschitz as lipschitz
+    import splitz_fast.bounds.lipschitz as lipschitz
 
     certify = lipschitz.certified_lambda_max_many
     monkeypatch.setattr(lipschitz, "certified_lambda_max_many",
@@ -493,6 +494,6 @@ def test_exact_bound_on_cuda_matches_the_cpu_certificate(seed, estimator, monkey
     bounds = sz.ball_bounds(left, x, 0.3 * seed)
     ops = masked_operators(left, bounds, (1, 28, 28), 2, bounds.input_scale)
     for b in range(2):
-        exact = math.sqrt(float(torch.linalg.eigvalsh(ops[0].gram(b, sparse=False)[0])[-1]))
+        exact = math.sqrt(float(torch.linalg.eigvalsh(factor_gram(ops[0], b, sparse=False)[0])[-1]))
         assert exact <= float(cuda[b]) <= exact * (1 + 1e-6)
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-6, atol=0)

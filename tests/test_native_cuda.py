@@ -19,14 +19,14 @@ from splitz_fast.kernels.native_cuda import (
     cuda_module,
     nvcc_compile_command,
     nvcc_path,
-)
+                                             )
 from splitz_fast.kernels.noise_votes import (
     count_votes_cuda,
     count_votes_reference,
     noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_reference,
-)
+                                             )
 
 CUDA = torch.cuda.is_available()
 
@@ -131,7 +131,7 @@ def test_engine_runs_on_the_cuda_kernels_when_forced(monkeypatch):
     """SPLITZ_BACKEND=native on a GPU: the sampling engine draws with noisy_latents_cuda and counts with
     count_votes_cuda (same Philox stream as the Triton default)."""
     import splitz_fast as sz
-    from splitz_fast.sampling import NoiseStream, SamplingEngine, SamplingJob
+    from splitz_fast.sampling.engine import NoiseStream, SamplingEngine, SamplingJob
 
     monkeypatch.setenv(BACKEND_ENV, "native")
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.bounds import pool_interval
-from splitz_fast.lipschitz import masked_operators
+from splitz_fast.bounds.intervals import pool_interval
+from splitz_fast.bounds.lipschitz import masked_operators
 
 
 def pooled_left(seed: int = 0, threshold: float = 0.6) -> sz.LeftHalf:

@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.analysis import analyze, read_certification
-from splitz_fast.envelope import load_group
-from splitz_fast.protocols import PAPER_POWER_ITERS, PublishedCode, get_protocol
-from splitz_fast.sequential import SequentialCertifier
+from splitz_fast.analysis.tables import analyze, read_certification
+from splitz_fast.analysis.envelope import load_group
+from splitz_fast.certify.protocols import PAPER_POWER_ITERS, PublishedCode, get_protocol
+from splitz_fast.certify.sequential import SequentialCertifier
 
 SIGMA = 0.5
 
@@ -135,7 +135,7 @@ def test_unknown_protocol_and_sequential_estimates_are_refused():
 
 # ------------------------------------------------------------------------ labelled everywhere
 def _write_run(tmp_path, name: str, protocol: str, sigma: float) -> str:
-    from splitz_fast.results import HEADER, format_row
+    from splitz_fast.runs.rows import HEADER, format_row
 
     model, x = _model(True)
     smoother = sz.Smoother(model, sigma, protocol=protocol)
@@ -160,7 +160,7 @@ def test_analysis_and_envelope_label_estimates_and_refuse_to_mix(tmp_path):
 
 
 def test_cli_certify_records_an_estimate_in_the_sidecar_and_rows(tmp_path, tiny):
-    from splitz_fast.cli import main
+    from splitz_fast.cli.main import main
 
     ckpt = tmp_path / "run"
     assert main(["train", "tiny", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8", "--split-index", "1"]) == 0
@@ -178,7 +178,7 @@ def test_cli_certify_records_an_estimate_in_the_sidecar_and_rows(tmp_path, tiny)
 
 
 def test_cli_published_code_without_a_known_std_is_one_line_before_anything_is_written(tmp_path, tiny, capsys):
-    from splitz_fast.cli import main
+    from splitz_fast.cli.main import main
 
     ckpt = tmp_path / "run"
     assert main(["train", "tiny", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8",
@@ -201,7 +201,7 @@ def _dataset(count: int = 3):
 
 def _api_run(path, protocol: str, **kwargs):
     """A certification run through the Python API only (no CLI settings), as a user's own script writes one."""
-    from splitz_fast.runs import CertifyRun, run_over_dataset
+    from splitz_fast.runs.loop import CertifyRun, run_over_dataset
 
     model, _ = _model(True)
     data = _dataset()
@@ -250,7 +250,7 @@ def test_resume_reads_the_rows_when_the_sidecar_does_not_say(tmp_path):
 
 
 def test_merge_refuses_shards_of_certificates_and_estimates(tmp_path):
-    from splitz_fast.runs import ShardData, ShardSpec, merge_shards
+    from splitz_fast.runs.loop import ShardData, ShardSpec, merge_shards
 
     out = tmp_path / "run.tsv"
     sound = _api_run(out, "sound", shard=ShardSpec(0, 2))
@@ -269,7 +269,7 @@ def test_merge_refuses_shards_of_certificates_and_estimates(tmp_path):
 
 
 def test_merged_estimate_shards_are_labelled_an_estimate_run(tmp_path):
-    from splitz_fast.runs import ShardData, ShardSpec, merge_shards
+    from splitz_fast.runs.loop import ShardData, ShardSpec, merge_shards
 
     out = tmp_path / "run.tsv"
     shards = [_api_run(out, "paper", shard=ShardSpec(k, 2)) for k in range(2)]
@@ -284,7 +284,7 @@ def test_merged_estimate_shards_are_labelled_an_estimate_run(tmp_path):
 
 
 def _table(radius, bound, correct=None, **kwargs):
-    from splitz_fast.analysis import CertificationTable
+    from splitz_fast.analysis.tables import CertificationTable
 
     k = len(radius)
     correct = np.ones(k, dtype=bool) if correct is None else np.asarray(correct, dtype=bool)
@@ -315,7 +315,7 @@ def test_envelope_report_from_python_refuses_a_mixed_group():
 
 
 def test_estimates_are_never_the_bold_best_value():
-    from splitz_fast.analysis import markdown_table
+    from splitz_fast.analysis.tables import markdown_table
 
     sound_a = _table([0.5, 0.2], ["local-exact"] * 2)
     sound_b = _table([0.3, 0.1], ["local-exact"] * 2)
@@ -329,7 +329,7 @@ def test_estimates_are_never_the_bold_best_value():
 
 
 def test_diagnose_labels_an_estimate_run_and_reports_no_flatness(tmp_path):
-    from splitz_fast.diagnostics import diagnose, diagnostics_report
+    from splitz_fast.analysis.diagnostics import diagnose, diagnostics_report
 
     model, _ = _model(True)
     out = _api_run(tmp_path / "paper.tsv", "paper")
@@ -367,7 +367,7 @@ def test_published_code_lipschitz_factor_must_be_positive_and_finite(factor):
 
 
 def test_cli_published_lipschitz_factor_reaches_the_sidecar_and_resume_refuses_another(tmp_path, tiny, capsys):
-    from splitz_fast.cli import main
+    from splitz_fast.cli.main import main
 
     ckpt = tmp_path / "run"  # the tiny data under the name mnist, so the published code's MNIST std applies
     assert main(["train", "mnist", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8",
@@ -394,7 +394,7 @@ def test_cli_published_lipschitz_factor_reaches_the_sidecar_and_resume_refuses_a
 @pytest.mark.parametrize("protocol", [[], ["--protocol", "sound"], ["--protocol", "paper"]])
 def test_cli_published_lipschitz_factor_is_refused_without_the_published_code_protocol(tmp_path, tiny, capsys,
                                                                                          protocol):
-    from splitz_fast.cli import main
+    from splitz_fast.cli.main import main
 
     ckpt = tmp_path / "run"
     assert main(["train", "mnist", "mlp", str(ckpt), "--sigma", "0.5", "--epochs", "1", "--batch", "8",

@@ -12,13 +12,13 @@ import scipy.stats
 import torch
 import torch.nn.functional as F
 
-import splitz_fast.training as training
-from splitz_fast.bounds import ball_bounds
-from splitz_fast.cli import _TRAIN_OPTIONS, _train_config, build_parser, main
-from splitz_fast.lipschitz import PowerIterationState, lipschitz_bound, lipschitz_estimate
-from splitz_fast.models import build_model, tabular_mlp
-from splitz_fast.training import (P_A_CLAMP, TrainConfig, load_checkpoint_file, radius_penalty, radius_weight_at,
-                                  splitz_loss, torch_training_noise)
+import splitz_fast.training.loop as training
+from splitz_fast.bounds.intervals import ball_bounds
+from splitz_fast.cli.main import _TRAIN_OPTIONS, _train_config, build_parser, main
+from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_bound, lipschitz_estimate
+from splitz_fast.zoo.models import build_model, tabular_mlp
+from splitz_fast.training.loop import (P_A_CLAMP, TrainConfig, load_checkpoint_file, radius_penalty, radius_weight_at,
+                                       splitz_loss, torch_training_noise)
 
 
 def _lenet(seed=0, dtype=torch.float32, **kwargs):

@@ -36,7 +36,7 @@ def test_readme_python_snippet_runs(capsys):
 
 @pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
 def test_every_splitz_command_shown_parses(page):
-    from splitz_fast.cli import build_parser
+    from splitz_fast.cli.main import build_parser
 
     commands = _splitz_commands(ROOT / page)
     assert len(commands) >= 5

@@ -11,14 +11,14 @@ import torch
 from torch.utils.data import TensorDataset
 
 import splitz_fast as sz
-from splitz_fast.analysis import CertificationTable
-from splitz_fast.cli import main
-from splitz_fast.diagnostics import neuron_states
-from splitz_fast.envelope import MNIST_REFERENCES, envelope, envelope_report
-from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
-from splitz_fast.recipes import RECIPES, recipe_config
-from splitz_fast.training import (LIP_OBJECTIVES, TrainConfig, held_out_part, load_checkpoint_file, splitz_loss,
-                                  train, warm_start_)
+from splitz_fast.analysis.tables import CertificationTable
+from splitz_fast.cli.main import main
+from splitz_fast.analysis.diagnostics import neuron_states
+from splitz_fast.analysis.envelope import MNIST_REFERENCES, envelope, envelope_report
+from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_estimate
+from splitz_fast.training.recipes import RECIPES, recipe_config
+from splitz_fast.training.loop import (LIP_OBJECTIVES, TrainConfig, held_out_part, load_checkpoint_file, splitz_loss,
+                                       train, warm_start_)
 
 
 def _batch(seed=0, n=8):
@@ -217,7 +217,7 @@ def test_constant_neurons_never_change_state_inside_the_ball():
     states = neuron_states(model.left, x, gamma)
     assert np.allclose(states.inactive + states.saturated + states.varying, 1.0)
     assert states.inactive[0] > states.inactive[2]  # a larger ball keeps fewer neurons constant
-    from splitz_fast.bounds import ball_bounds
+    from splitz_fast.bounds.intervals import ball_bounds
     bounds = ball_bounds(model.left, x, gamma)
     layer = model.left.layers[0]
     gen = torch.Generator().manual_seed(1)
@@ -239,7 +239,7 @@ def test_dead_neurons_are_those_inactive_on_every_ball():
         model.left.layers[0].bias[:4] = -1e3  # four channels never fire
     x, _ = _batch(n=3)
     states = neuron_states(model.left, x, 0.5)
-    from splitz_fast.bounds import ball_bounds
+    from splitz_fast.bounds.intervals import ball_bounds
     upper = ball_bounds(model.left, x, 0.5).upper[0]
     assert np.array_equal(states.ever_awake, (upper > 0).flatten(1).any(0).numpy())
     per_channel = states.ever_awake.reshape(upper.shape[1], -1)

@@ -10,14 +10,14 @@ import torch.nn as nn
 from scipy.stats import norm
 
 import splitz_fast as sz
-from splitz_fast.checkpoints import save_checkpoint
-from splitz_fast.cli import main
-from splitz_fast.distributed import BatchRows
-from splitz_fast.lipschitz import PowerIterationState, lipschitz_bound
-from splitz_fast.models import RSInitLeNet
-from splitz_fast.radius import BoundOptions, RadiusSearch
-from splitz_fast.recipes import RECIPES, recipe_config
-from splitz_fast.training import TrainConfig, load_checkpoint_file, training_step, warm_start_
+from splitz_fast.checkpoints.splitz import save_checkpoint
+from splitz_fast.cli.main import main
+from splitz_fast.runs.torchrun import BatchRows
+from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_bound
+from splitz_fast.zoo.models import RSInitLeNet
+from splitz_fast.bounds.radius import BoundOptions, RadiusSearch
+from splitz_fast.training.recipes import RECIPES, recipe_config
+from splitz_fast.training.loop import TrainConfig, load_checkpoint_file, training_step, warm_start_
 from _helpers import installed
 
 SIGMA = 0.5

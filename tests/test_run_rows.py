@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from splitz_fast.cli import main
+from splitz_fast.cli.main import main
 
 DATA = Path(__file__).parent / "data" / "run_rows"
 SPLIT1, WHOLE = DATA / "mlp-split1.pt", DATA / "mlp-split3.pt"

@@ -1,4 +1,4 @@
-"""Tests of splitz_fast.sequential: the beta-binomial mixture confidence sequence and the sequential driver.
+"""Tests of splitz_fast.certify.sequential: the beta-binomial mixture confidence sequence and the sequential driver.
 
 The central check is validity under optional stopping: an adversary who stops a Bernoulli(p) stream the first time
 the lower bound exceeds the true p must succeed on at most an α fraction of streams. The same check, applied to a
@@ -14,8 +14,8 @@ import pytest
 from scipy.integrate import quad
 from scipy.stats import beta, binom, binomtest, norm
 
-from splitz_fast import sequential
-from splitz_fast.sequential import (
+from splitz_fast.certify import sequential
+from splitz_fast.certify.sequential import (
     BetaBinomialCS,
     Decision,
     SequentialCertifier,
@@ -23,7 +23,7 @@ from splitz_fast.sequential import (
     certify_sequential,
     checkpoints,
     latent_thresholds,
-)
+                                            )
 
 
 # ------------------------------------------------------------------ optional-stopping harness
@@ -365,11 +365,11 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 import splitz_fast as sz  # noqa: E402
-import splitz_fast.datasets as datasets  # noqa: E402
+import splitz_fast.data.datasets as datasets  # noqa: E402
 from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel  # noqa: E402
-from splitz_fast.analysis import load_runs  # noqa: E402
-from splitz_fast.cli import main  # noqa: E402
-from splitz_fast.datasets import DatasetInfo  # noqa: E402
+from splitz_fast.analysis.tables import load_runs  # noqa: E402
+from splitz_fast.cli.main import main  # noqa: E402
+from splitz_fast.data.datasets import DatasetInfo  # noqa: E402
 
 
 class LinearBinary(nn.Module):

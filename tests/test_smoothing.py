@@ -16,10 +16,10 @@ from scipy.stats import beta, binom, binomtest, norm
 
 import splitz_fast as sz
 from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel
-from splitz_fast import prepared
-from splitz_fast.prepared import PreparedClassifier
+from splitz_fast.sampling import prepared
+from splitz_fast.sampling.prepared import PreparedClassifier
 from splitz_fast.kernels.noise_votes import noisy_latents_native
-from splitz_fast.sampling import NOISE_BLOCK, NoiseStream, SamplingEngine
+from splitz_fast.sampling.engine import NOISE_BLOCK, NoiseStream, SamplingEngine
 
 
 # ====================================================================== small models
@@ -101,7 +101,7 @@ def result_fields(r) -> dict:
 
 # ====================================================================== Cohen's CERTIFY, reimplemented
 def engine_stream(seed: int, shape):
-    """The engine's noise contract (splitz_fast.sampling): sample k of a seed is a fixed function of (seed, k),
+    """The engine's noise contract (splitz_fast.sampling.engine): sample k of a seed is a fixed function of (seed, k),
     whatever the batch sizes that consume it — on the Philox stream (native kernel) z_t with t = k D + j, on the
     fallback path row k of consecutive ``normal_`` blocks of ``NOISE_BLOCK`` samples of a generator seeded with seed."""
     if NoiseStream(seed, torch.device("cpu")).source == "torch-cpu":

@@ -9,12 +9,12 @@ import torch
 from torch.utils.data import TensorDataset
 
 import splitz_fast as sz
-from splitz_fast.bounds import ball_bounds
-from splitz_fast.cli import main
-from splitz_fast.models import tabular_mlp
-from splitz_fast.recipes import RECIPES, recipe_config
-from splitz_fast.training import (TrainConfig, ball_intervals, load_checkpoint_file, splitz_loss,
-                                  stability_penalty, train)
+from splitz_fast.bounds.intervals import ball_bounds
+from splitz_fast.cli.main import main
+from splitz_fast.zoo.models import tabular_mlp
+from splitz_fast.training.recipes import RECIPES, recipe_config
+from splitz_fast.training.loop import (TrainConfig, ball_intervals, load_checkpoint_file, splitz_loss,
+                                       stability_penalty, train)
 
 
 def _mlp(seed=0, **kwargs):
@@ -116,7 +116,7 @@ def test_stability_penalty_gradient_matches_finite_differences():
 
 @pytest.mark.parametrize("split", [1, 2])
 def test_ball_intervals_are_the_certificates_bounds(split):
-    """Same intervals as splitz_fast.bounds.ball_bounds (conv first layer with border taps, pool, second conv), up to
+    """Same intervals as splitz_fast.bounds.intervals.ball_bounds (conv first layer with border taps, pool, second conv), up to
     the certificate's rounding margin; and the stability term's varying count is the certificate's mask."""
     torch.manual_seed(0)
     model = sz.lenet(split_index=split, threshold=0.5).double()

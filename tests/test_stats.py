@@ -1,4 +1,4 @@
-"""Tests of splitz_fast.stats: Clopper–Pearson bound, Cohen's radius, PREDICT's binomial test.
+"""Tests of splitz_fast.certify.stats: Clopper–Pearson bound, Cohen's radius, PREDICT's binomial test.
 
 Every value is checked against SciPy and, for the Clopper–Pearson bound, against an independent formulation
 (the root of the binomial tail equation), so a wrong parametrisation of the Beta quantile cannot slip through.

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import splitz_fast as sz  # noqa: E402
-from splitz_fast.bounds import ball_bounds  # noqa: E402
+from splitz_fast.bounds.intervals import ball_bounds  # noqa: E402
 from splitz_fast.kernels.interval_clip import interval_clip_reference, interval_clip_triton  # noqa: E402
 from splitz_fast.kernels.thresholds import normalize_threshold  # noqa: E402
 from _helpers import kernel_devices  # noqa: E402

@@ -13,13 +13,13 @@ import torch
 from torch.utils.data import TensorDataset
 
 import splitz_fast as sz
-from splitz_fast.cli import main
-from splitz_fast.data import load_mnist
-from splitz_fast.lipschitz import PowerIterationState, lipschitz_estimate
-from splitz_fast.results import COHEN_COLUMNS
-from splitz_fast.runs import CertifyRun, run_over_dataset, select_indices
-import splitz_fast.training as training
-from splitz_fast.training import TrainConfig, load_checkpoint_file, splitz_loss, train
+from splitz_fast.cli.main import main
+from splitz_fast.data.packages import load_mnist
+from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_estimate
+from splitz_fast.runs.rows import COHEN_COLUMNS
+from splitz_fast.runs.loop import CertifyRun, run_over_dataset, select_indices
+import splitz_fast.training.loop as training
+from splitz_fast.training.loop import TrainConfig, load_checkpoint_file, splitz_loss, train
 from _helpers import installed
 
 
@@ -217,7 +217,7 @@ def test_training_labels_must_be_integer_class_indices(tmp_path):
 
 
 def test_a_refused_warm_start_leaves_no_output_folder(tmp_path, mnist_small):
-    from splitz_fast.checkpoints import CHECKPOINT_FORMAT
+    from splitz_fast.checkpoints.splitz import CHECKPOINT_FORMAT
 
     rs = sz.lenet(split_index=0)
     torch.save({"format": CHECKPOINT_FORMAT, "model": rs.state_dict(), "config": {"sigma": 0.25},
@@ -318,7 +318,7 @@ def test_cutting_a_torn_row_rewrites_nothing_so_a_full_disk_loses_no_row(tmp_pat
 _FULL_DISK_RUN = """
 import resource, signal, sys, torch
 import splitz_fast as sz
-from splitz_fast.runs import CertifyRun, run_over_dataset
+from splitz_fast.runs.loop import CertifyRun, run_over_dataset
 torch.manual_seed(0)
 task = CertifyRun(sz.Smoother(sz.lenet(split_index=1).eval(), 0.5), 5, 20, 0.01, 32)
 gen = torch.Generator().manual_seed(6)
@@ -542,7 +542,7 @@ def test_a_run_that_fails_before_its_first_row_leaves_no_file_and_a_rerun_starts
 def test_a_run_that_loses_the_race_for_a_fresh_outfile_leaves_the_winners_files(tmp_path, monkeypatch):
     """Another process creates the OUTFILE between this run's first look and its own creation: this run's error must
     not remove the files it did not write."""
-    import splitz_fast.runs as runs
+    import splitz_fast.runs.loop as runs
 
     task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
     out = tmp_path / "o.tsv"
@@ -561,7 +561,7 @@ def test_a_run_that_loses_the_race_for_a_fresh_outfile_leaves_the_winners_files(
 
 def test_a_run_task_of_its_own_needs_no_model(tmp_path):
     """RunTask subclasses written before tasks had a model still run (their labels are not checked)."""
-    from splitz_fast.runs import RunTask
+    from splitz_fast.runs.loop import RunTask
 
     class Echo(RunTask):
         kind, header = "echo", "idx\tlabel"
