@@ -1,4 +1,4 @@
-"""Whether a timed region compiled or autotuned anything: benchmarks/targets.py times a row only after its warm-up,
+"""Whether a timed region compiled or autotuned anything: benchmarks/targets/ times a row only after its warm-up,
 and records here what the timed run still compiled (``compiled_in_timed_region`` and the counts behind it).
 
 Observed in a region (:class:`CompileCounter`), the same way on torch 2.11 / triton 3.6 and torch 2.14 / triton 3.8:
@@ -21,7 +21,8 @@ measurement and the warm-up on; a configuration first seen in the timed region m
 and counts as a compilation. The shapes are static after the warm-up: without ``compile`` the engine's batches are
 full batches and the tail of each sampling window, and a window is one input wherever n0 + n samples fill
 ``WINDOW_BATCHES`` batches (every full-size workload), so one warm-up input sees them all; where a window holds
-several inputs, benchmarks/targets.py warms up on the timed set's own windows (the same inputs, other seeds) as well.
+several inputs, benchmarks/targets/measure.py warms up on the timed set's own windows (the same inputs, other
+seeds) as well.
 """
 from __future__ import annotations
 

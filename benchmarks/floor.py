@@ -1,5 +1,5 @@
 """The least time a certification can take on a card: ``f_R``'s FLOPs and activation bytes per sample, counted, and
-the compute and memory floors per image that follow from the card's peak figures (benchmarks/targets.py's columns).
+the compute and memory floors per image that follow from the card's peak figures (benchmarks/targets/' columns).
 
 **What is counted** (:func:`count_cost`): one forward of ``f_R`` (the part of the model the noise samples go through;
 at s = 0 the whole model, standardization included) on one sample (batch 1; every count here is proportional to the

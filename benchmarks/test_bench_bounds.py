@@ -81,7 +81,7 @@ def test_radius_search_trained_lenet_real_mnist(benchmark, record_env, monkeypat
     agree (the skip never changes a radius; the shift estimate only moves the bound by ~1e-10 relative)."""
     from scipy.stats import norm
 
-    from splitz_fast.bounds import lipschitz
+    from splitz_fast.bounds import eigen
     from splitz_fast.bounds.radius import BoundOptions, bisection_reference
 
     try:
@@ -101,7 +101,7 @@ def test_radius_search_trained_lenet_real_mnist(benchmark, record_env, monkeypat
         return out, (time.perf_counter() - start) / len(xs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(lipschitz, "ARPACK_TOL", 0.0)
+        patch.setattr(eigen, "ARPACK_TOL", 0.0)
         before, before_s = timed(lambda: [bisection_reference(model.left, x, radius_latent, BoundOptions())
                                           for x in xs])
     alone, alone_s = timed(lambda: [search.search(x, radius_latent, None) for x in xs])

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 import splitz_fast as sz
-from splitz_fast.bounds.lipschitz import PowerIterationState
-from splitz_fast.training.loop import TrainConfig, splitz_loss
+from splitz_fast.bounds.estimate import PowerIterationState
+from splitz_fast.training.config import TrainConfig
+from splitz_fast.training.loss import splitz_loss
 
 from conftest import DEVICE, QUICK, synchronize
 

@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from splitz_fast.kernels.first_layer_bounds import first_layer_bounds
 from splitz_fast.kernels.masked_conv2d import masked_conv2d
-from splitz_fast.kernels.noise_votes import count_votes_triton, count_votes_reference, noisy_latents_triton
+from splitz_fast.kernels.noise import noisy_latents_triton
+from splitz_fast.kernels.votes import count_votes_triton, count_votes_reference
 
 from conftest import DEVICE, QUICK
 
@@ -127,7 +128,8 @@ def cuda_kernel_case(case: str, samples: int) -> dict:
     the Triton kernel and eager PyTorch on the same inputs (also run by ``python -m benchmarks.targets --part
     native``, stage 2 of scripts/gpu_checks.sh)."""
     from splitz_fast.kernels.native_cuda import cuda_native_available
-    from splitz_fast.kernels.noise_votes import count_votes_cuda, noisy_latents_cuda
+    from splitz_fast.kernels.noise import noisy_latents_cuda
+    from splitz_fast.kernels.votes import count_votes_cuda
 
     assert cuda_native_available(), "csrc/noise_votes_cuda.cu did not build here (see the warning)"
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import torch
 
 import splitz_fast as sz
 from splitz_fast.kernels.native import native_available
-from splitz_fast.kernels.noise_votes import noisy_latents_native
+from splitz_fast.kernels.noise import noisy_latents_native
 from splitz_fast.sampling.engine import NoiseStream, SamplingEngine, SamplingJob
 
 from conftest import DEVICE, QUICK
@@ -93,8 +93,9 @@ def test_training_step_native_vs_reference(benchmark, record_env, monkeypatch):
     included) with the native training kernels (``SPLITZ_BACKEND=auto``: fused clipped ReLU + mask, fused masked-conv
     power steps and norm, Philox noise written channels_last) against the reference path (``SPLITZ_BACKEND=reference``:
     today's PyTorch ops and ``torch.randn`` noise), one model each, timed interleaved in this process."""
-    from splitz_fast.training.loop import TrainConfig, splitz_loss
-    from splitz_fast.bounds.lipschitz import PowerIterationState
+    from splitz_fast.training.config import TrainConfig
+    from splitz_fast.training.loss import splitz_loss
+    from splitz_fast.bounds.estimate import PowerIterationState
 
     if not native_available("conv_power"):
         pytest.skip("the native training kernels (csrc/train_cpu.cpp) could not be built")

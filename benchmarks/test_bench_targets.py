@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import splitz_fast as sz
-from targets import FULL, QUICK as QUICK_WORKLOADS, measure_group, summary
+from targets.measure import measure_group
+from targets.report import summary
+from targets.workloads import FULL, QUICK as QUICK_WORKLOADS
 
 from conftest import DEVICE, QUICK, synchronize
 

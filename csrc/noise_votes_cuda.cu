@@ -1,4 +1,4 @@
-// CUDA kernels of the sampling engine: the noise stream (contract: philox.h and kernels/noise_votes.py) fused with the
+// CUDA kernels of the sampling engine: the noise stream (contract: philox.h and kernels/noise.py) fused with the
 // broadcast latent, the cast and the layout, and the vote count (row argmax + histogram). Built, with its binding
 // noise_votes_cuda_bind.cpp, as a Python module of its own (splitz_fast/kernels/native.py: cuda_module), separate
 // from the CPU extension and only where CUDA is available. No torch header here (see noise_votes_cuda.h).

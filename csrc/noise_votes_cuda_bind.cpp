@@ -1,7 +1,8 @@
 // Python binding of the CUDA kernels of noise_votes_cuda.cu (a module of its own, built by
 // splitz_fast/kernels/native.py: cuda_module, only where CUDA is available): tensor checks, device guard, the current
-// stream, then the raw-pointer launchers of noise_votes_cuda.h. The Python launchers (kernels/noise_votes.py:
-// noisy_latents_cuda, count_votes_cuda) check the arguments first; these checks only keep a direct call memory-safe.
+// stream, then the raw-pointer launchers of noise_votes_cuda.h. The Python launchers (kernels/noise.py:
+// noisy_latents_cuda, kernels/votes.py: count_votes_cuda) check the arguments first; these checks only keep a direct
+// call memory-safe.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,7 +1,7 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) and the Box-Muller step of
 // splitz_fast's noise stream, shared by the C++ (noise_cpu.cpp) and CUDA (*.cu) kernels.
 //
-// The stream contract (the same as the Triton kernel kernels/noise_votes.py; tl.randint4x, Triton >= 3.4): the
+// The stream contract (the same as the Triton kernel kernels/noise.py; tl.randint4x, Triton >= 3.4): the
 // noise of one seed is a sequence of N(0, 1) numbers z_t, t = 0, 1, 2, ...; element j of sample k of a call at sample
 // offset `offset` is z_t with t = (offset + k) * D + j (D = elements per sample, j row-major). The pair (z_2i, z_2i+1)
 // comes from one Philox call: counter i as the 128-bit Philox counter (lo32(i), hi32(i), 0, 0) under the key

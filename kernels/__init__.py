@@ -3,9 +3,10 @@
 One op per file (Triton kernels, launcher, ``autograd.Function`` where gradients are needed) with its pure-PyTorch
 reference beside it — the reference is both the CPU path and the test oracle:
 
-* ``noise_votes``: ``noisy_latents`` (Philox noise added to a broadcast latent in float32, optional bf16/channels_last
-  store), ``noisy_latents_maxpool2`` (the same draw through a 2x2 max pool in one pass, for an ``f_R`` that starts
-  with one) and ``count_votes`` (row argmax + histogram on the device) — used by the sampling engine;
+* ``noise``: ``noisy_latents`` (Philox noise added to a broadcast latent in float32, optional bf16/channels_last
+  store) and ``noisy_latents_maxpool2`` (the same draw through a 2x2 max pool in one pass, for an ``f_R`` that starts
+  with one); ``votes``: ``count_votes`` (row argmax + histogram on the device) — both used by the sampling engine;
+  ``philox_reference``: the Philox stream in PyTorch, the oracle the noise references (and the tests) draw from;
 * ``first_layer_bounds``: standardization, the first affine layer (conv as an implicit GEMM, or linear), its exact
   l2-ball bound with the rounding margin, the varying mask, ``f_L(x)`` and the clipped interval, in one pass over the
   input — layer 1 of ``bounds.ball_bounds``;
@@ -55,7 +56,7 @@ TRITON_OPS: frozenset[str] = frozenset({"noisy_latents", "noisy_latents_maxpool2
 # (benchmarks/test_bench_kernels.py, H200, batch 256). masked_conv2d is not: its implicit GEMM ran at 0.04–0.39x
 # cuDNN's conv2d/conv_transpose2d with the masks as separate multiplies, so on CUDA it runs only when forced.
 # noisy_latents_maxpool2 (the noise and f_R's leading 2x2 max pool in one pass) is: LeNet s = 1 CERTIFY on an H100
-# (benchmarks/targets.py --part native, n = 10⁵) 0.104 vs 0.117 s per image (tf32), 0.101 vs 0.112 (bf16).
+# (python -m benchmarks.targets --part native, n = 10⁵) 0.104 vs 0.117 s per image (tf32), 0.101 vs 0.112 (bf16).
 # conv_relu_maxpool2 (a Conv2d + ReLU + 2x2 MaxPool2d of f_R in one kernel) runs only inside the fused copy of f_R,
 # which the sampling engine uses where it measures it faster than the plain copy (epilogues.FusionChoice).
 AUTO_TRITON_OPS: frozenset[str] = TRITON_OPS - {"masked_conv2d"}

@@ -17,3 +17,12 @@ def gamma_vector(gamma: float | torch.Tensor | None, z: torch.Tensor) -> torch.T
     if g.numel() != z.shape[0]:
         raise ValueError(f"gamma must be a scalar or have one value per sample ({z.shape[0]}), got {g.numel()}")
     return g.contiguous()
+
+
+def check_launch_device(name: str, t: torch.Tensor, kernel) -> None:
+    """Refuse a launch of a Triton ``kernel`` (jitted by its op file's ``_kernels()``, so one kernel of a file stands
+    for all of them) on ``t`` outside CUDA, unless Triton wrapped the kernel for its interpreter."""
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    if t.device.type != "cuda" and not interpreted:
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels run on CUDA tensors (or on CPU tensors when "
+                         "TRITON_INTERPRET=1 is set before the first launch); use the *_reference function elsewhere")

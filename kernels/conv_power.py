@@ -1,6 +1,6 @@
 """The masked convolution factor of the training Lipschitz estimate, fused per image: its power step and its norm.
 
-For a ``Conv2d`` factor ``A_b = diag(m_b) W diag(f_b)`` of :func:`splitz_fast.bounds.lipschitz.lipschitz_estimate`
+For a ``Conv2d`` factor ``A_b = diag(m_b) W diag(f_b)`` of :func:`splitz_fast.bounds.estimate.lipschitz_estimate`
 (``m`` the varying mask of the layer's outputs, ``f`` the input factor: the previous layer's mask and/or ``1/sd``):
 
 * :func:`masked_conv_gram` — ``A_bᵀ A_b v_b = f ⊙ Wᵀ(m ⊙ W(f ⊙ v_b))``, one power step, without gradient;

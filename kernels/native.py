@@ -10,7 +10,7 @@ loader warns once, says why and how to fix it, and returns ``None``: every op th
 follows the same contract (the noise stream included), so results do not depend on whether a compiler was found —
 only speed does. ``SPLITZ_NATIVE=0`` turns the extension off without a warning.
 
-Ops: ``noisy_latents`` (CPU; csrc/noise_cpu.cpp, contract in csrc/philox.h and kernels/noise_votes.py) and
+Ops: ``noisy_latents`` (CPU; csrc/noise_cpu.cpp, contract in csrc/philox.h and kernels/noise.py) and
 ``philox_words`` (the integer half of the stream, for tests) in the noise module (:func:`native_module`); the training
 step's ops in a second module built from csrc/train_cpu.cpp (:func:`train_module`): ``conv_power`` (the masked
 convolution Gram step and norm of the Lipschitz estimate, kernels/conv_power.py), ``clip_mask`` (the first layer's

@@ -13,9 +13,9 @@ cache, and only where ``torch.cuda.is_available()``: elsewhere it returns ``None
 failing build warns once and returns ``None``; ``SPLITZ_NATIVE=0`` turns it off, as for the CPU kernels.
 
 The CUDA kernels are reachable by name (``SPLITZ_BACKEND=native`` on CUDA tensors, or ``noisy_latents_cuda`` /
-``count_votes_cuda`` of :mod:`splitz_fast.kernels.noise_votes`); ``auto`` keeps Triton on CUDA until a GPU
-measurement (benchmarks/test_bench_kernels.py) shows the CUDA kernels faster (``AUTO_CUDA_NATIVE_OPS`` in
-:mod:`splitz_fast.kernels`).
+``count_votes_cuda`` of :mod:`splitz_fast.kernels.noise` and :mod:`splitz_fast.kernels.votes`); ``auto`` keeps
+Triton on CUDA until a GPU measurement (benchmarks/test_bench_kernels.py) shows the CUDA kernels faster
+(``AUTO_CUDA_NATIVE_OPS`` in :mod:`splitz_fast.kernels`).
 
 CI has nvcc but no GPU: :func:`nvcc_compile_command` is the compile-only command for ``noise_votes_cuda.cu`` (the same
 nvcc flags as the JIT build), which tests/test_native_cuda.py runs so that the CUDA sources cannot rot;

@@ -2,9 +2,9 @@
 
     out[b·q + j] = latent[b] + σ · z_{b·q + j}        b < B, j < q;   ∂loss/∂latent[b] = Σ_j ∂loss/∂out[b·q + j]
 
-``z_k`` is sample ``k`` of the Philox stream of ``csrc/philox.h`` (:mod:`.noise_votes`' contract: element ``i`` of
+``z_k`` is sample ``k`` of the Philox stream of ``csrc/philox.h`` (:mod:`.noise`' contract: element ``i`` of
 sample ``k`` of a call at sample offset ``offset`` is ``z_t``, ``t = (offset + k)·D + i``, ``D`` = elements per latent,
-``i`` row-major) under a 64-bit ``seed``. The SPLITZ training step (:func:`splitz_fast.training.loop.splitz_loss`) draws a
+``i`` row-major) under a 64-bit ``seed``. The SPLITZ training step (:func:`splitz_fast.training.loss.splitz_loss`) draws a
 fresh ``seed`` from its ``torch.Generator`` every step (:func:`draw_seed`), so training stays reproducible from the
 run's seed, and the certificate's noise (a different seed space, drawn by the smoother) is never reused.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .noise_votes import stream_normals_reference
+from .philox_reference import stream_normals_reference
 
 __all__ = ["draw_seed", "noisy_repeat", "noisy_repeat_native", "noisy_repeat_reference"]
 
@@ -64,7 +64,7 @@ def _layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 def noisy_repeat_reference(latent: torch.Tensor, q: int, sigma: float, seed: int, offset: int = 0,
                            channels_last: bool = False) -> torch.Tensor:
     """The op in PyTorch (differentiable through PyTorch's autograd): the stream by
-    :func:`.noise_votes.stream_normals_reference`, then ``latent.repeat_interleave(q) + σz`` in float32."""
+    :func:`.philox_reference.stream_normals_reference`, then ``latent.repeat_interleave(q) + σz`` in float32."""
     sigma = _check(latent, q, sigma, seed, offset, channels_last)
     batch, sample = latent.shape[0], tuple(latent.shape[1:])
     numel = latent[0].numel() if batch else 0

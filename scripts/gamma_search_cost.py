@@ -20,7 +20,7 @@ import torch
 from splitz_fast import BoundOptions, Smoother
 from splitz_fast.certify.inputs import prepare_input
 from splitz_fast.analysis.tables import read_certification
-from splitz_fast.cli.main import load_model
+from splitz_fast.checkpoints.splitz import load_model
 from splitz_fast.data.datasets import get_dataset
 
 

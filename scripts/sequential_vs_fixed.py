@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from splitz_fast import SequentialCertifier, Smoother, run_over_dataset
-from splitz_fast.runs.loop import CertifyRun
+from splitz_fast.runs.tasks import CertifyRun
 from splitz_fast.analysis.tables import read_certification
-from splitz_fast.cli.main import load_model
+from splitz_fast.checkpoints.splitz import load_model
 from splitz_fast.data.datasets import get_dataset
 from splitz_fast.runs.loop import select_indices
 

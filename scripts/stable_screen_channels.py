@@ -14,7 +14,8 @@ from splitz_fast.analysis.tables import read_certification
 from splitz_fast.bounds.intervals import ball_bounds
 from splitz_fast.data.datasets import get_dataset
 from splitz_fast.zoo.models import build_model
-from splitz_fast.training.loop import held_out_part, load_checkpoint_file, load_state_into
+from splitz_fast.checkpoints.splitz import load_checkpoint_file, load_state_into
+from splitz_fast.training.batches import held_out_part
 
 
 def main(pairs: list[str]) -> None:

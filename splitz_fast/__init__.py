@@ -8,20 +8,16 @@ Everything a user needs is importable from here::
 
 Workflow pieces: ``sz.build_model`` (model zoo), ``sz.get_dataset`` (offline/user datasets), ``sz.train`` (SPLITZ
 loss, resumable), ``sz.load_checkpoint`` (a trained checkpoint's model and σ), ``sz.run_over_dataset`` (resumable
-certification TSVs), ``sz.analysis`` (tables and plots), ``sz.attacks`` (l2 attacks on the smoothed and base classifiers, attack-based checks of certificates).
+certification TSVs; ``sz.DatasetRun``: a checkpoint's run over its dataset, whole or one shard, as ``splitz certify``
+runs it), ``sz.analysis`` (tables and plots), ``sz.attacks`` (l2 attacks on the smoothed and base classifiers, attack-based checks of certificates).
 """
 from ._moved import MOVED, install as _install_moved_paths, moved_module
 from .analysis.diagnostics import diagnose, neuron_states
 from .analysis.envelope import envelope_report
+from .bounds.certificate import certified_lambda_max
+from .bounds.estimate import PowerIterationState, lipschitz_estimate
 from .bounds.intervals import BallBounds, ball_bounds
-from .bounds.lipschitz import (
-    LipschitzBound,
-    PowerIterationState,
-    certified_lambda_max,
-    global_lipschitz_bound,
-    lipschitz_bound,
-    lipschitz_estimate,
-                               )
+from .bounds.lipschitz import LipschitzBound, global_lipschitz_bound, lipschitz_bound
 from .bounds.radius import BoundOptions, RadiusSearch
 from .certify.attacks import ATTACKS, AttackResult, Attacker, falsify_certificates
 from .certify.margin import MarginCertifier
@@ -35,9 +31,14 @@ from .checkpoints.splitz import LoadedCheckpoint, checkpoint_digest, load_checkp
 from .data.datasets import DATASETS, DatasetInfo, get_dataset
 from .model.modules import ClippedReLU, LeftHalf, SplitModel, Standardize, split_sequential
 from .model.snapshot import ModuleSnapshot
-from .runs.loop import AttackRun, CertifyRun, MarginRun, PredictRun, RunTask, ShardSpec, merge_shards, run_over_dataset
+from .runs.dataset_run import DatasetRun
+from .runs.loop import run_over_dataset
+from .runs.shards import ShardSpec, merge_shards
+from .runs.tasks import AttackRun, CertifyRun, MarginRun, PredictRun, RunTask
 from .sampling.engine import NoiseStream, SamplingEngine
-from .training.loop import TrainConfig, splitz_loss, train
+from .training.config import TrainConfig
+from .training.loss import splitz_loss
+from .training.loop import train
 from .training.recipes import RECIPES, Recipe, recipe_config
 from .zoo.models import MODELS, build_model, cifar_resnet, imagenet_resnet50, lenet, lenet_rs_init, tabular_mlp
 from . import analysis
@@ -95,6 +96,7 @@ __all__ = [
     "AttackRun",
     "ShardSpec",
     "merge_shards",
+    "DatasetRun",
     "splitz_loss",
     "tabular_mlp",
     "train",

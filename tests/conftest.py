@@ -13,6 +13,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``gpu`` skips by itself where there is no CUDA device (no skip line of its own needed)."""
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs CUDA (marker gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_cuda)
+
+
 @pytest.fixture
 def poisoned():
     """While the test runs, torch.empty returns NaN-filled floats / all-ones-bit integers, so a kernel output that was

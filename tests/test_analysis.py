@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from splitz_fast.analysis import plots
 from splitz_fast.analysis import tables as an
 from splitz_fast.runs import rows as results
 
@@ -202,7 +203,7 @@ def test_agrees_with_a_plain_loop_on_random_runs():
 
 
 def test_curve_is_exact_at_the_drops(table_a):
-    radii, accuracy = an.certified_accuracy_curve(table_a, max_radius=2.0, points=9)
+    radii, accuracy = plots.certified_accuracy_curve(table_a, max_radius=2.0, points=9)
     assert radii[0] == 0.0 and radii[-1] == 2.0 and np.all(np.diff(radii) > 0)
     assert {0.5, 1.25} <= set(radii.tolist())  # each certified radius is a grid point
     assert accuracy[radii.tolist().index(0.5)] == pytest.approx(0.4)
@@ -280,13 +281,13 @@ def test_plot_writes_png_and_pdf_without_touching_the_backend(tmp_path, table_a,
     matplotlib = pytest.importorskip("matplotlib")
     backend = matplotlib.get_backend()
     had_pyplot = "matplotlib.pyplot" in sys.modules
-    paths = an.plot_certified_accuracy({"A": table_a, "B": table_b}, tmp_path / "sub" / "curves", title="t")
+    paths = plots.plot_certified_accuracy({"A": table_a, "B": table_b}, tmp_path / "sub" / "curves", title="t")
     assert paths == [tmp_path / "sub" / "curves.png", tmp_path / "sub" / "curves.pdf"]
     check_png_pdf(*paths)
     assert matplotlib.get_backend() == backend
     assert had_pyplot or "matplotlib.pyplot" not in sys.modules
     with pytest.raises(ValueError, match="max_radius"):
-        an.plot_certified_accuracy({"A": table_a}, tmp_path / "x", max_radius=0.0)
+        plots.plot_certified_accuracy({"A": table_a}, tmp_path / "x", max_radius=0.0)
 
 
 def test_plot_title_states_n_alpha_and_inputs_from_the_sidecars(tmp_path, monkeypatch):
@@ -308,17 +309,17 @@ def test_plot_title_states_n_alpha_and_inputs_from_the_sidecars(tmp_path, monkey
 
     a = run("a", A_ROWS, n=10_000, alpha=0.001)
     b = run("b", A_ROWS, n=10_000, alpha=0.001)
-    an.plot_certified_accuracy({"A": a, "B": b}, tmp_path / "same", title="MNIST")
+    plots.plot_certified_accuracy({"A": a, "B": b}, tmp_path / "same", title="MNIST")
     assert titles[-1] == "MNIST\nn = 10,000, α = 0.001, 5 inputs" and labels[-2:] == ["A (ACR 0.350)", "B (ACR 0.350)"]
     c = run("c", A_ROWS[:3], n=100_000, alpha=0.001)
-    an.plot_certified_accuracy({"A": a, "C": c}, tmp_path / "differ")
+    plots.plot_certified_accuracy({"A": a, "C": c}, tmp_path / "differ")
     assert titles[-1] == "runs differ in n, α or inputs (see legend)"
     assert labels[-2:] == ["A (ACR 0.350; n = 10,000, α = 0.001, 5 inputs)",
                            "C (ACR 0.167; n = 100,000, α = 0.001, 3 inputs)"]
-    assert an.run_protocol(run("cohen", A_ROWS)) == "n, α not recorded, 5 inputs"
-    assert an.run_protocol(run("m", A_ROWS[:1], n=1, alpha=0.5, certifier="margin")) == \
+    assert plots.run_protocol(run("cohen", A_ROWS)) == "n, α not recorded, 5 inputs"
+    assert plots.run_protocol(run("m", A_ROWS[:1], n=1, alpha=0.5, certifier="margin")) == \
         "margin certificates (no sampling), 1 input"
-    assert an.run_protocol(run("s", A_ROWS, n=5000, alpha=0.01, sequential=True)) == \
+    assert plots.run_protocol(run("s", A_ROWS, n=5000, alpha=0.01, sequential=True)) == \
         "budget n = 5,000, α = 0.01, 5 inputs"
 
 
@@ -327,7 +328,7 @@ def test_plot_keeps_a_backend_the_user_chose(tmp_path, table_a):
     previous = matplotlib.get_backend()  # both backends here are non-interactive: switching is harmless
     matplotlib.use("svg")
     try:
-        an.plot_certified_accuracy({"A": table_a}, tmp_path / "curve")
+        plots.plot_certified_accuracy({"A": table_a}, tmp_path / "curve")
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(previous)
@@ -338,7 +339,7 @@ def test_analyze_writes_its_files(tmp_path):
     a = write(tmp_path / "A.tsv", SPLITZ_HEADER, A_ROWS)
     b = write(tmp_path / "B.tsv", COHEN_HEADER, B_ROWS)
     out = tmp_path / "report"
-    text = an.analyze([a, b], RADII, out_dir=out)
+    text = plots.analyze([a, b], RADII, out_dir=out)
     assert "| A | 60.0 | 40.0 | **40.0** | **0.350** |" in text
     assert "| B | **75.0** | **50.0** | 25.0 | 0.275 |" in text
     assert "| B | 4 | 75.0 | 25.0 | 0.275 | 16.00 |" in text
@@ -352,14 +353,14 @@ def test_analyze_names_runs(tmp_path, table_b):
     (tmp_path / "other").mkdir()
     a2 = write(tmp_path / "other" / "A.tsv", SPLITZ_HEADER, A_ROWS)
     # A mapping may mix paths and tables; no out_dir means nothing is written.
-    text = an.analyze({"splitz": a, "cohen": table_b}, [0.25])
+    text = plots.analyze({"splitz": a, "cohen": table_b}, [0.25])
     assert "| splitz | 40.0 | **0.350** |" in text and "| cohen | **50.0** | 0.275 |" in text
     # Equal file stems fall back to the full paths; a single path is accepted too.
     assert list(an.load_runs([a, a2])) == [str(a), str(a2)]
     assert list(an.load_runs(a)) == ["A"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["A.tsv", "B.tsv", "other"]
     with pytest.raises(ValueError, match="no result files"):
-        an.analyze([], [0.25])
+        plots.analyze([], [0.25])
 
 
 def test_a_run_given_twice_or_two_runs_of_one_name_are_refused(tmp_path, monkeypatch, capsys):
@@ -450,8 +451,8 @@ def test_an_unfinished_run_is_marked_and_runs_over_other_inputs_are_not_subtract
 
     finished, stopped = run("rs", A_ROWS, 5), run("splitz", A_ROWS[:3], 5)
     assert an.unfinished_note(finished) is None and an.unfinished_note(stopped) == "unfinished: 3 of 5 inputs"
-    assert an.run_protocol(stopped)  # still analysable: its statistics are those of the inputs it reached
-    text = an.analyze([tmp_path / "rs.tsv", tmp_path / "splitz.tsv"], [0.0, 0.5])
+    assert plots.run_protocol(stopped)  # still analysable: its statistics are those of the inputs it reached
+    text = plots.analyze([tmp_path / "rs.tsv", tmp_path / "splitz.tsv"], [0.0, 0.5])
     assert "| splitz (unfinished: 3 of 5 inputs) |" in text and "| rs |" in text
     assert an.unfinished_note(run("shard", A_ROWS[:3], 5, shard={"index": 0, "count": 2})) is None
     report = envelope_report({"RS": {0.5: finished}, "SPLITZ": {0.5: stopped}}, [0.0, 0.5])

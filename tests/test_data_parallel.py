@@ -1,5 +1,5 @@
-"""Data-parallel training (`torchrun ... -m splitz_fast train`, splitz_fast.runs.torchrun.DataParallelGroup) on the CPU with
-gloo: two ranks sharing a global batch must take the step one process takes on it (the gradients, the parameters
+"""Data-parallel training (`torchrun ... -m splitz_fast train`, splitz_fast.training.parallel.DataParallelGroup) on
+the CPU with gloo: two ranks sharing a global batch must take the step one process takes on it (the gradients, the parameters
 and the power-iteration warm starts), a torchrun run must write the single-process run's checkpoints, and the
 device-resident data must come in the order DataLoader(shuffle=True) gave."""
 from __future__ import annotations
@@ -18,8 +18,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from _helpers import TORCHRUN, finish_torchrun, installed, start_torchrun
 from splitz_fast.kernels import BACKEND_ENV
 from splitz_fast.zoo.models import build_model
-from splitz_fast.training.loop import (SINGLE_PROCESS, DataParallelGroup, TrainConfig, epoch_order, load_checkpoint_file,
-                                       train, training_step)
+from splitz_fast.checkpoints.splitz import load_checkpoint_file
+from splitz_fast.training.batches import epoch_order
+from splitz_fast.training.config import TrainConfig
+from splitz_fast.training.loop import train, training_step
+from splitz_fast.training.parallel import SINGLE_PROCESS, DataParallelGroup
 
 
 # ------------------------------------------------------------------------------------------------ data order

@@ -19,7 +19,7 @@ from splitz_fast.data.datasets import (
     SPLITS,
     DatasetInfo,
     get_dataset,
-                                       )
+)
 from _helpers import installed
 
 

@@ -16,7 +16,7 @@ import torch
 from _helpers import TORCHRUN, finish_torchrun as _finish, installed, start_torchrun as _torchrun
 from splitz_fast.cli.main import main
 from splitz_fast.runs.torchrun import TorchrunEnv
-from splitz_fast.runs.loop import ShardData, ShardSpec, merge_shards
+from splitz_fast.runs.shards import ShardData, ShardSpec, merge_shards
 
 def _rows(path: Path, drop_time: bool = True) -> list[list[str]]:
     """Data rows of a TSV; without the `time` column (index 5 of certify, 4 of predict) unless asked."""
@@ -200,9 +200,11 @@ def test_shard_option_errors_are_one_line(tmp_path, capsys, checkpoint, monkeypa
 def test_an_error_under_torchrun_is_printed_by_rank_0_and_in_every_ranks_error_file(tmp_path, capsys, monkeypatch):
     """Every rank usually fails alike, so rank 0 alone prints the line; each rank writes it to its torchrun error file,
     which torchrun's failure report shows (read here with torchrun's own classes), so another rank's line is kept."""
+    import importlib
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    import splitz_fast.cli.main as cli
+    cli = importlib.import_module("splitz_fast.cli.main")  # the module (the package's attribute `main` is main())
 
     demo = "error: `splitz demo` runs as one process; under torchrun (WORLD_SIZE=2)"
     parser = "splitz certify: error: argument sigma: invalid float value: 'abc' — see `splitz certify --help`"

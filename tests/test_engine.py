@@ -537,14 +537,15 @@ def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_p
     BatchNorm-free models keep their sidecars (and resume)."""
     from types import SimpleNamespace
 
-    from splitz_fast.cli import main as cli
+    from splitz_fast.cli import certify as cli
+    from splitz_fast.cli.main import build_parser
 
     small, pooling = _small_splitz()[0], _pooling_splitz()[0]
     unfoldable = SplitModel(copy.deepcopy(small.left), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4),
                                                                      nn.Flatten(), nn.Linear(64, 5)), 5)
-    args = cli.build_parser().parse_args(["certify", "mnist", "ckpt.pt", "0.5", str(tmp_path / "out.tsv")])
+    args = build_parser().parse_args(["certify", "mnist", "ckpt.pt", "0.5", str(tmp_path / "out.tsv")])
     for model, recorded in ((small, None), (pooling, None), (unfoldable, False)):
-        monkeypatch.setattr(cli._DatasetRun, "open", classmethod(lambda cls, a, m=model: SimpleNamespace(model=m)))
+        monkeypatch.setattr(cli, "_open_run", lambda a, m=model: SimpleNamespace(model=m))
         settings = cli._smoother(args, selection=True)[2]
         assert settings.get("bn_folded") is recorded
 
@@ -756,12 +757,12 @@ def test_batch_size_is_measured_once_and_never_changes_results():
 
 def test_the_tuner_cap_is_the_given_one_or_the_default_of_the_device():
     model, _ = _small_splitz(3)
-    assert Smoother(model, 0.4).max_batch_size == sz.sampling.DEFAULT_MAX_BATCH == 4096
+    assert Smoother(model, 0.4).max_batch_size == sz.sampling.engine.DEFAULT_MAX_BATCH == 4096
     assert Smoother(model, 0.4, max_batch_size=100).max_batch_size == 100
     with pytest.raises(ValueError, match="max_batch_size"):
         Smoother(model, 0.4, max_batch_size=0)
     if torch.cuda.is_available():
-        assert Smoother(model.cuda(), 0.4).max_batch_size == sz.sampling.DEFAULT_MAX_BATCH_CUDA == 32768
+        assert Smoother(model.cuda(), 0.4).max_batch_size == sz.sampling.engine.DEFAULT_MAX_BATCH_CUDA == 32768
 
 
 @pytest.mark.parametrize("rates, tried, chosen", [
@@ -1064,12 +1065,12 @@ def test_batched_certificates_of_a_window_match_each_inputs_own_search(monkeypat
     inputs of a round are certified in one batch (several Grams per batched step): every result matches the input's
     own search up to the last bits of its bound, and the radius is min(R/L, γ) with L the host solver's certificate at
     that γ (to the shift's slack)."""
-    import splitz_fast.bounds.lipschitz as lipschitz
+    import splitz_fast.bounds.certificate as certificate
 
-    monkeypatch.setattr(lipschitz, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
+    monkeypatch.setattr(certificate, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
     batch_sizes = []
-    squared = lipschitz._squared_certificates
-    monkeypatch.setattr(lipschitz, "_squared_certificates",
+    squared = certificate._squared_certificates
+    monkeypatch.setattr(certificate, "_squared_certificates",
                         lambda grams, terms: batch_sizes.append(len(grams)) or squared(grams, terms))
     model, xs = _small_splitz()
     xs, radii = list(xs[:4]), [0.2, 0.5, 0.9, 1.6]
@@ -1083,7 +1084,7 @@ def test_batched_certificates_of_a_window_match_each_inputs_own_search(monkeypat
         monkeypatch.undo()  # the host solver's certificate at the same γ: both are proven bounds
         host = float(sz.lipschitz_bound(model.left, x.unsqueeze(0), t.gamma, method="exact").value[0])
         assert t.lipschitz == pytest.approx(host, rel=1e-8) and t.radius == pytest.approx(min(r / t.lipschitz, t.gamma))
-        monkeypatch.setattr(lipschitz, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
+        monkeypatch.setattr(certificate, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
 
 
 def test_tf32_is_a_labelled_precision_and_float32_is_ieee_on_cuda():

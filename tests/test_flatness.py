@@ -12,9 +12,13 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 import splitz_fast as sz
+from splitz_fast.bounds.estimate import lipschitz_estimate
 from splitz_fast.bounds.intervals import ball_bounds
 from splitz_fast.zoo.models import tabular_mlp
-from splitz_fast.training.loop import TrainConfig, flatness_penalty, load_checkpoint_file, splitz_loss, train
+from splitz_fast.checkpoints.splitz import load_checkpoint_file
+from splitz_fast.training.config import TrainConfig
+from splitz_fast.training.loss import flatness_penalty, splitz_loss
+from splitz_fast.training.loop import train
 
 
 def _conv_left(seed: int) -> sz.LeftHalf:
@@ -87,7 +91,7 @@ def test_flatness_term_enters_the_loss_with_its_weight_and_pulls_the_spectrum_fl
         spreads.append(parts["flatness"])
         optimizer.zero_grad()
         bounds = ball_bounds(model.left, x, 0.1, dtype=torch.float32)
-        lip = sz.lipschitz.lipschitz_estimate(model.left, x, 0.1, power_iters=20, bounds=bounds)
+        lip = lipschitz_estimate(model.left, x, 0.1, power_iters=20, bounds=bounds)
         flatness_penalty(model.left, x, lip, bounds).mean().backward()
         optimizer.step()
     assert spreads[-1] < 0.7 * spreads[0]

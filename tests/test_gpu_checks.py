@@ -271,14 +271,15 @@ def test_batch_shapes_flags_an_f_r_batch_first_seen_after_the_warm_up():
 RENDER_GPU_ROW = r'''
 import json, sys
 sys.path.insert(0, "benchmarks")
-import floor, targets
+import floor
+from targets import report, workloads
 
 NOISE_BYTES = 10_000 * 32 * 28 * 28 * 4  # 10,000 float32 LeNet s = 1 latents
 cost = floor.Cost(8.9e6, 7.6e6, 1.3e6, 88_000, 9_600, 784, {})
 row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, precision="bfloat16", n0=100,
            n=100_000, images=3, weights="random", inputs="synthetic", status="ok", gamma_search="bisection",
            bound_method="auto", ours_s_per_image=0.0030, naive_s_per_image=0.10, naive_batch=10_000, certified=3,
-           naive_certified=3, gamma_evaluations_mean=0.0, **targets.targets_for(targets.FULL[0], 0, "bfloat16", None),
+           naive_certified=3, gamma_evaluations_mean=0.0, **workloads.targets_for(workloads.FULL[0], 0, "bfloat16", None),
            **cost.record(), **floor.floors(cost, "bfloat16", 100_100, floor.card_for("NVIDIA H100 80GB HBM3"), 3.1e12),
            compiled_in_timed_region=True, naive_compiled_in_timed_region=False,
            timed_region_compiles=dict(dynamo_frames=0, dynamo_graphs=0, triton_compiles=2, triton_cache_files=0,
@@ -291,7 +292,7 @@ row = dict(workload="mnist-lenet", label="MNIST LeNet", model="lenet", split=0, 
                                plain_s=0.0021, fused_s=0.0012)],
            compiled=[dict(channels_last=True, pooled=False, fused=True, batch=4096, used=False, reason="measured",
                           compile_s=41.2, eager_s=0.0008, compiled_s=0.0009)])
-row.update(targets.assess(row))
+row.update(workloads.assess(row))
 graph_row = dict(what="MNIST LeNet s=0 CERTIFY n=100,000 bfloat16: CUDA graph vs eager", images=3, status="ok",
                  eager_s_per_image=0.0045, graph_s_per_image=0.0030, graph_speedup=1.5, compared=["eager", "graph"],
                  speedup_key="graph_speedup")
@@ -314,7 +315,7 @@ settings = dict(n0=100, alpha=0.001, sigma=0.25, images=3, quick=False, card=flo
 data = dict(environment=dict(device="NVIDIA H100 80GB HBM3"), parts=dict(targets=dict(settings=settings, rows=[row]),
                                                                       native=dict(rows=[graph_row, bound_row, *ab_rows,
                                                                                         kernel_row])))
-print(json.dumps(dict(row=row, md=targets.markdown(data), summary=targets.summary(row))))
+print(json.dumps(dict(row=row, md=report.markdown(data), summary=report.summary(row))))
 '''
 
 
@@ -377,11 +378,11 @@ def test_the_noise_kernels_write_bandwidth_is_a_fraction_of_the_copy_bandwidth()
 ASSESS_COMPILED_ROWS = r'''
 import json, sys
 sys.path.insert(0, "benchmarks")
-import targets
+from targets.workloads import assess
 
 # 4 ms against an 8 ms target, 25x the loop, 1.3x the fused floor: every target met, as long as nothing compiled.
 row = dict(ours_s_per_image=0.004, target_s=0.008, naive_s_per_image=0.10, floor_s=0.003, fused_floor_s=0.003)
-print(json.dumps([targets.assess(dict(row, **compiled)) for compiled in
+print(json.dumps([assess(dict(row, **compiled)) for compiled in
                   ({}, dict(compiled_in_timed_region=True), dict(naive_compiled_in_timed_region=True))]))
 '''
 
@@ -405,12 +406,12 @@ def test_the_fused_kernel_rows_measure_both_settings(tmp_path: Path):
     per case, both settings timed, the speedup recorded."""
     code = f"""if True:
         import json, math, torch
-        from benchmarks import targets
-        recorder = targets.Recorder(__import__("pathlib").Path({str(tmp_path)!r}), "native", {{}})
-        targets.run_fused_kernels_comparison(recorder, 1, torch.device("cpu"), True, math.inf)
+        from benchmarks.targets import comparisons, measure, report
+        recorder = measure.Recorder(__import__("pathlib").Path({str(tmp_path)!r}), "native", {{}})
+        comparisons.run_fused_kernels_comparison(recorder, 1, torch.device("cpu"), True, math.inf)
         rows = recorder.data["parts"]["native"]["rows"]
-        print(json.dumps(dict(rows=rows, count=len(targets.FUSED_COMPARISONS),
-                              cells=[targets.ab_cell(r) for r in rows if r["status"] == "ok"])))
+        print(json.dumps(dict(rows=rows, count=len(comparisons.FUSED_COMPARISONS),
+                              cells=[report.ab_cell(r) for r in rows if r["status"] == "ok"])))
     """
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -428,11 +429,11 @@ def test_the_gram_build_row_times_both_stencils_and_restores_the_default():
     the two Grams equal to rounding, ``gram.GATHERED_STENCIL_DEVICES`` as it was."""
     code = """if True:
         import json, torch
-        from benchmarks import targets
+        from benchmarks.targets import comparisons, report
         from splitz_fast.bounds import gram
         default = gram.GATHERED_STENCIL_DEVICES
-        row = targets.gram_build_case(torch.device("cpu"), repeats=2)
-        print(json.dumps(dict(row=row, restored=gram.GATHERED_STENCIL_DEVICES == default, cell=targets.ab_cell(row))))
+        row = comparisons.gram_build_case(torch.device("cpu"), repeats=2)
+        print(json.dumps(dict(row=row, restored=gram.GATHERED_STENCIL_DEVICES == default, cell=report.ab_cell(row))))
     """
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -17,8 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import splitz_fast as sz
-from splitz_fast.bounds import gram, lipschitz
-from splitz_fast.bounds.lipschitz import certified_lambda_max, masked_operators
+from splitz_fast.bounds import certificate, gram
+from splitz_fast.bounds.certificate import certified_lambda_max
+from splitz_fast.bounds.lipschitz import masked_operators
 from splitz_fast.bounds.gram import factor_gram
 from splitz_fast.bounds.operators import MaskedAffine
 
@@ -106,13 +107,13 @@ def _check(op: MaskedAffine, dense: torch.Tensor, sparse: bool | None):
     # Sparse: densified (the default at these sizes, DENSE_CHOLESKY_MAX_DIM), and the banded Cholesky in one panel and
     # in many (BAND_BLOCK_MIN = 1 or 3: panels of max(BAND_BLOCK_MIN, band) rows, so each panel's update carries into
     # the next).
-    variants = [(lipschitz.DENSE_CHOLESKY_MAX_DIM, lipschitz.BAND_BLOCK_MIN)]
+    variants = [(certificate.DENSE_CHOLESKY_MAX_DIM, certificate.BAND_BLOCK_MIN)]
     if sparse:
-        variants += [(0, lipschitz.BAND_BLOCK_MIN), (0, 1), (0, 3)]
+        variants += [(0, certificate.BAND_BLOCK_MIN), (0, 1), (0, 3)]
     for dense_max, panel_min in variants:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(lipschitz, "DENSE_CHOLESKY_MAX_DIM", dense_max)
-            patch.setattr(lipschitz, "BAND_BLOCK_MIN", panel_min)
+            patch.setattr(certificate, "DENSE_CHOLESKY_MAX_DIM", dense_max)
+            patch.setattr(certificate, "BAND_BLOCK_MIN", panel_min)
             bound = certified_lambda_max(gram, terms)
         assert bound >= true_sq
         assert bound <= true_sq * (1 + 1e-9) + 1e-300
@@ -182,13 +183,13 @@ def test_banded_cholesky_decides_positive_definiteness(name, panel_min, monkeypa
     gram, terms = factor_gram(op, 0, sparse=True)
     upper = gram.to_dense()
     top = float(torch.linalg.eigvalsh(upper + upper.triu(1).mT)[-1])
-    monkeypatch.setattr(lipschitz, "BAND_BLOCK_MIN", panel_min)
-    cholesky = lipschitz._BandedCholesky(gram)
+    monkeypatch.setattr(certificate, "BAND_BLOCK_MIN", panel_min)
+    cholesky = certificate._BandedCholesky(gram)
     assert cholesky.band > 0 and (panel_min > 5 or cholesky.nb < cholesky.d)
     assert cholesky.succeeds(top * (1 + 1e-6))
     assert not cholesky.succeeds(top * (1 - 1e-6))
-    monkeypatch.setattr(lipschitz, "_upper_eigen_estimate", lambda upper: 0.95 * top)
-    monkeypatch.setattr(lipschitz, "DENSE_CHOLESKY_MAX_DIM", 0)  # the banded path at this small size
+    monkeypatch.setattr(certificate, "_upper_eigen_estimate", lambda upper: 0.95 * top)
+    monkeypatch.setattr(certificate, "DENSE_CHOLESKY_MAX_DIM", 0)  # the banded path at this small size
     assert top <= certified_lambda_max(gram, terms) <= top * 1.1
 
 
@@ -202,7 +203,7 @@ def test_banded_certificate_widens_the_shift_on_a_repeated_top_eigenvalue():
     assert gram.shape == (64, 64)
     assert 1.0 <= certified_lambda_max(gram, terms) <= 1.0 + 1e-9  # densified
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lipschitz, "DENSE_CHOLESKY_MAX_DIM", 0)  # banded
+        patch.setattr(certificate, "DENSE_CHOLESKY_MAX_DIM", 0)  # banded
         assert 1.0 <= certified_lambda_max(gram, terms) <= 1.0 + 1e-9
 
 

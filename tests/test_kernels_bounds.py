@@ -26,13 +26,13 @@ import torch.nn as nn  # noqa: E402
 import splitz_fast as sz  # noqa: E402
 from splitz_fast.bounds.intervals import (  # noqa: E402
     ROUNDING_MARGIN, affine, ball_bounds, bias_magnitude, first_layer_row_norms, input_scale, linear_part,
-                                          )
+)
 from splitz_fast.kernels.interval_clip import (  # noqa: E402
     IntervalClip, interval_clip, interval_clip_reference, interval_clip_triton,
-                                               )
+)
 from splitz_fast.kernels.masked_linear import (  # noqa: E402
     launch_masked_linear, launch_masked_weight_grad, masked_linear, masked_linear_reference, masked_linear_triton,
-                                               )
+)
 from splitz_fast.bounds.operators import MaskedAffine  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -584,7 +584,7 @@ for dt in ("fp32", "fp64"):
         build(first_layer._kernel(), types, dict(consts, BLOCK_M=first_layer._BLOCK_M, BLOCK_N=first_layer._BLOCK_N))
 # The sampling engine's noise kernels: the plain draw (one element or one pair per lane) and the draw through a 2x2 max
 # pool (float32 and bfloat16 out).
-from splitz_fast.kernels.noise_votes import _kernels as noise_kernels
+from splitz_fast.kernels.noise import _kernels as noise_kernels
 kernels = noise_kernels()
 for out in ("fp32", "bf16"):
     types = lambda n: {"latent_ptr": "*fp32", "out_ptr": "*" + out, "sigma": "fp32"}.get(n, "i32")
@@ -595,13 +595,14 @@ for out in ("fp32", "bf16"):
 # The vote count (every batch of the certify path): bf16 and float64 logits, 10, 1000 and 2000 classes as the launcher
 # tiles them (a block histogram with one atomic per bin up to 1024 classes, one atomic per row above).
 import triton.language as tl
+from splitz_fast.kernels.votes import _kernels as votes_kernels
 for logits, value in (("bf16", tl.float32), ("fp64", tl.float64)):
     types = lambda n: {"logits_ptr": "*" + logits, "counts_ptr": "*i64"}.get(n, "i32")
     for classes in (10, 1000, 2000):
         block_c = min(triton.next_power_of_2(classes), 512)
         block_r = max(1, min(64, 4096 // block_c))
         block_h = triton.next_power_of_2(classes)
-        build(kernels.votes, types, dict(VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h,
+        build(votes_kernels().votes, types, dict(VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h,
                                          LOCAL_HIST=block_r * block_h <= 8192))
 # f_R's fused convolution + ReLU + 2x2 max pool, specialised as a launch on LeNet's channels_last activations is
 # (pointers and the sizes/strides that are multiples of 16 marked so): every tile the tuner times (CONFIGS, the

@@ -17,7 +17,7 @@ import splitz_fast as sz
 from splitz_fast.bounds.intervals import ROUNDING_MARGIN, ball_bounds
 from splitz_fast.kernels.first_layer_bounds import (
     first_layer_bounds, first_layer_bounds_reference, first_layer_bounds_triton,
-                                                    )
+)
 
 DEVICES = kernel_devices()
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]

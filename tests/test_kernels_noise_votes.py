@@ -25,20 +25,17 @@ from scipy import stats  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from splitz_fast.kernels import noise_votes  # noqa: E402
+from splitz_fast.kernels import noise as noise_module  # noqa: E402  (the fixture `noise` is a backend of it)
 from splitz_fast.kernels.native import native_available, native_module  # noqa: E402
 from splitz_fast.kernels.native_cuda import cuda_module, cuda_native_available  # noqa: E402
-from splitz_fast.kernels.noise_votes import (  # noqa: E402
-    count_votes_triton,
-    count_votes_cuda,
-    count_votes_reference,
+from splitz_fast.kernels.noise import (  # noqa: E402
     noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_native,
     noisy_latents_reference,
-    philox_words_reference,
-    stream_normals_reference,
-                                             )
+)
+from splitz_fast.kernels.philox_reference import philox_words_reference, stream_normals_reference  # noqa: E402
+from splitz_fast.kernels.votes import count_votes_cuda, count_votes_reference, count_votes_triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 def _latent(shape, device, seed=0, dtype=torch.float32):
@@ -197,7 +194,7 @@ def test_draws_do_not_depend_on_batching_or_layout(noise, monkeypatch):
                                               noisy_latents_triton(even, 4, 0.5, 31, 5)]))
     assert torch.equal(even_whole, noisy_latents_triton(even, 7, 0.5, 31, 2, channels_last=True))
     if noise.name.startswith("triton"):
-        monkeypatch.setattr(noise_votes, "_MAX_GRID_Y", 2)  # several launches of 2 samples
+        monkeypatch.setattr(noise_module, "_MAX_GRID_Y", 2)  # several launches of 2 samples
         assert torch.equal(whole, noisy_latents_triton(latent, 7, 0.5, 31, 2))
         assert torch.equal(whole, noisy_latents_triton(latent, 7, 0.5, 31, 2, channels_last=True))
         assert torch.equal(even_whole, noisy_latents_triton(even, 7, 0.5, 31, 2, channels_last=True))
@@ -207,7 +204,7 @@ def test_draws_do_not_depend_on_batching_or_layout(noise, monkeypatch):
 def test_triton_draws_whole_pairs_with_one_philox_call_each(monkeypatch):
     """The pair kernel serves every latent whose pairs are whole (D even; H W even for channels_last), the one-element
     kernel the rest."""
-    kernels = noise_votes._kernels()
+    kernels = noise_module._kernels()
 
     class Counting:
         def __init__(self, kernel):
@@ -218,7 +215,7 @@ def test_triton_draws_whole_pairs_with_one_philox_call_each(monkeypatch):
             return self.kernel[grid]
 
     pairs, single = Counting(kernels.noise_pairs), Counting(kernels.noise)
-    monkeypatch.setattr(noise_votes, "_kernels", lambda: kernels._replace(noise_pairs=pairs, noise=single))
+    monkeypatch.setattr(noise_module, "_kernels", lambda: kernels._replace(noise_pairs=pairs, noise=single))
     for shape, channels_last, paired in [((4, 6, 6), True, True), ((4, 6, 6), False, True), ((10,), False, True),
                                          ((2, 3, 4), True, True), ((2, 3, 3), True, False), ((2, 3, 3), False, True),
                                          ((3, 5, 7), True, False), ((9,), False, False)]:
@@ -350,8 +347,8 @@ def pooled(request):
     if name == "native":
         if not native_available():
             pytest.skip("the native kernels could not be built here (test_native_kernels_build says why)")
-        return noise_votes.noisy_latents_maxpool2_native, noisy_latents_native, torch.device(device)
-    return noise_votes.noisy_latents_maxpool2_triton, noisy_latents_triton, torch.device(device)
+        return noise_module.noisy_latents_maxpool2_native, noisy_latents_native, torch.device(device)
+    return noise_module.noisy_latents_maxpool2_triton, noisy_latents_triton, torch.device(device)
 
 
 @pytest.mark.parametrize("shape,num,seed,offset", [((3, 6, 4), 5, 2**40 + 3, 11), ((1, 2, 2), 3, 0, 0),
@@ -398,11 +395,11 @@ def test_fused_pool_dispatch_follows_the_gpu_measurement(monkeypatch):
 
     cuda = torch.device("cuda")
     monkeypatch.setenv("SPLITZ_BACKEND", "auto")
-    assert pooled_noise_kernel(cuda) is noise_votes.noisy_latents_maxpool2_triton
+    assert pooled_noise_kernel(cuda) is noise_module.noisy_latents_maxpool2_triton
     if native_available():
-        assert pooled_noise_kernel(torch.device("cpu")) is noise_votes.noisy_latents_maxpool2_native
+        assert pooled_noise_kernel(torch.device("cpu")) is noise_module.noisy_latents_maxpool2_native
     monkeypatch.setenv("SPLITZ_BACKEND", "triton")
-    assert pooled_noise_kernel(cuda) is noise_votes.noisy_latents_maxpool2_triton
+    assert pooled_noise_kernel(cuda) is noise_module.noisy_latents_maxpool2_triton
     monkeypatch.setenv("SPLITZ_BACKEND", "reference")  # the torch generator's stream: no fused kernel draws it
     assert pooled_noise_kernel(cuda) is None and pooled_noise_kernel(torch.device("cpu")) is None
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.bounds.lipschitz import (certified_lambda_max_many, lanczos_top_eigenvalue, masked_operators,
-                                          probabilistic_norm_bound, squaring_top_eigenvalue)
+from splitz_fast.bounds.certificate import certified_lambda_max_many
+from splitz_fast.bounds.eigen import lanczos_top_eigenvalue, squaring_top_eigenvalue
+from splitz_fast.bounds.lipschitz import masked_operators, probabilistic_norm_bound
 from splitz_fast.bounds.gram import factor_gram
 from splitz_fast.bounds.operators import MaskedAffine
 
@@ -379,14 +380,14 @@ def test_batched_certificates_are_proven_bounds_equal_to_one_by_one(monkeypatch)
     are bounded together, zero-padded to the largest, and each result is a proven upper bound on λ_max (above the
     dense solver's eigenvalue) equal to certified_lambda_max of that Gram alone up to the estimate's rounding; the
     batched step settles every Gram here except the empty one (no per-Gram fallback)."""
-    import splitz_fast.bounds.lipschitz as lipschitz
+    import splitz_fast.bounds.certificate as certificate
 
     grams = _hard_grams(torch.Generator().manual_seed(11))
     terms = [g.shape[0] + 3 for g in grams]
     alone = [sz.certified_lambda_max(g, t, "squaring") for g, t in zip(grams, terms)]
     fallbacks = []
-    single = lipschitz.certified_lambda_max
-    monkeypatch.setattr(lipschitz, "certified_lambda_max",
+    single = certificate.certified_lambda_max
+    monkeypatch.setattr(certificate, "certified_lambda_max",
                         lambda g, t, e="auto": fallbacks.append(g.shape[0]) or single(g, t, e))
     together = certified_lambda_max_many(grams, terms, "squaring")
     assert fallbacks == [0]
@@ -405,14 +406,14 @@ def test_batched_certificates_hand_unsettled_grams_to_the_single_path(monkeypatc
     """A Gram whose batched estimate is too low for every tight shift (here: no squaring at all, so the estimate is a
     column's Rayleigh quotient) is bounded by certified_lambda_max on its own — the host solver's shift — and the
     result is still a proven bound; other estimators never batch."""
-    import splitz_fast.bounds.lipschitz as lipschitz
+    import splitz_fast.bounds.certificate as certificate
 
     gen = torch.Generator().manual_seed(12)
     grams = [(lambda a: a.T @ a)(torch.randn(d + 2, d, generator=gen, dtype=torch.float64)) for d in (6, 30, 17)]
-    monkeypatch.setattr(lipschitz, "SQUARING_STEPS", 0)
+    monkeypatch.setattr(certificate, "SQUARING_STEPS", 0)  # the batched step reads it there
     calls = []
-    single = lipschitz.certified_lambda_max
-    monkeypatch.setattr(lipschitz, "certified_lambda_max",
+    single = certificate.certified_lambda_max
+    monkeypatch.setattr(certificate, "certified_lambda_max",
                         lambda g, t, e="auto": calls.append(e) or single(g, t, "eigen"))
     bounds = certified_lambda_max_many(grams, [9, 9, 9], "squaring")
     assert calls == ["squaring"] * 3
@@ -428,13 +429,13 @@ def test_batched_certificates_hand_unsettled_grams_to_the_single_path(monkeypatc
 def test_a_poor_lanczos_estimate_falls_back_to_the_host_solver(monkeypatch):
     """A Lanczos estimate far below λ_max fails every tight shift; the host solver's estimate must then keep the
     bound tight (and it is a proven bound either way)."""
-    import splitz_fast.bounds.lipschitz as lipschitz
+    import splitz_fast.bounds.certificate as certificate
 
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(80, 60, generator=gen, dtype=torch.float64)
     gram = a.T @ a
     exact = float(torch.linalg.eigvalsh(gram)[-1])
-    monkeypatch.setattr(lipschitz, "lanczos_top_eigenvalue", lambda g: 0.5 * exact)
+    monkeypatch.setattr(certificate, "lanczos_top_eigenvalue", lambda g: 0.5 * exact)
     assert exact <= sz.certified_lambda_max(gram, 80, "lanczos") <= exact * (1 + 1e-6)
     with pytest.raises(ValueError, match="estimator"):
         sz.certified_lambda_max(gram, 80, "svd")

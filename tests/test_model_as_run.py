@@ -419,8 +419,6 @@ def test_math_settings_of_two_threads_never_interleave():
 
 @pytest.mark.gpu
 def test_the_latent_on_cuda_is_ieee_float32_even_with_tf32_enabled():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 64, 5, padding=2), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 32 * 32, 10))
     model = sz.split_sequential(net, 1, num_classes=10, input_shape=(3, 32, 32), threshold=float("inf")).cuda()

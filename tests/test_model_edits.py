@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.bounds import lipschitz
+from splitz_fast.bounds import certificate
 from splitz_fast.certify.margin import MarginCertifier
 from splitz_fast.certify.sequential import SequentialCertifier
 from splitz_fast.bounds.radius import BoundOptions
@@ -533,8 +533,8 @@ def test_trace_fallback_covers_the_rounding_of_the_trace_sum(monkeypatch):
     a = torch.full((d,), b, dtype=torch.float64)
     a[0] = 1.0
     gram = torch.outer(a, a)
-    monkeypatch.setattr(lipschitz, "_eigen_estimate", lambda g: 0.0)  # every Cholesky shift then fails
-    bound = lipschitz.certified_lambda_max(gram, terms=1)
+    monkeypatch.setattr(certificate, "_eigen_estimate", lambda g: 0.0)  # every Cholesky shift then fails
+    bound = certificate.certified_lambda_max(gram, terms=1)
     # Exact Rayleigh quotient aᵀGa / aᵀa of the float64 matrix (entries: 1, b, and c = fl(b·b) everywhere else).
     fb, fc, m = Fraction(b), Fraction(float(gram[1, 1])), d - 1
     rayleigh = (1 + 2 * m * fb * fb + m * m * fb * fc * fb) / (1 + m * fb * fb)
@@ -694,7 +694,7 @@ def test_a_guard_check_costs_one_device_comparison_per_group(layers, monkeypatch
     """However many tensors the model has: f_L is float32 (one group); f_R float32 and BatchNorm's int64 counter."""
     model = _image_model()
     model.right = _deep_right(layers)
-    guard = sz.inputs.CallGuard(model)
+    guard = sz.certify.inputs.CallGuard(model)
     calls = []
     equal = torch.equal
     monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(a.dtype) or equal(a, b))

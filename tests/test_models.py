@@ -299,7 +299,7 @@ def test_imagenet_resnet50_split_one_structure_and_forward(resnet50_split1):
 def test_imagenet_resnet50_bounds_are_probabilistic(resnet50_split1):
     left = resnet50_split1.left
     # the input dimension 3·224·224 is far above the dense-Gram limit, so "auto" picks the probabilistic bound
-    assert math.prod(left.input_shape) > sz.lipschitz.DEFAULT_EXACT_MAX_DIM
+    assert math.prod(left.input_shape) > sz.bounds.lipschitz.DEFAULT_EXACT_MAX_DIM
     assert sz.global_lipschitz_bound(left, left.input_shape, power_iters=2).kind == ["probabilistic"]
     bound = sz.lipschitz_bound(left, torch.rand(1, 3, 224, 224), 0.1, method="probabilistic", power_iters=4,
                                generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ import torch
 
 from splitz_fast.kernels import select_backend
 from splitz_fast.kernels.native import NATIVE_ENV, native_available
-from splitz_fast.kernels.noise_votes import noisy_latents_native, noisy_latents_reference
+from splitz_fast.kernels.noise import noisy_latents_native, noisy_latents_reference
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 
@@ -98,7 +98,7 @@ def test_fused_max_pool_equals_pooling_the_noisy_batch(shape, dtype):
     commutes with the monotone cast), channels_last, and the PyTorch reference within float32 rounding."""
     if not native_available():
         pytest.skip("native kernels unavailable")
-    from splitz_fast.kernels.noise_votes import noisy_latents_maxpool2_native, noisy_latents_maxpool2_reference
+    from splitz_fast.kernels.noise import noisy_latents_maxpool2_native, noisy_latents_maxpool2_reference
 
     latent = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     fused = noisy_latents_maxpool2_native(latent, 5, 0.5, 2**40 + 3, 11, dtype)
@@ -114,7 +114,7 @@ def test_fused_max_pool_equals_pooling_the_noisy_batch(shape, dtype):
 def test_fused_max_pool_propagates_nan_and_refuses_odd_sizes():
     if not native_available():
         pytest.skip("native kernels unavailable")
-    from splitz_fast.kernels.noise_votes import noisy_latents_maxpool2_native
+    from splitz_fast.kernels.noise import noisy_latents_maxpool2_native
 
     latent = torch.randn(4, 6, 6)
     latent[1, 2, 3] = float("nan")

@@ -19,14 +19,9 @@ from splitz_fast.kernels.native_cuda import (
     cuda_module,
     nvcc_compile_command,
     nvcc_path,
-                                             )
-from splitz_fast.kernels.noise_votes import (
-    count_votes_cuda,
-    count_votes_reference,
-    noisy_latents_triton,
-    noisy_latents_cuda,
-    noisy_latents_reference,
-                                             )
+)
+from splitz_fast.kernels.noise import noisy_latents_cuda, noisy_latents_reference, noisy_latents_triton
+from splitz_fast.kernels.votes import count_votes_cuda, count_votes_reference
 
 CUDA = torch.cuda.is_available()
 

@@ -17,10 +17,11 @@ from splitz_fast.kernels.conv_power import (input_factor, masked_conv_gram, mask
                                             masked_conv_gram_reference, masked_conv_norm_native,
                                             masked_conv_norm_reference, native_conv_ok)
 from splitz_fast.kernels.native import native_available
-from splitz_fast.kernels.noise_votes import stream_normals_reference
+from splitz_fast.kernels.philox_reference import stream_normals_reference
 from splitz_fast.kernels.train_noise import draw_seed, noisy_repeat, noisy_repeat_native, noisy_repeat_reference
-from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_estimate
-from splitz_fast.training.loop import TrainConfig, philox_training_noise, splitz_loss, torch_training_noise
+from splitz_fast.bounds.estimate import PowerIterationState, lipschitz_estimate
+from splitz_fast.training.config import TrainConfig
+from splitz_fast.training.loss import philox_training_noise, splitz_loss, torch_training_noise
 
 pytestmark = pytest.mark.skipif(not native_available("conv_power"),
                                 reason="the native training kernels need a C++ compiler (csrc/train_cpu.cpp)")

@@ -42,7 +42,7 @@ def test_only_non_overlapping_max_pools_are_accepted():
 def test_split_keeps_the_networks_function(variant, split):
     """With θ = ∞, f_R(f_L(x)) is the unsplit network, pools included."""
     torch.manual_seed(0)
-    network = sz.models.lenet_network(variant).eval()
+    network = sz.zoo.models.lenet_network(variant).eval()
     reference = copy.deepcopy(network)
     model = sz.split_sequential(network, split, num_classes=10, input_shape=(1, 28, 28), threshold=float("inf"))
     assert any(model.left.pool(k) is not None for k in range(model.left.depth))

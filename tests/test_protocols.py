@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.analysis.tables import analyze, read_certification
+from splitz_fast.analysis.plots import analyze
+from splitz_fast.analysis.tables import read_certification
 from splitz_fast.analysis.envelope import load_group
 from splitz_fast.certify.protocols import PAPER_POWER_ITERS, PublishedCode, get_protocol
 from splitz_fast.certify.sequential import SequentialCertifier
@@ -201,7 +202,8 @@ def _dataset(count: int = 3):
 
 def _api_run(path, protocol: str, **kwargs):
     """A certification run through the Python API only (no CLI settings), as a user's own script writes one."""
-    from splitz_fast.runs.loop import CertifyRun, run_over_dataset
+    from splitz_fast.runs.loop import run_over_dataset
+    from splitz_fast.runs.tasks import CertifyRun
 
     model, _ = _model(True)
     data = _dataset()
@@ -250,7 +252,7 @@ def test_resume_reads_the_rows_when_the_sidecar_does_not_say(tmp_path):
 
 
 def test_merge_refuses_shards_of_certificates_and_estimates(tmp_path):
-    from splitz_fast.runs.loop import ShardData, ShardSpec, merge_shards
+    from splitz_fast.runs.shards import ShardData, ShardSpec, merge_shards
 
     out = tmp_path / "run.tsv"
     sound = _api_run(out, "sound", shard=ShardSpec(0, 2))
@@ -269,7 +271,7 @@ def test_merge_refuses_shards_of_certificates_and_estimates(tmp_path):
 
 
 def test_merged_estimate_shards_are_labelled_an_estimate_run(tmp_path):
-    from splitz_fast.runs.loop import ShardData, ShardSpec, merge_shards
+    from splitz_fast.runs.shards import ShardData, ShardSpec, merge_shards
 
     out = tmp_path / "run.tsv"
     shards = [_api_run(out, "paper", shard=ShardSpec(k, 2)) for k in range(2)]

@@ -12,13 +12,17 @@ import scipy.stats
 import torch
 import torch.nn.functional as F
 
-import splitz_fast.training.loop as training
+import splitz_fast.training.loss as loss_module
 from splitz_fast.bounds.intervals import ball_bounds
-from splitz_fast.cli.main import _TRAIN_OPTIONS, _train_config, build_parser, main
-from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_bound, lipschitz_estimate
+from splitz_fast.cli.main import build_parser, main
+from splitz_fast.cli.train import _TRAIN_OPTIONS, _train_config
+from splitz_fast.bounds.estimate import PowerIterationState, lipschitz_estimate
+from splitz_fast.bounds.lipschitz import lipschitz_bound
 from splitz_fast.zoo.models import build_model, tabular_mlp
-from splitz_fast.training.loop import (P_A_CLAMP, TrainConfig, load_checkpoint_file, radius_penalty, radius_weight_at,
-                                       splitz_loss, torch_training_noise)
+from splitz_fast.checkpoints.splitz import load_checkpoint_file
+from splitz_fast.training.config import TrainConfig, radius_weight_at
+from splitz_fast.training.loop import train
+from splitz_fast.training.loss import P_A_CLAMP, radius_penalty, splitz_loss, torch_training_noise
 
 
 def _lenet(seed=0, dtype=torch.float32, **kwargs):
@@ -34,7 +38,7 @@ def _digits(n=4, seed=0, dtype=torch.float32):
 def _todays_loss(model, x, y, config, lam, state, generator, gamma):
     """The SPLITZ loss as it is without the radius term: cross-entropy of the noisy copies plus the per-sample hinge
     on the training estimate (the fused first layer where the native kernels run, as splitz_loss takes it)."""
-    fused = training._fused_first_layer(model.left, x, gamma)
+    fused = loss_module._fused_first_layer(model.left, x, gamma)
     latent, bounds = (model.left(x), None) if fused is None else fused
     noisy = torch_training_noise(latent, config.noise_samples, config.sigma, generator)
     ce = F.cross_entropy(model.right(noisy), y.repeat_interleave(config.noise_samples)) * 1.0
@@ -59,7 +63,7 @@ def test_weight_zero_gives_todays_loss_gradients_and_state_bitwise(monkeypatch):
             if config is None:
                 loss = _todays_loss(model, x, y, TrainConfig(**base), 0.6, state, gen, 0.2)
             else:
-                monkeypatch.setattr(training, "radius_penalty", never)
+                monkeypatch.setattr(loss_module, "radius_penalty", never)
                 loss, parts = splitz_loss(model, x, y, config, 0.6, state, gen, training_noise=torch_training_noise)
                 assert "radius" not in parts and "soft_radius" not in parts
             grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -76,8 +80,8 @@ def test_weight_zero_records_no_radius_in_training(tmp_path):
                                           torch.arange(40) % 2)
     config = TrainConfig(sigma=0.5, epochs=1, batch_size=16, val_fraction=0.25, lr_schedule="none")
     torch.manual_seed(0)
-    result = training.train(tabular_mlp(5, num_classes=2, hidden=(8,)), data, config, tmp_path,
-                            model_spec={"name": "mlp"})
+    result = train(tabular_mlp(5, num_classes=2, hidden=(8,)), data, config, tmp_path,
+                   model_spec={"name": "mlp"})
     assert not any(key.startswith(("train_radius", "train_soft_radius")) for key in result.history[0])
 
 
@@ -124,19 +128,19 @@ def test_splitz_loss_places_the_ball_by_one_fixed_point_step_from_the_training_b
     x, y = _digits(4, seed=4), torch.tensor([0, 1, 2, 3])
     config = TrainConfig(sigma=0.5, noise_samples=2, gamma_train=0.1, radius_weight=1.0, radius_target=1.0)
     seen = {}
-    original = training.radius_penalty
+    original = loss_module.radius_penalty
 
     def spy(*args, **kwargs):
         seen.update(kwargs, term=original(*args, **kwargs), logits=args[3])
         return seen["term"]
 
-    training.radius_penalty = spy
+    loss_module.radius_penalty = spy
     try:
         state = PowerIterationState()
         splitz_loss(model, x, y, config, 0.8, state, torch.Generator().manual_seed(0),
                     training_noise=torch_training_noise)
     finally:
-        training.radius_penalty = original
+        loss_module.radius_penalty = original
     gen = torch.Generator().manual_seed(0)
     torch_training_noise(model.left(x), 2, 0.5, gen)  # the noise comes first from the same generator
     start = lipschitz_estimate(model.left, x, 0.1, power_iters=config.power_iters, state=PowerIterationState(),

@@ -61,18 +61,3 @@ def test_the_api_reference_documents_every_public_name():
     documented = set(re.findall(r"^::: splitz_fast\.(?:[\w]+\.)*?(\w+)$", reference, flags=re.MULTILINE))
     missing = sorted(set(sz.__all__) - documented)
     assert not missing, f"add to docs/api.md: {missing}"
-
-
-def test_no_definition_is_a_long_room():
-    """Every function and class of the package and its kernels reads in one sitting: at most 150 lines, docstrings
-    included."""
-    import ast
-
-    long = []
-    for path in [*sorted((ROOT / "splitz_fast").glob("*.py")), *sorted((ROOT / "kernels").glob("*.py"))]:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > 150:
-                    long.append(f"{path.name}:{node.lineno} {node.name} ({length} lines)")
-    assert not long, long

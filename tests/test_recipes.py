@@ -15,10 +15,13 @@ from splitz_fast.analysis.tables import CertificationTable
 from splitz_fast.cli.main import main
 from splitz_fast.analysis.diagnostics import neuron_states
 from splitz_fast.analysis.envelope import MNIST_REFERENCES, envelope, envelope_report
-from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_estimate
+from splitz_fast.bounds.estimate import PowerIterationState, lipschitz_estimate
 from splitz_fast.training.recipes import RECIPES, recipe_config
-from splitz_fast.training.loop import (LIP_OBJECTIVES, TrainConfig, held_out_part, load_checkpoint_file, splitz_loss,
-                                       train, warm_start_)
+from splitz_fast.checkpoints.splitz import load_checkpoint_file
+from splitz_fast.training.batches import held_out_part
+from splitz_fast.training.config import LIP_OBJECTIVES, TrainConfig
+from splitz_fast.training.loop import train, warm_start_
+from splitz_fast.training.loss import splitz_loss
 
 
 def _batch(seed=0, n=8):

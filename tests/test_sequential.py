@@ -23,7 +23,7 @@ from splitz_fast.certify.sequential import (
     certify_sequential,
     checkpoints,
     latent_thresholds,
-                                            )
+)
 
 
 # ------------------------------------------------------------------ optional-stopping harness

@@ -18,7 +18,7 @@ import splitz_fast as sz
 from splitz_fast import ABSTAIN, BoundOptions, ClippedReLU, LeftHalf, Smoother, SplitModel
 from splitz_fast.sampling import prepared
 from splitz_fast.sampling.prepared import PreparedClassifier
-from splitz_fast.kernels.noise_votes import noisy_latents_native
+from splitz_fast.kernels.noise import noisy_latents_native
 from splitz_fast.sampling.engine import NOISE_BLOCK, NoiseStream, SamplingEngine
 
 

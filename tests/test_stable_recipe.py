@@ -13,8 +13,10 @@ from splitz_fast.bounds.intervals import ball_bounds
 from splitz_fast.cli.main import main
 from splitz_fast.zoo.models import tabular_mlp
 from splitz_fast.training.recipes import RECIPES, recipe_config
-from splitz_fast.training.loop import (TrainConfig, ball_intervals, load_checkpoint_file, splitz_loss,
-                                       stability_penalty, train)
+from splitz_fast.checkpoints.splitz import load_checkpoint_file
+from splitz_fast.training.config import TrainConfig
+from splitz_fast.training.loop import train
+from splitz_fast.training.loss import ball_intervals, splitz_loss, stability_penalty
 
 
 def _mlp(seed=0, **kwargs):

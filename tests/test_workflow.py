@@ -15,11 +15,15 @@ from torch.utils.data import TensorDataset
 import splitz_fast as sz
 from splitz_fast.cli.main import main
 from splitz_fast.data.packages import load_mnist
-from splitz_fast.bounds.lipschitz import PowerIterationState, lipschitz_estimate
+from splitz_fast.bounds.estimate import PowerIterationState, lipschitz_estimate
 from splitz_fast.runs.rows import COHEN_COLUMNS
-from splitz_fast.runs.loop import CertifyRun, run_over_dataset, select_indices
+from splitz_fast.runs.loop import run_over_dataset, select_indices
+from splitz_fast.runs.tasks import CertifyRun
 import splitz_fast.training.loop as training
-from splitz_fast.training.loop import TrainConfig, load_checkpoint_file, splitz_loss, train
+from splitz_fast.checkpoints.splitz import load_checkpoint_file
+from splitz_fast.training.config import TrainConfig
+from splitz_fast.training.loss import splitz_loss
+from splitz_fast.training.loop import train
 from _helpers import installed
 
 
@@ -318,7 +322,8 @@ def test_cutting_a_torn_row_rewrites_nothing_so_a_full_disk_loses_no_row(tmp_pat
 _FULL_DISK_RUN = """
 import resource, signal, sys, torch
 import splitz_fast as sz
-from splitz_fast.runs.loop import CertifyRun, run_over_dataset
+from splitz_fast.runs.loop import run_over_dataset
+from splitz_fast.runs.tasks import CertifyRun
 torch.manual_seed(0)
 task = CertifyRun(sz.Smoother(sz.lenet(split_index=1).eval(), 0.5), 5, 20, 0.01, 32)
 gen = torch.Generator().manual_seed(6)
@@ -543,6 +548,7 @@ def test_a_run_that_loses_the_race_for_a_fresh_outfile_leaves_the_winners_files(
     """Another process creates the OUTFILE between this run's first look and its own creation: this run's error must
     not remove the files it did not write."""
     import splitz_fast.runs.loop as runs
+    from splitz_fast.runs.files import _sidecar
 
     task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
     out = tmp_path / "o.tsv"
@@ -550,18 +556,18 @@ def test_a_run_that_loses_the_race_for_a_fresh_outfile_leaves_the_winners_files(
 
     def other_process_first(path, *args):
         path.write_text("the winner's rows\n")
-        runs._sidecar(path).write_text("{}")
+        _sidecar(path).write_text("{}")
         return real(path, *args)
 
     monkeypatch.setattr(runs, "_prepare_output", other_process_first)
     with pytest.raises(FileExistsError):
         run_over_dataset(task, _digits(torch.rand(1, 28, 28)), out, settings={}, indices=[0], seed=0, progress=False)
-    assert out.read_text() == "the winner's rows\n" and runs._sidecar(out).exists()
+    assert out.read_text() == "the winner's rows\n" and _sidecar(out).exists()
 
 
 def test_a_run_task_of_its_own_needs_no_model(tmp_path):
     """RunTask subclasses written before tasks had a model still run (their labels are not checked)."""
-    from splitz_fast.runs.loop import RunTask
+    from splitz_fast.runs.tasks import RunTask
 
     class Echo(RunTask):
         kind, header = "echo", "idx\tlabel"

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .._checks import check_output_folder
+from ..certify.kinds import ESTIMATES
 from .tables import CertificationTable, constant_note
 from ..bounds.intervals import BallBounds, ball_bounds, masked_frobenius_sq
 from ..model.modules import LeftHalf, SplitModel
@@ -204,7 +205,7 @@ def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, words:
     left.set_ylabel(words.inputs)
     right.hist(100 * constant, bins=30)
     right.set_xlabel("neurons of f_L constant on B(x, γ*) (%)")
-    fig.suptitle(f"{title} (estimates, not certificates)" if diag.estimate else title)
+    fig.suptitle(f"{title} ({ESTIMATES})" if diag.estimate else title)
     fig.savefig(stem.with_name(stem.name + ".png"), dpi=150)
     fig.savefig(stem.with_name(stem.name + ".pdf"), metadata={"CreationDate": None})
 

@@ -19,8 +19,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .._checks import check_output_folder, read_settings_file
-from .tables import (NOT_A_CERTIFICATE, CertificationTable, acr, certified_accuracy, certified_accuracy_curve,
-                     constant_note, labelled, markdown_table, read_certification, unfinished_note)
+from ..certify.kinds import NOT_A_CERTIFICATE
+from .plots import certified_accuracy_curve
+from .tables import (CertificationTable, acr, certified_accuracy, constant_note, labelled, markdown_table,
+                     read_certification, unfinished_note)
 
 __all__ = ["Reference", "MNIST_REFERENCES", "SigmaRuns", "envelope", "load_group", "envelope_report"]
 

@@ -32,7 +32,7 @@ Write ``Δ_i = φ_i(z_i(x')) − φ_i(z_i(x))`` and ``δ = x' − x``, ``‖δ�
 
    where ``A_{V∖S}`` keeps the rows of ``V∖S`` (:class:`~splitz_fast.bounds.operators.MaskedAffine` with that out mask).
    Its norm is a *proven* upper bound (``"exact"``: the certified Gram eigenvalue of
-   :func:`~splitz_fast.bounds.lipschitz.certified_lambda_max`) or a probabilistic one whose failure probability is reported
+   :func:`~splitz_fast.bounds.certificate.certified_lambda_max`) or a probabilistic one whose failure probability is reported
    (``"probabilistic"``, :func:`~splitz_fast.bounds.lipschitz.probabilistic_norm_bound`) — the same per-factor machinery and
    ``"auto"`` rule as :func:`~splitz_fast.bounds.lipschitz.lipschitz_bound` (``_bound_factors``). Every ``S`` gives a valid
    bound, so the minimum over a family of ``S`` is valid too (probabilistic case: on the event that every norm bound
@@ -77,6 +77,7 @@ from typing import Sequence
 
 import torch
 
+from .certificate import UNIT_ROUNDOFF_64
 from .intervals import BallBounds, ball_bounds, first_layer_row_norms
 from ..kernels.thresholds import theta_broadcast, theta_mode
 from .lipschitz import (
@@ -85,12 +86,11 @@ from .lipschitz import (
     _bound_factors,
     _check_bound_settings,
     masked_operators,
-                        )
+)
 from ..model.modules import LeftHalf
 from .operators import MaskedAffine
 from .radius import BoundOptions, RadiusResult, RadiusSearch
 
-UNIT_ROUNDOFF_64 = 2.0 ** -53
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 ESTIMATE_ITERS = 24  # power steps of the (uncertified) estimate that ranks the candidate sets
 

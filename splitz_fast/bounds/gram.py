@@ -1,5 +1,5 @@
 """The float64 Gram matrix of a masked factor ``A_b`` of ``f_L`` (:class:`~splitz_fast.bounds.operators.MaskedAffine`),
-restricted to its varying side, for the exact bound of :func:`~splitz_fast.bounds.lipschitz.certified_lambda_max`: dense for
+restricted to its varying side, for the exact bound of :func:`~splitz_fast.bounds.certificate.certified_lambda_max`: dense for
 a Linear factor, banded and sparse for a convolution (:func:`conv_gram`), with the count of rounded products per entry
 that the certificate's rounding terms need; and the cost model that decides between the exact and the probabilistic
 bound (:func:`exact_cost`).
@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 # Measured on the 2-core CPU (whole exact bound of LeNet conv1, d ≤ 784, γ = 0.1 / 0.5, best of 30 on a loaded
 # machine): banded 33 / 34 ms, dense 83 / 108 ms (the dense Gram before the banded one: 92 / 87 ms). So on the CPU
 # every convolution Gram goes banded. On CUDA, Grams up to this dimension stay dense (device eigvalsh + Cholesky:
-# 14 ms for LeNet conv1 on an H200, DEVICE_DENSE_MAX_DIM in lipschitz.py), banded above.
+# 14 ms for LeNet conv1 on an H200, DEVICE_DENSE_MAX_DIM in certificate.py), banded above.
 CUDA_DENSE_GRAM_MAX_DIM = 1024
 
 
 def exact_cost(op: MaskedAffine) -> tuple[int, float]:
     """``(d, flops)``: the largest Gram dimension of the batch (after masking) and an estimate of the floating-point
     operations of one exact bound of that size (:func:`factor_gram` plus
-    :func:`~splitz_fast.bounds.lipschitz.certified_lambda_max`), from the shapes and masks alone.
+    :func:`~splitz_fast.bounds.certificate.certified_lambda_max`), from the shapes and masks alone.
 
     * Linear, or a convolution Gram handed over dense (CUDA, ``d ≤ CUDA_DENSE_GRAM_MAX_DIM``): the Gram product
       plus ``d³`` (eigensolver and Cholesky).
@@ -68,7 +68,7 @@ def factor_gram(op: MaskedAffine, b: int, sparse: bool | None = None) -> tuple[t
     the non-zero rows (``AAᵀ``) for a Linear factor whose varying outputs are fewer.
 
     Returns ``(G, terms)``: ``G`` is ``[d, d]``, ``terms`` bounds the number of products summed into one entry
-    (see :func:`~splitz_fast.bounds.lipschitz.certified_lambda_max`). A Linear factor's ``G`` is dense. A convolution's
+    (see :func:`~splitz_fast.bounds.certificate.certified_lambda_max`). A Linear factor's ``G`` is dense. A convolution's
     ``G`` is banded (inputs ``i``, ``j`` interact only when one output position covers both): it is returned as a
     sparse CSR tensor holding the **upper triangle** (``col ≥ row``) of ``G`` in the band order of
     :func:`conv_gram` when ``sparse`` is ``True``, or ``None`` except on CUDA up to ``CUDA_DENSE_GRAM_MAX_DIM``;
@@ -122,7 +122,7 @@ def conv_gram(op: MaskedAffine, w, out_mask, factor) -> tuple[torch.Tensor, int]
     the varying pairs and scaled by ``f_i f_j``. Within a row the stencil order ``(a' − a, b' − b, c')`` is the rank order, so the CSR columns
     come out sorted. The image is transposed first when scanning columns gives the narrower band: a row reaches
     at most ``C_in·((kh − 1)·dil_h·W + (kw − 1)·dil_w + 1)`` ranks ahead, and the banded Cholesky of
-    :func:`~splitz_fast.bounds.lipschitz.certified_lambda_max` costs about ``d·band²``.
+    :func:`~splitz_fast.bounds.certificate.certified_lambda_max` costs about ``d·band²``.
 
     ``terms``: an entry sums ``C_out`` products per covering position and at most ``kh·kw`` positions cover a
     pair, so at most ``C_out·kh·kw`` products, in whatever grouping the GEMMs and the additions use; the

@@ -34,7 +34,7 @@ from .lipschitz import (
     bounds_from_balls,
     global_lipschitz_bound,
     lipschitz_bound,
-                        )
+)
 from ..model.modules import LeftHalf, SplitModel
 from ..model.snapshot import ModuleSnapshot
 

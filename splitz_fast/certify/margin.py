@@ -20,6 +20,7 @@ import torch.nn as nn
 from ..model.modules import SplitModel
 from ..model.snapshot import ModuleSnapshot
 from ..bounds.radius import BoundOptions, RadiusSearch, check_bound_options
+from .kinds import NO_BOUND
 from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, about_given_input
 
@@ -52,7 +53,7 @@ class MarginCertifier:
     caveat applies: the guarantee is for the real-valued network). Results carry ``p_a_lower = nan``,
     ``latent_radius = m/√2``, ``count_a = n = 0`` and ``failure_prob`` = the bounds' δ (0 when exact); a tie at the
     top logit abstains. Nothing is sampled: ``seed`` seeds probabilistic bounds only (dataset runs:
-    :class:`~splitz_fast.runs.loop.MarginRun`).
+    :class:`~splitz_fast.runs.tasks.MarginRun`).
     """
 
     def __init__(self, model: SplitModel, *, bound_options: BoundOptions | None = None,
@@ -116,7 +117,7 @@ class MarginCertifier:
         candidate = int(top2.indices[0])
         margin = float(top2.values[0] - top2.values[1])
         if margin <= 0:
-            return CertifyResult(ABSTAIN, 0.0, math.nan, 0.0, math.nan, math.nan, "none", 0.0, 0, 0, 0, seed,
+            return CertifyResult(ABSTAIN, 0.0, math.nan, 0.0, math.nan, math.nan, str(NO_BOUND), 0.0, 0, 0, 0, seed,
                                  time.perf_counter() - start, "none")
         radius_latent = margin / math.sqrt(2.0)
         best = self.radius_search.search(x, radius_latent, generator)

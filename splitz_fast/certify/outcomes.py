@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .protocols import is_estimate_kind
+from .kinds import BoundKind
 from .stats import two_sided_binomial_pvalue
 
 ABSTAIN = -1
@@ -23,8 +23,9 @@ class CertifyResult:
     that the certificate is wrong: α plus the failure probability of every probabilistic Lipschitz bound evaluated.
     ``bound_kind`` says what produced ``lipschitz``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``,
     ``global-exact`` or ``global-probabilistic``; ``none`` for an abstention (no radius searched: ``lipschitz`` and
-    ``gamma`` are NaN); the estimate protocols' kinds end in ``-estimate``. ``noise_source`` says which stream drew the noise (``philox4x32-10``:
-    the Philox stream of kernels/noise_votes.py, the same on every device and backend; or ``torch-<device>``: the
+    ``gamma`` are NaN); the estimate protocols' kinds end in ``-estimate`` (all of them:
+    :class:`~splitz_fast.certify.kinds.BoundKind`). ``noise_source`` says which stream drew the noise (``philox4x32-10``:
+    the Philox stream of kernels/noise.py, the same on every device and backend; or ``torch-<device>``: the
     fallback's torch generator): with the seed, it is what a rerun needs to reproduce the certificate. ``seconds`` is this
     input's share of the sampling time of the batches it was packed in, plus its own radius search.
 
@@ -55,8 +56,9 @@ class CertifyResult:
     @property
     def is_certificate(self) -> bool:
         """False for the results of an estimate protocol (``bound_kind`` ``paper-estimate`` /
-        ``published-code-estimate``): their radii are not certified (:mod:`splitz_fast.certify.protocols`)."""
-        return not is_estimate_kind(self.bound_kind)
+        ``published-code-estimate``): their radii are not certified (:mod:`splitz_fast.certify.protocols`; the kinds:
+        :class:`~splitz_fast.certify.kinds.BoundKind`)."""
+        return not BoundKind.parse(self.bound_kind).is_estimate
 
 
 @dataclass

@@ -40,13 +40,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Iterable
 
 import torch
 
 from ..bounds.displacement import displacement_radius
-from ..bounds.lipschitz import lipschitz_estimate, masked_operators
+from ..bounds.estimate import lipschitz_estimate
+from ..bounds.lipschitz import masked_operators
 from ..bounds.radius import RadiusResult, RadiusSearch
+from .kinds import DISPLACEMENT, BoundKind
 
 # Power steps of the paper's certification (its MNIST/CIFAR setting) and of the published code's estimate.
 PAPER_POWER_ITERS = 5
@@ -110,7 +111,8 @@ class DisplacementCertificate(CertificationProtocol):
                                     generator=generator)
         if found.candidate == "baseline":
             return dataclasses.replace(baseline, failure=found.failure, evaluations=found.evaluations)
-        return RadiusResult(found.radius, found.gamma, found.displacement / found.gamma, f"displacement-{found.kind}",
+        return RadiusResult(found.radius, found.gamma, found.displacement / found.gamma,
+                            str(BoundKind.of(DISPLACEMENT, found.kind)),
                             found.failure, found.evaluations, found.evaluations)
 
 
@@ -118,7 +120,7 @@ class PaperAlgorithm1(CertificationProtocol):
     """The paper's Algorithm 1 with Remark 1's one-step γ search and 5-step masked power iteration (an estimate)."""
 
     name, certificate = "paper", False
-    kind = "paper-estimate"
+    kind = str(BoundKind.estimate(name))  # "paper-estimate"
 
     def radius(self, search, x, radius_latent, generator):
         left = search.left
@@ -154,7 +156,7 @@ class PublishedCode(CertificationProtocol):
     CIFAR-10's first std for every dataset); ``1 / 0.2023`` (the version that divides by it)."""
 
     name, certificate = "published-code", False
-    kind = "published-code-estimate"
+    kind = str(BoundKind.estimate(name))  # "published-code-estimate"
 
     def __init__(self, data_std: tuple[float, ...] | None = None, lipschitz_factor: float = 1.0):
         self.data_std = None if data_std is None else tuple(float(s) for s in data_std)
@@ -219,38 +221,5 @@ def get_protocol(protocol: str | CertificationProtocol) -> CertificationProtocol
     return PROTOCOLS[protocol]
 
 
-#: The ``bound`` of an abstention (and of an undecided sequential row): no radius, so neither certificate nor estimate.
-NO_BOUND = "none"
-
-
-def is_estimate_kind(bound_kind: str) -> bool:
-    """Whether a result's ``bound`` column names an estimate protocol (not a certificate)."""
-    return bound_kind.endswith("-estimate")
-
-
-def certificate_status(bound_kinds: Iterable[str], where: str) -> bool | None:
-    """Whether rows with these ``bound`` kinds are certificates — the one test every reader of results applies (run
-    files, resume, merge, analysis, envelopes, diagnostics). ``True``: every row with a radius is a certificate;
-    ``False``: every one is an estimate (:func:`is_estimate_kind`); ``None``: no row has a radius (all abstained).
-
-    Raises ``ValueError`` naming ``where`` when certificates and estimates are mixed: a radius next to an estimate
-    would read as certified, so such a set of rows is never accepted."""
-    certificate = estimate = None
-    for kind in map(str, bound_kinds):
-        if kind == NO_BOUND:
-            continue
-        if is_estimate_kind(kind):
-            estimate = estimate or kind
-        else:
-            certificate = certificate or kind
-    if certificate and estimate:
-        raise ValueError(f"{where} mixes certificates ({certificate}) with estimates ({estimate}, "
-                         "not certificates); keep each protocol's rows in a file of their own")
-    if certificate is None and estimate is None:
-        return None
-    return estimate is None
-
-
 __all__ = ["CertificationProtocol", "SoundCertificate", "DisplacementCertificate", "PaperAlgorithm1", "PublishedCode", "PROTOCOLS",
-           "PUBLISHED_DATA_STD", "get_protocol", "is_estimate_kind", "certificate_status", "NO_BOUND",
-           "PAPER_POWER_ITERS"]
+           "PUBLISHED_DATA_STD", "get_protocol", "PAPER_POWER_ITERS"]

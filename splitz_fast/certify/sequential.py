@@ -47,6 +47,7 @@ from scipy.stats import norm
 from .._checks import check_certify_counts, check_count, check_positive, check_probability
 from ..bounds.lipschitz import lipschitz_bound
 from ..model.modules import SplitModel
+from .kinds import GLOBAL, LOCAL, NO_BOUND, BoundKind
 from .protocols import CertificationProtocol
 from ..sampling.engine import NoiseStream, SamplingJob
 from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
@@ -424,7 +425,7 @@ class SequentialCertifier:
                      ) -> Iterator[SequentialCertifyResult]:
         """:meth:`certify` for every input (a ``[M, *input_shape]`` tensor or an iterable, consumed lazily), one seed
         per input (``None``: fresh random seeds); results in order. Same call shape as ``Smoother.certify_many`` with
-        ``n = budget``, so a :class:`~splitz_fast.runs.loop.CertifyRun` takes this object in place of a Smoother."""
+        ``n = budget``, so a :class:`~splitz_fast.runs.tasks.CertifyRun` takes this object in place of a Smoother."""
         n0, budget, alpha, batch_size = check_certify_counts(n0, budget, alpha, batch_size, n_name="budget")
         return self._certify_stream(with_seeds(inputs_of(inputs), seeds), n0, budget, alpha, batch_size)
 
@@ -462,7 +463,7 @@ class SequentialCertifier:
         if found.p_lower <= 0.5:
             return SequentialCertifyResult(
                 prediction=ABSTAIN, radius=0.0, p_a_lower=found.p_lower, latent_radius=0.0, lipschitz=math.nan,
-                gamma=math.nan, bound_kind="none", failure_prob=spent, gamma_evaluations=bounds.evaluations,
+                gamma=math.nan, bound_kind=str(NO_BOUND), failure_prob=spent, gamma_evaluations=bounds.evaluations,
                 seconds=time.perf_counter() - start, **common)
         radius_latent = found.latent_radius(smoother.sigma)
         best = smoother.radius_search.search(x, radius_latent, stream.generator)
@@ -487,7 +488,7 @@ def _radius_bounds(smoother: Smoother, radii: tuple[float, ...], x: torch.Tensor
         return _RadiusBounds(np.zeros(0), [], 0.0, 0)
     if opts.bound == "global" and left.depth > 0:
         g = smoother.radius_search.global_bound()
-        return _RadiusBounds(np.full(k, float(g.value[0])), [f"global-{g.kind[0]}"] * k, g.failure_prob[0], 0)
+        return _RadiusBounds(np.full(k, float(g.value[0])), [str(BoundKind.of(GLOBAL, g.kind[0]))] * k, g.failure_prob[0], 0)
     generator = torch.Generator(device=x.device)
     generator.manual_seed(int(np.random.SeedSequence([seed, 1]).generate_state(1, np.uint64)[0]))
     bound = lipschitz_bound(
@@ -495,7 +496,7 @@ def _radius_bounds(smoother: Smoother, radii: tuple[float, ...], x: torch.Tensor
         method=opts.bound_method, delta=opts.bound_delta / (k * max(1, left.depth)),
         power_iters=opts.power_iters, exact_max_dim=opts.exact_max_dim, generator=generator,
     )
-    kinds = ["identity" if kind == "identity" else f"local-{kind}" for kind in bound.kind]
+    kinds = [str(BoundKind.of(LOCAL, kind)) for kind in bound.kind]
     return _RadiusBounds(bound.value.numpy(), kinds, float(sum(bound.failure_prob)), k if left.depth else 0)
 
 

@@ -17,6 +17,7 @@ import torch
 from ..bounds.radius import RadiusResult, RadiusSearch
 from ..model.modules import SplitModel
 from ..sampling.engine import NoiseStream, SamplingEngine, SamplingJob
+from .kinds import NO_BOUND
 from .inputs import CallGuard, PreparedInput, evaluating, prepare_input, resolve_seed
 from .outcomes import ABSTAIN, CertifyResult, PredictResult, about_given_input, predict_result
 from .protocols import CertificationProtocol
@@ -167,8 +168,8 @@ def finish_window(smoother: SmootherParts, guard: CallGuard, window, counts, sec
         candidate, count_a, p_lower = decided[i]
         source, seed = pending.stream.source, pending.stream.seed
         if i not in found:
-            yield about_given_input(CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, "none", alpha,
-                                                  count_a, n, 0, seed, seconds, source), pending.x.rounding)
+            yield about_given_input(CertifyResult(ABSTAIN, 0.0, p_lower, 0.0, math.nan, math.nan, str(NO_BOUND),
+                                                  alpha, count_a, n, 0, seed, seconds, source), pending.x.rounding)
             continue
         best: RadiusResult = found[i]
         yield about_given_input(CertifyResult(

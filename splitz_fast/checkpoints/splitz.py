@@ -3,7 +3,7 @@
 A checkpoint is a ``torch.save`` archive of one dict holding only tensors and plain Python values, so it loads with
 ``torch.load(..., weights_only=True)`` (nothing in it can run code): ``format`` (:data:`CHECKPOINT_FORMAT`), ``model``
 (the state_dict), ``model_spec`` (``{"name", "kwargs", "dataset", ...}``: how :func:`~splitz_fast.zoo.models.build_model`
-rebuilds the architecture), ``config`` (the :class:`~splitz_fast.training.loop.TrainConfig` as a dict, σ included), and
+rebuilds the architecture), ``config`` (the :class:`~splitz_fast.training.config.TrainConfig` as a dict, σ included), and
 the training state (``optimizer``, ``epoch``, ``power_vectors``, ``history``, ``best_epoch``, ...). No wall times, so
 identical runs write identical files; :func:`checkpoint_digest` identifies a model by content.
 

@@ -9,7 +9,7 @@ idle; each job's votes are counted separately.
 
 **The noise an input sees depends only on its seed and the sample index** — not on the batch size, on how its samples
 are packed with other inputs', or on whether it is certified alone: on the Philox stream (the Triton kernel on CUDA,
-the native C++ kernel of ``csrc/`` on the CPU — one stream, kernels/noise_votes.py) by construction (stream index =
+the native C++ kernel of ``csrc/`` on the CPU — one stream, kernels/noise.py) by construction (stream index =
 sample index × D + element), and on the fallback path (``SPLITZ_BACKEND=reference``, or no Triton / no C++ compiler)
 because :class:`NoiseStream` draws standard normals (``Tensor.normal_``) in fixed blocks of :data:`NOISE_BLOCK`
 samples and hands them out in order. So a certificate is reproducible whatever batch size the engine picks, and
@@ -34,16 +34,14 @@ import torch.nn as nn
 
 from .folding import fold_batchnorm, unfolded_batchnorms
 from ..kernels import select_backend
-from ..kernels.noise_votes import (
-    count_votes_triton,
-    count_votes_cuda,
-    count_votes_reference,
+from ..kernels.noise import (
     noisy_latents_triton,
     noisy_latents_cuda,
     noisy_latents_maxpool2_native,
     noisy_latents_maxpool2_triton,
     noisy_latents_native,
-                                   )
+)
+from ..kernels.votes import count_votes_cuda, count_votes_reference, count_votes_triton
 from .compiled import CompileChoice, CompiledOrEager, check_compile_setting
 from ..cuda_math import cuda_math
 from .epilogues import FusionChoice
@@ -145,7 +143,7 @@ class NoiseStream:
 
     @property
     def source(self) -> str:
-        """``philox4x32-10`` (the stream of kernels/noise_votes.py, any device) or ``torch-<device>`` (the fallback's
+        """``philox4x32-10`` (the stream of kernels/noise.py, any device) or ``torch-<device>`` (the fallback's
         generator): with the seed, what a rerun needs to reproduce the draws."""
         return PHILOX_STREAM if self._philox is not None else f"torch-{self.device.type}"
 

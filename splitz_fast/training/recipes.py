@@ -1,7 +1,7 @@
 """Named training recipes (``splitz train --recipe NAME``): the settings that make one published way of training, with
 their source, so a result can say which recipe produced it and another user can reproduce it.
 
-A recipe fixes :class:`~splitz_fast.training.loop.TrainConfig` fields and model options (split, clipped-ReLU thresholds);
+A recipe fixes :class:`~splitz_fast.training.config.TrainConfig` fields and model options (split, clipped-ReLU thresholds);
 options given on the command line (or keyword arguments of :func:`recipe_config`) override it, and fields a recipe
 leaves alone keep TrainConfig's defaults (the paper's MNIST settings). Budget settings (epochs, batch size, learning
 rate schedule) are not part of a recipe: they are the user's hardware budget, stated next to every result.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .loop import TrainConfig
+from .config import TrainConfig
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "recipe_config"]
 

@@ -1,9 +1,11 @@
-"""Noise draws and vote counting of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents_triton`` and
-``count_votes_triton``, each a Triton kernel with its launcher, beside the pure-PyTorch references
-``noisy_latents_reference`` and ``count_votes_reference`` (the test oracles and the fallback path), and
-``noisy_latents_native``, the launcher of the C++ kernel of ``csrc/noise_cpu.cpp`` (the CPU path), and
-``noisy_latents_cuda`` / ``count_votes_cuda``, the launchers of the CUDA kernels of ``csrc/noise_votes_cuda.cu``
-(``SPLITZ_BACKEND=native`` on CUDA tensors; ``auto`` uses the Triton kernels there until measured otherwise).
+"""Noise draws of the sampling engine (SPEC §2 soundness, §5 speed): ``noisy_latents_triton``, a Triton kernel with
+its launcher, beside the pure-PyTorch reference ``noisy_latents_reference`` (the test oracle and the fallback path),
+and ``noisy_latents_native``, the launcher of the C++ kernel of ``csrc/noise_cpu.cpp`` (the CPU path), and
+``noisy_latents_cuda``, the launcher of the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (``SPLITZ_BACKEND=native`` on
+CUDA tensors; ``auto`` uses the Triton kernel there until measured otherwise); and ``noisy_latents_maxpool2_*``, the
+same draw through a 2x2 max pool in one pass (Triton, native C++, reference). The vote counts of the same engine are
+:mod:`splitz_fast.kernels.votes`; the PyTorch Philox stream that the references and tests draw from is
+:mod:`splitz_fast.kernels.philox_reference`.
 
 ``noisy_latents_triton(latent, num, σ, seed, offset) -> [num, *latent.shape]``
     ``latent + σ z`` with ``z ~ N(0, I)`` drawn **in float32** from a counter-based Philox4x32-10 stream
@@ -11,10 +13,6 @@
     bfloat16 or float16) on store. That cast is part of the base classifier ``f_R`` and keeps the smoothing guarantee
     (Voráček & Hein 2023); noise drawn or added in low precision would not. The latent is broadcast over the sample
     dimension inside the kernel (no ``latent.repeat``), and 4-D outputs can be written directly in channels_last.
-
-``count_votes_triton(logits [b, C], counts [C])``
-    ``counts += bincount(argmax(logits, 1), minlength=C)`` in place, on the device, without a host sync: ties go to
-    the lowest index and a NaN counts as the maximum (the first NaN of a row wins), both as ``torch.argmax``.
 
 The Philox stream (the contract that makes selection and estimation draws independent; csrc/philox.h has the same)
 --------------------------------------------------------------------------------------------------------------------
@@ -36,8 +34,8 @@ index ``offset + k``: start a seed at ``offset = 0`` and advance ``offset += num
 * the draws are a pure function of ``(latent, σ, seed, sample index)``: splitting ``num`` samples into batches of any
   size gives bitwise the same samples (tested), and so do channels_last and contiguous outputs;
 * every backend draws the same stream: the Philox words are bit-identical (Triton, the native CPU and CUDA
-  kernels of ``csrc/``, and the PyTorch reference here), the normals agree up to the rounding of ln, cos and sin
-  (float32 ulps);
+  kernels of ``csrc/``, and the PyTorch reference of :mod:`splitz_fast.kernels.philox_reference`), the normals agree
+  up to the rounding of ln, cos and sin (float32 ulps);
 * ``(offset + num) * D`` must stay at most ``2**64`` (checked).
 
 The Triton kernel computes each Philox call once, for both normals of its pair, where the pairs are whole: ``D`` even
@@ -60,9 +58,11 @@ import torch
 
 from splitz_fast._checks import check_count, check_positive
 
-OPS = ("noisy_latents", "count_votes")  # op names for splitz_fast.kernels.TRITON_OPS
+from ._utils import check_launch_device
+from .philox_reference import stream_normals_reference
+
+OPS = ("noisy_latents", "noisy_latents_maxpool2")  # op names for splitz_fast.kernels.TRITON_OPS
 NOISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-COUNT_DTYPES = (torch.int64, torch.int32)
 _U64 = 2**64
 _MAX_GRID_Y = 65535
 
@@ -207,50 +207,11 @@ def _noisy_maxpool2_kernel(
     _store_sample(out_ptr + (k.to(tl.int64)[:, None] * pooled + q[None, :]), _max_nan(top, bottom), mask, BF16)
 
 
-def _count_votes_kernel(
-    logits_ptr, counts_ptr, rows, classes, stride_r, stride_c,
-    VALUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-    LOCAL_HIST: tl.constexpr,
-):
-    """Row argmax of ``BLOCK_R`` rows (scan over column chunks of ``BLOCK_C``), then either one block-local
-    histogram of ``BLOCK_H >= classes`` bins added with one masked atomic per non-empty bin (``LOCAL_HIST``) or one
-    atomic per row. ``VALUE`` is the comparison dtype (float32, or float64 for float64 logits)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < rows
-    row_ptr = logits_ptr + r.to(tl.int64)[:, None] * stride_r
-    best = tl.full([BLOCK_R], float("-inf"), VALUE)
-    best_idx = tl.zeros([BLOCK_R], dtype=tl.int32)
-    first_nan = tl.zeros([BLOCK_R], dtype=tl.int32) + classes
-    for start in range(0, classes, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        valid = rmask[:, None] & (cols < classes)[None, :]
-        x = tl.load(row_ptr + cols.to(tl.int64)[None, :] * stride_c, mask=valid, other=float("-inf")).to(VALUE)
-        is_nan = (x != x) & valid
-        first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan, cols[None, :], classes), axis=1))
-        ordinary = valid & (x == x)
-        x = tl.where(ordinary, x, float("-inf"))
-        chunk_max = tl.max(x, axis=1)
-        chunk_idx = tl.min(tl.where(ordinary & (x == chunk_max[:, None]), cols[None, :], classes), axis=1)
-        better = chunk_max > best  # strict: an equal maximum in a later chunk keeps the lower index
-        best = tl.where(better, chunk_max, best)
-        best_idx = tl.where(better, chunk_idx, best_idx)
-    vote = tl.where(first_nan < classes, first_nan, best_idx)  # all -inf rows keep index 0, like torch.argmax
-    if LOCAL_HIST:
-        bins = tl.arange(0, BLOCK_H)
-        hist = tl.sum(((vote[:, None] == bins[None, :]) & rmask[:, None]).to(tl.int32), axis=0)
-        tl.atomic_add(counts_ptr + bins, hist.to(counts_ptr.dtype.element_ty), mask=(hist > 0) & (bins < classes),
-                      sem="relaxed")
-    else:
-        ones = tl.full([BLOCK_R], 1, dtype=counts_ptr.dtype.element_ty)
-        tl.atomic_add(counts_ptr + vote, ones, mask=rmask, sem="relaxed")
-
-
 class _Kernels(NamedTuple):
     triton: object
     noise: object
     noise_pairs: object
     noise_maxpool2: object
-    votes: object
 
 
 @functools.cache
@@ -261,8 +222,8 @@ def _kernels() -> _Kernels:
         import triton
         import triton.language as language
     except ImportError as exc:  # pragma: no cover - exercised only without triton
-        raise RuntimeError("the Triton kernels of splitz_fast.kernels.noise_votes need the `triton` package; use "
-                           "noisy_latents_reference / count_votes_reference (SPLITZ_BACKEND=reference)") from exc
+        raise RuntimeError("the Triton kernels of splitz_fast.kernels.noise need the `triton` package; use "
+                           "noisy_latents_reference (SPLITZ_BACKEND=reference)") from exc
     tl = language
     # The device functions the kernels call, jitted under their own names (the kernels resolve them as globals).
     global _philox_normals, _store_sample, _stream_base, _max_nan, _noisy_row_pair_max
@@ -272,15 +233,11 @@ def _kernels() -> _Kernels:
     noise = triton.jit(_noisy_latents_kernel, do_not_specialize=stream_args)
     pairs = triton.jit(_noisy_latent_pairs_kernel, do_not_specialize=stream_args)
     pooled = triton.jit(_noisy_maxpool2_kernel, do_not_specialize=stream_args)
-    votes = triton.jit(_count_votes_kernel)
-    return _Kernels(triton, noise, pairs, pooled, votes)
+    return _Kernels(triton, noise, pairs, pooled)
 
 
 def _check_launch_device(name: str, t: torch.Tensor) -> None:
-    interpreted = type(_kernels().votes).__name__ == "InterpretedFunction"  # one kernel stands for all
-    if t.device.type != "cuda" and not interpreted:
-        raise ValueError(f"{name} is on {t.device}: the Triton kernels run on CUDA tensors (or on CPU tensors when "
-                         "TRITON_INTERPRET=1 is set before the first launch); use the *_reference function elsewhere")
+    check_launch_device(name, t, _kernels().noise_maxpool2)  # one kernel stands for all
 
 
 def _split32(value: int) -> tuple[int, int]:
@@ -531,49 +488,6 @@ def noisy_latents_maxpool2_reference(
     return torch.nn.functional.max_pool2d(noisy, 2)
 
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul_hi_lo(constant: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of ``constant * x`` for uint32 values held in int64 tensors, without overflowing
-    int64: ``x`` is split into 16-bit halves, every partial product stays below 2**49."""
-    low = constant * (x & 0xFFFF)
-    mid = constant * (x >> 16) + (low >> 16)
-    return mid >> 16, ((mid & 0xFFFF) << 16) | (low & 0xFFFF)
-
-
-def philox_words_reference(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Words ``w0, w1, w2`` of Philox4x32-10 (Salmon et al. 2011) at the 64-bit ``counters`` (an int64 tensor read as
-    uint64, two's complement) under the 64-bit key ``seed``, as int64 tensors with values in ``[0, 2**32)``: counter
-    words ``(lo32, hi32, 0, 0)``, key words ``(lo32(seed), hi32(seed))`` — ``tl.randint4x``'s arrangement."""
-    c0, c1 = counters & _MASK32, (counters >> 32) & _MASK32
-    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
-    k0, k1 = seed & _MASK32, seed >> 32
-    for _ in range(10):
-        hi_b, lo_b = _mul_hi_lo(0xCD9E8D57, c2)
-        hi_a, lo_a = _mul_hi_lo(0xD2511F53, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
-    return c0, c1, c2
-
-
-def stream_normals_reference(seed: int, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The stream's numbers ``z_t`` for ``t`` in ``[first, first + count)`` (float32, ``[count]``), in PyTorch: the
-    oracle of the Triton and native kernels (module docstring)."""
-    first_pair, last_pair = first >> 1, (first + count - 1) >> 1
-    start = first_pair - 2**64 if first_pair >= 2**63 else first_pair  # the same 64 bits as a signed int64
-    counters = torch.arange(last_pair - first_pair + 1, dtype=torch.int64, device=device) + start
-    w0, w1, w2 = philox_words_reference(counters, seed)
-    u1 = w0.float() * 2.3283064365386963e-10 + (w1.float() + 0.5) * 5.421010862427522e-20
-    u1 = u1.clamp(max=1.0)
-    u2 = w2.float() * 2.3283064365386963e-10 - 0.5
-    radius = (-2.0 * torch.log(u1)).clamp(min=0.0).sqrt()
-    angle = 6.283185307179586 * u2
-    pairs = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=1).flatten()
-    skip = first & 1
-    return pairs[skip:skip + count]
-
-
 def noisy_latents_reference(
     latent: torch.Tensor,
     num: int,
@@ -585,9 +499,10 @@ def noisy_latents_reference(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`noisy_latents_triton` in PyTorch on any device: the same stream (:func:`stream_normals_reference`), the sum in
-    float32, then the cast to ``out_dtype`` / channels_last. The test oracle, and the fallback where neither Triton nor
-    the native kernels run (about 10x slower than the native CPU kernel; it materialises int64 temporaries)."""
+    """:func:`noisy_latents_triton` in PyTorch on any device: the same stream
+    (:func:`.philox_reference.stream_normals_reference`), the sum in float32, then the cast to ``out_dtype`` /
+    channels_last. The test oracle, and the fallback where neither Triton nor the native kernels run (about 10x slower
+    than the native CPU kernel; it materialises int64 temporaries)."""
     sigma = _check_stream_args(latent, num, sigma, seed, offset, out_dtype, channels_last)
     out = _output(latent, num, out_dtype, channels_last, out)
     numel = latent.numel()
@@ -595,87 +510,3 @@ def noisy_latents_reference(
     noisy = torch.add(latent.detach().float(), z, alpha=sigma)  # σz rounded to float32, then the float32 sum
     return out.copy_(noisy)
 
-
-def standard_normal(
-    batch: int, shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device,
-    channels_last: bool = False,
-) -> torch.Tensor:
-    """``[batch, *shape]`` float32 N(0, 1) draws from ``torch.randn``. With ``channels_last`` (``shape = (C, H, W)``)
-    the numbers are drawn in NHWC order and viewed as NCHW, so the batch comes out channels_last without a copy —
-    convolutions in ``f_R`` then take their faster NHWC path (CPU, LeNet: 1.4x the samples/s for SPLITZ, 1.9x for
-    plain RS)."""
-    if channels_last and len(shape) == 3:
-        c, h, w = shape
-        return torch.randn((batch, h, w, c), generator=generator, device=device, dtype=torch.float32).permute(0, 3, 1, 2)
-    return torch.randn((batch, *shape), generator=generator, device=device, dtype=torch.float32)
-
-
-# ------------------------------------------------------------------------------------------------------ vote counts
-def _check_votes_args(logits, counts) -> None:
-    if not isinstance(logits, torch.Tensor) or not isinstance(counts, torch.Tensor):
-        raise TypeError("logits and counts must be torch.Tensors")
-    if logits.ndim != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a floating-point [batch, num_classes] tensor, got shape "
-                         f"{tuple(logits.shape)} and dtype {logits.dtype}")
-    if counts.ndim != 1 or counts.dtype not in COUNT_DTYPES:
-        raise ValueError(f"counts must be a 1-D int64 or int32 tensor, got shape {tuple(counts.shape)} and dtype "
-                         f"{counts.dtype}")
-    if counts.numel() != logits.shape[1] or counts.numel() == 0:
-        raise ValueError(f"counts has {counts.numel()} bins but logits have {logits.shape[1]} classes (need >= 1)")
-    if counts.device != logits.device:
-        raise ValueError(f"counts ({counts.device}) and logits ({logits.device}) must be on the same device")
-    if not counts.is_contiguous():
-        raise ValueError("counts must be contiguous (it is updated in place)")
-
-
-def count_votes_triton(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``counts += bincount(argmax(logits, dim=1), minlength=C)`` in place by the Triton kernel; returns ``counts``.
-
-    Args:
-        logits: ``[b, C]`` scores, any float dtype and strides. Ties go to the lowest class index; a NaN counts as the
-            maximum (the row's first NaN wins), as ``torch.argmax``.
-        counts: ``[C]`` int64 or int32 histogram, contiguous, on the logits' device; accumulated atomically.
-    """
-    _check_votes_args(logits, counts)
-    rows, classes = logits.shape
-    if rows == 0:
-        return counts
-    _check_launch_device("logits", logits)
-    triton, kernel = _kernels().triton, _kernels().votes
-    block_c = min(triton.next_power_of_2(classes), 512)
-    block_r = max(1, min(64, 4096 // block_c))
-    block_h = triton.next_power_of_2(classes)
-    value = tl.float64 if logits.dtype == torch.float64 else tl.float32
-    kernel[(triton.cdiv(rows, block_r),)](
-        logits, counts, rows, classes, logits.stride(0), logits.stride(1),
-        VALUE=value, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_H=block_h, LOCAL_HIST=block_r * block_h <= 8192,
-    )
-    return counts
-
-
-def count_votes_cuda(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """:func:`count_votes_triton` by the CUDA kernel of ``csrc/noise_votes_cuda.cu`` (CUDA tensors): same arguments, ties,
-    NaN rule and in-place contract, no host sync. One thread per row up to 32 classes, one warp per row above; a
-    shared-memory histogram per block. Selected by ``SPLITZ_BACKEND=native`` on CUDA tensors (``auto``: Triton)."""
-    from .native_cuda import cuda_module
-
-    _check_votes_args(logits, counts)
-    if logits.device.type != "cuda":
-        raise ValueError(f"logits are on {logits.device}: the CUDA vote kernel runs on CUDA tensors")
-    if logits.shape[0] == 0:
-        return counts
-    module = cuda_module()
-    if module is None:
-        raise RuntimeError("the CUDA kernels of splitz_fast (csrc/noise_votes_cuda.cu) are not available here (see "
-                           "the warning above); use count_votes_triton (Triton) or count_votes_reference")
-    module.count_votes(logits.detach(), counts)
-    return counts
-
-
-def count_votes_reference(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The PyTorch path of :func:`count_votes_triton` (``argmax`` + ``bincount``), same signature and in-place contract."""
-    _check_votes_args(logits, counts)
-    if logits.shape[0]:
-        votes = torch.bincount(logits.argmax(dim=1), minlength=counts.numel())
-        counts += votes.to(counts.dtype)
-    return counts
