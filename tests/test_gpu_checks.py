@@ -155,16 +155,18 @@ def test_the_targets_part_runs_the_named_workloads_and_precisions_in_order(tmp_p
         assert done.returncode == 2 and known in done.stderr, done.stderr[-2000:]
 
 
-def test_gpu_checks_runs_the_target_table_first():
-    """The header promises the order: stage 1 the target table, stage 2 graphs and native CUDA vs Triton, then the rest."""
+def test_gpu_checks_runs_the_smoke_stage_then_the_target_table_first():
+    """The header promises the order: the smoke stage, then stage 1 the target table, stage 2 graphs and native CUDA vs
+    Triton, then the rest."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
     code = "\n".join(line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#"))
     first = code.index("benchmarks.targets --part targets")
+    assert code.index("-m benchmarks.smoke") < first
     native = code.index("benchmarks.targets --part native")
     assert first < code.index("splitz_fast.kernels.native_cuda\n") < native < code.index("train mnist lenet")
     assert native < code.index("mnist_envelope.sh") and native < code.index("pytest")
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
-    for promise in ("1. SPEC §5's target table", "2. CUDA graphs, fused pool, native CUDA vs Triton", "n0 = 100, α = 0.001", "warm-up",
+    for promise in ("0b. the smoke stage", "1. SPEC §5's target table", "2. CUDA graphs, fused pool, native CUDA vs Triton", "n0 = 100, α = 0.001", "warm-up",
                     "random weights and synthetic", "targets.json", "targets.md", "CHECKS=0"):
         assert promise in header, promise
 
