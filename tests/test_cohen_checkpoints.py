@@ -188,8 +188,8 @@ def test_unknown_arch_names_the_supported_ones(tmp_path):
 
 @pytest.mark.parametrize("content, found", [
     ([1, 2, 3], "a list"),
-    ({"state_dict": {}}, "keys ['state_dict']"),
-    ({"arch": "cifar_resnet20", "model": {}}, "keys ['arch', 'model']"),
+    ({"state_dict": {}}, "1 key (state_dict)"),
+    ({"arch": "cifar_resnet20", "model": {}}, "2 keys (arch, model)"),
 ])
 def test_a_file_without_arch_and_state_dict_is_refused(tmp_path, content, found):
     path = tmp_path / "other.pt"
@@ -245,10 +245,46 @@ def test_a_state_dict_outside_the_normalize_sequential_is_refused(tmp_path):
 def test_formats_do_not_mix(tmp_path):
     path = tmp_path / "checkpoint.pth.tar"
     save_cohen(cohen_model("cifar_resnet20"), "cifar_resnet20", path)
-    with pytest.raises(ValueError, match="is not a splitz_fast checkpoint"):
+    with pytest.raises(ValueError, match="is not a splitz_fast checkpoint.*looks like a Cohen et al. checkpoint.*"
+                                         "format='cohen'.*--checkpoint-format cohen"):
         sz.load_checkpoint(path)
     with pytest.raises(ValueError, match="unknown checkpoint format 'smoothing'; valid formats: splitz, cohen"):
         sz.load_checkpoint(path, format="smoothing")
+
+
+def test_a_bare_state_dict_is_named_in_one_short_line(tmp_path):
+    """``torch.save(model.state_dict())`` of a ResNet-110 (hundreds of keys): the message says what it is and what to do,
+    with a few of its keys, not all of them."""
+    path = tmp_path / "weights.pt"
+    state = cohen_model("cifar_resnet110").state_dict()
+    torch.save(state, path)
+    for format in ("splitz", "cohen"):
+        with pytest.raises(ValueError) as err:
+            sz.load_checkpoint(path, format=format)
+        message = _one_line(err)
+        assert f"{len(state)} keys" in message and "more)" in message and len(message) < 700, message
+    assert "bare state_dict" in str(pytest.raises(ValueError, sz.load_checkpoint, path).value)
+
+
+def test_data_parallel_around_the_whole_normalize_sequential_loads(tmp_path):
+    """``nn.DataParallel(Sequential(NormalizeLayer, net))`` saves keys ``module.1.*``: the same weights, the same
+    logits as the plain file."""
+    model = cohen_model("cifar_resnet20")
+    plain, wrapped = tmp_path / "plain.pth.tar", tmp_path / "wrapped.pth.tar"
+    save_cohen(model, "cifar_resnet20", plain)
+    torch.save({"epoch": 90, "arch": "cifar_resnet20", "state_dict": nn.DataParallel(model).state_dict()}, wrapped)
+    assert next(iter(torch.load(wrapped, weights_only=True)["state_dict"])).startswith("module.1.")
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = [sz.load_checkpoint(p, format="cohen").model(x) for p in (plain, wrapped)]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_the_dataset_refusal_reads_as_english():
+    from splitz_fast.checkpoints.cohen import check_cohen_dataset
+
+    with pytest.raises(ValueError, match="is an imagenet model"):
+        check_cohen_dataset({"model_spec": {"arch": "resnet50"}}, "cifar10")
 
 
 @pytest.fixture

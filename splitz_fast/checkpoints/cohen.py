@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .files import unreadable_reason
+from .files import some_keys, unreadable_reason
 from ..zoo.models import IMAGENET_MEAN, IMAGENET_STD, build_model
 from ..model.modules import SplitModel
 
@@ -82,9 +82,12 @@ _EXPECTED = ("expected Cohen et al.'s torch.save({'epoch', 'arch', 'state_dict',
 
 def _our_names(state_dict: dict[str, Any], arch: CohenArch, path: Path) -> dict[str, torch.Tensor]:
     """The network's tensors under this library's names: ``1.`` (the Sequential's second entry) and DataParallel's
-    ``module.`` stripped, bearpaw's names renamed."""
+    ``module.`` (around the network, ``1.module.``, or around the whole Sequential, ``module.1.``) stripped, bearpaw's
+    names renamed."""
     renamed = {}
     for key, value in state_dict.items():
+        if isinstance(key, str) and key.startswith("module.1."):  # DataParallel around the whole Sequential
+            key = key[len("module."):]
         if not isinstance(key, str) or not key.startswith("1.") or not isinstance(value, torch.Tensor):
             raise ValueError(f"{path} is not a Cohen et al. checkpoint: state_dict entry {key!r} is not a tensor "
                              "under '1.' (the network after the NormalizeLayer, whose means/sds are not in the "
@@ -116,7 +119,7 @@ def read_cohen_checkpoint(path: str | os.PathLike, device: str | torch.device = 
     except Exception:  # pickle errors, truncated files, foreign objects
         raise ValueError(f"{path} is not a Cohen et al. checkpoint: {unreadable_reason(path)}; {_EXPECTED}") from None
     if not isinstance(raw, dict) or "arch" not in raw or not isinstance(raw.get("state_dict"), dict):
-        found = f"keys {sorted(map(str, raw))}" if isinstance(raw, dict) else f"a {type(raw).__name__}"
+        found = some_keys(raw) if isinstance(raw, dict) else f"a {type(raw).__name__}"
         raise ValueError(f"{path} is not a Cohen et al. checkpoint: it holds {found}, not a dict with 'arch' and "
                          f"'state_dict'; {_EXPECTED}")
     name = raw["arch"]
@@ -166,7 +169,8 @@ def check_cohen_dataset(ckpt: dict[str, Any], dataset: str) -> None:
     name = ckpt["model_spec"]["arch"]
     arch = COHEN_ARCHS[name]
     if not arch.accepts(dataset):
-        raise ValueError(f"Cohen et al.'s {name} is a {arch.dataset} model (normalised with {arch.dataset}'s mean and "
+        article = "an" if arch.dataset[:1].lower() in "aeiou" else "a"
+        raise ValueError(f"Cohen et al.'s {name} is {article} {arch.dataset} model (normalised with {arch.dataset}'s mean and "
                          f"std), not one for {dataset!r}; certify it on {arch.dataset} (or {arch.dataset}-samples)")
 
 

@@ -1,8 +1,10 @@
-"""What both checkpoint readers (:mod:`.splitz`, :mod:`.cohen`) share about a file that ``torch.load`` could not read."""
+"""What both checkpoint readers (:mod:`.splitz`, :mod:`.cohen`) say of a file that is not what they read."""
 from __future__ import annotations
 
 import zipfile
 from pathlib import Path
+
+import torch
 
 
 def unreadable_reason(path: Path) -> str:
@@ -12,3 +14,25 @@ def unreadable_reason(path: Path) -> str:
     if not zipfile.is_zipfile(path):
         return "the file is not a torch.save archive (damaged, truncated, or another kind of file)"
     return "the archive is damaged, or holds Python objects other than tensors and plain values"
+
+
+def some_keys(mapping: dict, shown: int = 5) -> str:
+    """``mapping``'s keys for a one-line error: the first few sorted, then how many more (a ResNet's state_dict has
+    hundreds)."""
+    keys = sorted(map(str, mapping))
+    more = f", … ({len(keys) - shown} more)" if len(keys) > shown else ""
+    return f"{len(keys)} key{'s' if len(keys) != 1 else ''} ({', '.join(keys[:shown])}{more})"
+
+
+def looks_like(ckpt: object) -> str:
+    """What a dict that is not a checkpoint of the expected format looks like, as a hint of what to do instead ("" when
+    it looks like nothing known)."""
+    if not isinstance(ckpt, dict):
+        return ""
+    if "arch" in ckpt and isinstance(ckpt.get("state_dict"), dict):
+        return ("; it looks like a Cohen et al. checkpoint ('arch' and 'state_dict'): load it with format='cohen' "
+                "(on the command line: --checkpoint-format cohen)")
+    if ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        return (f"; it holds a bare state_dict ({some_keys(ckpt)}) and nothing that names the model: build the model, "
+                "then model.load_state_dict(torch.load(path, weights_only=True))")
+    return ""

@@ -31,7 +31,7 @@ from .._checks import check_device, check_positive
 from ..zoo.models import build_model
 from ..model.modules import SplitModel
 from .cohen import build_cohen_model, read_cohen_checkpoint
-from .files import unreadable_reason
+from .files import looks_like, unreadable_reason
 
 CHECKPOINT_FORMAT = 1
 
@@ -79,7 +79,7 @@ def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "
         raise ValueError(f"{path} is not a splitz_fast checkpoint: {unreadable_reason(path)}; "
                          f"{_EXPECTED_CHECKPOINT}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "model" not in ckpt:
-        raise ValueError(f"{path} is not a splitz_fast checkpoint: {_EXPECTED_CHECKPOINT}")
+        raise ValueError(f"{path} is not a splitz_fast checkpoint: {_EXPECTED_CHECKPOINT}{looks_like(ckpt)}")
     return ckpt
 
 
