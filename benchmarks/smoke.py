@@ -69,7 +69,8 @@ def _write(line: dict) -> None:
         out.write(json.dumps(line) + "\n")
         out.flush()
         os.fsync(out.fileno())
-    print(f"SMOKE {line['verdict']:9} {line['seconds']:6.1f} s  {line['name']}: {line['detail'][:200]}", flush=True)
+    # on a line of its own: pytest -q writes its progress characters without a newline
+    print(f"\nSMOKE {line['verdict']:9} {line['seconds']:6.1f} s  {line['name']}: {line['detail'][:200]}", flush=True)
 
 
 _started: dict[str, float] = {}
@@ -98,7 +99,8 @@ def pytest_runtest_logreport(report) -> None:
     if _OUT_ENV not in os.environ or not (report.when == "call" or (report.when == "setup" and not report.passed)):
         return
     name = json.loads(os.environ[_CHECKS_ENV]).get(report.nodeid, [report.nodeid])[0]
-    seconds = time.perf_counter() - _started.get(report.nodeid, time.perf_counter())
+    now = time.perf_counter()
+    seconds = now - _started.get(report.nodeid, now)  # 0 for a check skipped before its setup hook ran
     if report.passed:
         verdict, detail = "ok", ""
     elif report.skipped:

@@ -45,6 +45,18 @@ def test_each_check_gets_its_verdict_and_a_hang_costs_only_its_limit(tmp_path):
     assert "test_hangs" in by_name["hangs"]["detail"] and "time.sleep" not in by_name["ok"]["detail"]
     lines = [json.loads(line) for line in (tmp_path / "out" / "smoke.jsonl").read_text().splitlines()]
     assert [line["name"] for line in lines] == list(checks)  # written as they ended, in order
+    assert all(line["seconds"] >= 0 for line in lines)
+
+
+def test_every_verdict_is_a_line_of_its_own_for_the_summary(tmp_path, capfd):
+    """gpu_checks.sh copies the lines that start with "SMOKE " into gpu.txt: pytest -q's progress characters must not
+    stand in front of them."""
+    (tmp_path / "test_stand_ins.py").write_text(STAND_INS)
+    smoke.run_checks({"ok": ("test_stand_ins.py::test_ok", 10), "wrong": ("test_stand_ins.py::test_wrong", 10)},
+                     tmp_path / "out", rootdir=tmp_path, budget_s=60)
+    lines = capfd.readouterr().out.splitlines()
+    assert sum(line.startswith("SMOKE ok ") for line in lines) == 1
+    assert sum(line.startswith("SMOKE wrong ") for line in lines) == 1
 
 
 def test_an_unknown_check_is_reported_not_lost(tmp_path):
