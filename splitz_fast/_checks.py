@@ -10,6 +10,7 @@ import numbers
 import operator
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -228,3 +229,12 @@ def check_output_folder(name: str, path: str | os.PathLike) -> Path:
         raise ValueError(f"cannot create {name} {str(path)!r}: {str(parent)!r} is a file, not a folder")
     _check_writable(name, path, path if path.is_dir() else parent)
     return path
+
+
+def report_fallback(message: str, *, stacklevel: int = 3) -> None:
+    """A path that is slower or stricter than the one asked for, taken because the fast one would not compute the
+    same thing: a warning (callers warn once per engine and keep the reason where runs record it), or, under
+    ``SPLITZ_STRICT=1``, a ``RuntimeError`` with the same cause."""
+    if os.environ.get("SPLITZ_STRICT") == "1":
+        raise RuntimeError(f"{message} (SPLITZ_STRICT=1 makes every fallback an error)")
+    warnings.warn(message, stacklevel=stacklevel)

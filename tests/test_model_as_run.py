@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import types
+import warnings
 
 import pytest
 import torch
@@ -191,6 +192,25 @@ def test_f_r_is_sampled_with_its_hooks_where_the_user_put_them(where, hook):
     assert unhooked.prediction == int(_user_votes(model, x, 0.25).argmax()) != result.prediction
 
 
+def test_sampling_f_r_as_it_is_warns_once_and_is_an_error_under_strict(monkeypatch):
+    """Hooks keep f_R from its rewrites: a slower path, so it says so once per engine (and raises under
+    SPLITZ_STRICT=1); an f_R without hooks says nothing."""
+    model, x = _image_model(), _x()
+    smoother = Smoother(model, 0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        smoother.certify(x, **COUNTS, seed=0)
+    model.right[2].register_forward_hook(_zero_out)
+    with pytest.warns(UserWarning, match=r"a hook on 2: it is sampled as it is, without BatchNorm folding"):
+        smoother.certify(x, **COUNTS, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        smoother.certify(x, **COUNTS, seed=1)  # the same hooks: no second warning
+    monkeypatch.setenv("SPLITZ_STRICT", "1")
+    with pytest.raises(RuntimeError, match="SPLITZ_STRICT=1 makes every fallback an error"):
+        Smoother(model, 0.25).certify(x, **COUNTS, seed=0)
+
+
 def test_a_forward_replaced_on_a_layer_of_f_r_is_sampled():
     model, x = _image_model(), _x()
     pool = model.right[2]
@@ -359,7 +379,8 @@ def test_a_net_without_a_float64_form_gets_the_floor():
         def forward(self, h):
             return torch.addmm(self.offset, h, torch.ones(h.shape[1], 3, dtype=h.dtype))
 
-    tolerance, how = copy_tolerance(Float32Constant(), lambda m, b: m(b), torch.randn(4, 2), "float32")
+    with pytest.warns(UserWarning, match="does not run in float64"):
+        tolerance, how = copy_tolerance(Float32Constant(), lambda m, b: m(b), torch.randn(4, 2), "float32")
     assert tolerance == ACCEPT_FACTOR * ROUNDING_UNIT["float32"] and "no float64 reference" in how
 
 

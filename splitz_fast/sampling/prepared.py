@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .._checks import report_fallback
 from .compiled import CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
@@ -59,6 +60,7 @@ class PreparedClassifier:
         self._snapshot: ModuleSnapshot | None = None
         self._base: nn.Module | None = None  # the private copy of f_R that every prepared module is made from
         self.rewritable = False  # whether the copies may rearrange f_R (sampled_copy)
+        self._warned_as_is: set[tuple[str, ...]] = set()  # hooks and overrides already warned of
         self._unfolded: dict[str, str] | None = None  # f_R's BatchNorms that stay unfolded (name -> why)
         self._warned_unfolded: set[tuple[str, ...]] = set()
 
@@ -77,6 +79,8 @@ class PreparedClassifier:
             self.tolerances.clear()
             self._unfolded = None
             self._base, self._snapshot, self.rewritable = sampled_copy(self.source)
+            if not self.rewritable:
+                _report_sampled_as_is(self._base, self._warned_as_is)
 
     @property
     def snapshot(self) -> ModuleSnapshot:
@@ -507,6 +511,18 @@ def _warn_unfolded(unfolded: dict[str, str], warned: set[tuple[str, ...]]) -> No
     warnings.warn(f"f_R keeps {len(unfolded)} BatchNorm layer{'s' if len(unfolded) != 1 else ''} unfolded: "
                   f"{'; '.join(shown)}. Each costs a pass over its activations per sample; the votes are those "
                   "of the model as it is", stacklevel=6)
+
+
+def _report_sampled_as_is(base: nn.Module, warned: set[tuple[str, ...]]) -> None:
+    """Once per engine and set of hooks and overrides: ``f_R`` is sampled without its rewrites
+    (:func:`~splitz_fast._checks.report_fallback`: an error under ``SPLITZ_STRICT=1``)."""
+    found = tuple([f"a hook on {name or 'f_R'}" for name in hooked_modules(base)] + instance_overrides(base))
+    if found not in warned:
+        warned.add(found)
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        report_fallback(f"f_R has {shown}: it is sampled as it is, without BatchNorm folding, the cheaper chain, fused "
+                        "kernels, torch.compile or its pool drawn with the noise (each would drop or move them)",
+                        stacklevel=6)
 
 
 def sampled_copy(source: nn.Module) -> tuple[nn.Module, ModuleSnapshot, bool]:

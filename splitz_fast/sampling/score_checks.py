@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .._checks import report_fallback
 from ..cuda_math import cuda_math
 
 # The unit roundoff of each sampling precision (sampling.PRECISIONS): float32 24 significant bits, TF32 11, bfloat16 8,
@@ -67,8 +68,10 @@ def copy_tolerance(net: nn.Module, scores: Callable[[nn.Module, torch.Tensor], t
     try:
         exact = float64_scores(net, rows)
     except RuntimeError as err:  # dtype mismatches inside a custom forward: no float64 reference
-        return ACCEPT_FACTOR * unit, f"{ACCEPT_FACTOR} units of {precision} rounding (no float64 reference: " \
-                                     f"{type(err).__name__}: {str(err).strip()[:80]})"
+        how = f"{ACCEPT_FACTOR} units of {precision} rounding (no float64 reference: {type(err).__name__}: " \
+              f"{str(err).strip()[:80]})"
+        report_fallback(f"f_R does not run in float64, so a graph, fused or compiled copy of it is held to {how}")
+        return ACCEPT_FACTOR * unit, how
     gap, scale = score_gap(scores(net, rows), exact)
     measured = gap / scale
     return ACCEPT_FACTOR * max(measured, unit), f"{ACCEPT_FACTOR} x the eager scores' rounding ({measured:.2g} of " \
