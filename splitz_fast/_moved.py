@@ -27,7 +27,7 @@ MOVED = {
     "epilogues": "sampling.epilogues",
     "graphs": "sampling.graphs",
     "compiled": "sampling.compiled",
-    "protocols": ("certify.protocols", "certify.kinds"),
+    "protocols": ("certify.protocols", "kinds"),
     "smoothing": "certify.smoothing",
     "windows": "certify.windows",
     "inputs": "certify.inputs",

@@ -1,12 +1,19 @@
-"""The kind of bound behind a radius (splitz_fast.certify.kinds): every string a run file's ``bound`` column has ever
+"""The kind of bound behind a radius (splitz_fast.kinds): every string a run file's ``bound`` column has ever
 held reads back to itself, is labelled certificate or estimate as before, and nothing else reads as a kind."""
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
 
-from splitz_fast.certify.kinds import (DISPLACEMENT, ESTIMATE, EXACT, GLOBAL, IDENTITY_KIND, LOCAL, NO_BOUND,
-                                       PROBABILISTIC, BoundKind, certificate_status, results_are)
+import pytest
+import torch
+from torch import nn
+
+from splitz_fast.bounds.radius import BoundOptions, RadiusSearch
 from splitz_fast.certify.protocols import PROTOCOLS
+from splitz_fast.kinds import (DISPLACEMENT, ESTIMATE, EXACT, GLOBAL, IDENTITY_KIND, LOCAL, NO_BOUND,
+                               PROBABILISTIC, BoundKind, certificate_status, results_are)
+from splitz_fast.model.modules import ClippedReLU, split_sequential
 
 CERTIFICATES = ["identity", "local-exact", "local-probabilistic", "global-exact", "global-probabilistic",
                 "displacement-exact", "displacement-probabilistic"]
@@ -70,3 +77,32 @@ def test_the_certificate_label_of_rows():
     with pytest.raises(ValueError, match="f has a bound column entry that is no bound kind"):
         certificate_status(["local-exact", "lokal-exact"], "f")
     assert (results_are(True), results_are(False)) == ("certificates", "estimates (not certificates)")
+
+
+def test_reading_kinds_imports_no_bound_code():
+    """Deciding whether rows are certificates needs only this leaf: not torch, not the bounds or protocols (the
+    package's face imports its names on first use)."""
+    code = ("import sys, splitz_fast.kinds; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('splitz_fast')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['splitz_fast', 'splitz_fast._moved', 'splitz_fast.kinds']"
+
+
+def test_the_radius_search_writes_its_kinds_through_boundkind(monkeypatch):
+    """The sound side builds its kinds with BoundKind: a kind it could not parse back would be refused there."""
+    import splitz_fast.bounds.radius as radius
+
+    built = []
+    real = radius.BoundKind.of
+
+    def recording(scope, method):
+        built.append((scope, method))
+        return real(scope, method)
+
+    monkeypatch.setattr(radius.BoundKind, "of", staticmethod(recording))
+    torch.manual_seed(0)
+    model = split_sequential(nn.Sequential(nn.Flatten(), nn.Linear(4, 6), ClippedReLU(1.0), nn.Linear(6, 3)), 1,
+                             num_classes=3, input_shape=(4,))
+    result = RadiusSearch(model, BoundOptions()).search(torch.rand(4), 0.5, torch.Generator().manual_seed(0))
+    assert built and all(scope == LOCAL for scope, _ in built)
+    assert BoundKind.parse(result.kind).scope == LOCAL and result.kind == str(BoundKind.parse(result.kind))

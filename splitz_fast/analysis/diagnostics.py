@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .._checks import check_output_folder
-from ..certify.kinds import ESTIMATES
+from ..kinds import ESTIMATES
 from .tables import CertificationTable, constant_note
 from ..bounds.intervals import BallBounds, ball_bounds, masked_frobenius_sq
 from ..model.modules import LeftHalf, SplitModel

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .._checks import check_output_folder, read_settings_file
-from ..certify.kinds import NOT_A_CERTIFICATE
+from ..kinds import NOT_A_CERTIFICATE
 from .plots import certified_accuracy_curve
 from .tables import (CertificationTable, acr, certified_accuracy, constant_note, labelled, markdown_table,
                      read_certification, unfinished_note)

@@ -39,7 +39,7 @@ from typing import Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from .._checks import check_input_file, read_settings_file
-from ..certify.kinds import NOT_A_CERTIFICATE, certificate_status
+from ..kinds import NOT_A_CERTIFICATE, certificate_status
 from ..runs.rows import COHEN_COLUMNS, SPLITZ_COLUMNS
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -119,7 +119,7 @@ class CertificationTable:
     @property
     def is_estimate(self) -> bool:
         """True for an estimate protocol's run (``splitz certify --protocol paper`` or ``published-code``: its rows'
-        ``bound`` or its sidecar say so): its radii are not certificates (:mod:`splitz_fast.certify.kinds`), never counted
+        ``bound`` or its sidecar say so): its radii are not certificates (:mod:`splitz_fast.kinds`), never counted
         as certified nor shown as a best value."""
         return self._rows_certificate is False or self.recorded_certificate is False
 

@@ -78,6 +78,7 @@ from typing import Sequence
 import torch
 
 from .certificate import UNIT_ROUNDOFF_64
+from ..kinds import EXACT, IDENTITY, IDENTITY_KIND, PROBABILISTIC, BoundKind
 from .intervals import BallBounds, ball_bounds, first_layer_row_norms
 from ..kernels.thresholds import theta_broadcast, theta_mode
 from .lipschitz import (
@@ -231,13 +232,13 @@ def displacement_bound(
     ops = masked_operators(left, bounds, input_shape, batch, bounds.input_scale)
     # S = ∅: L(x, γ) exactly as lipschitz_bound computes it.
     lip, kinds, failures = _bound_factors(ops, batch, **factor_args)
-    n_prob = [int(k == "probabilistic") for k in kinds]
+    n_prob = [int(k == PROBABILISTIC) for k in kinds]
     failures = list(failures)
     # P: the earlier layers' product (depth ≥ 2), the factor that carries ‖h' − h‖ ≤ P t.
     prefix = torch.ones(batch, dtype=torch.float64)
     if left.depth > 1:
         prefix, pkinds, pfail = _bound_factors(ops[:-1], batch, **factor_args)
-        n_prob = [n + int(k == "probabilistic") for n, k in zip(n_prob, pkinds)]
+        n_prob = [n + int(k == PROBABILISTIC) for n, k in zip(n_prob, pkinds)]
         failures = [a + b for a, b in zip(failures, pfail)]
 
     c = clipped_moves(left, bounds, point)  # [B, *out]
@@ -299,7 +300,7 @@ def displacement_bound(
     each = (clip_sq + prod.square()).sqrt() * (1 + 8 * u)
     each[:, 0] = lip * g
     value, best = each.min(dim=1)
-    kind = ["exact" if n == 0 else "probabilistic" for n in n_prob]
+    kind = [EXACT if n == 0 else PROBABILISTIC for n in n_prob]
     return DisplacementBound(value, g, names, clip_sq, slope, best, lip, kind, failures, each)
 
 
@@ -357,7 +358,9 @@ def displacement_radius(
     opts = options if options is not None else BoundOptions()
     if baseline is None:
         baseline = RadiusSearch.of_left(left, opts).search(x, radius_latent, generator)
-    best = DisplacementRadius(baseline.radius, baseline.gamma, math.nan, "baseline", baseline.kind.split("-")[-1],
+    baseline_kind = BoundKind.parse(baseline.kind)
+    best = DisplacementRadius(baseline.radius, baseline.gamma, math.nan, "baseline",
+                              IDENTITY if baseline_kind == IDENTITY_KIND else baseline_kind.method,
                               baseline.failure, baseline.evaluations, baseline)
     if left.depth == 0 or radius_latent <= 0:
         return best
@@ -401,6 +404,6 @@ def displacement_radius(
                 lo = mid
             else:
                 hi = mid
-    kind = best.kind if best.candidate == "baseline" else ("probabilistic" if "probabilistic" in kinds else "exact")
+    kind = best.kind if best.candidate == "baseline" else (PROBABILISTIC if PROBABILISTIC in kinds else EXACT)
     return DisplacementRadius(best.radius, best.gamma, best.displacement, best.candidate, kind, failure, evaluations,
                               baseline)

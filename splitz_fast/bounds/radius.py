@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_count, check_positive, check_probability
+from ..kinds import EXACT, GLOBAL, IDENTITY_KIND, LOCAL, BoundKind
 from .intervals import ball_bounds
 from .lipschitz import (
     DEFAULT_EXACT_MAX_DIM,
@@ -224,14 +225,15 @@ class RadiusSearch:
         opts = self.options
         left = self.left
         if left.depth == 0:
-            return [RadiusResult(r, r, 1.0, "identity", 0.0, 0, 0) for r in radii_latent]
+            return [RadiusResult(r, r, 1.0, str(IDENTITY_KIND), 0.0, 0, 0) for r in radii_latent]
         if opts.bound == "global":
             g = self.global_bound()
             lip = float(g.value[0])
             results = []
             for r in radii_latent:
                 radius = r / lip if lip > 0 else opts.gamma_max
-                results.append(RadiusResult(radius, radius, lip, f"global-{g.kind[0]}", g.failure_prob[0], 0, 0))
+                results.append(RadiusResult(radius, radius, lip, str(BoundKind.of(GLOBAL, g.kind[0])), g.failure_prob[0],
+                                            0, 0))
             return results
         searches = [_LocalSearch(left, opts, x, r, gen) for x, r, gen in zip(xs, radii_latent, generators)]
         steps = [search.steps() for search in searches]
@@ -300,7 +302,7 @@ class _LocalSearch:
     def __init__(self, left, opts: BoundOptions, x, radius_latent, generator):
         self.left, self.opts, self.x, self.radius_latent, self.generator = left, opts, x, radius_latent, generator
         self.delta_eval = opts.bound_delta / (opts.max_evaluations * left.depth)
-        self.best = RadiusResult(0.0, 0.0, math.nan, "local-exact", 0.0, 0, 0)
+        self.best = RadiusResult(0.0, 0.0, math.nan, str(BoundKind(LOCAL, EXACT)), 0.0, 0, 0)
         self.failure = 0.0
         self.evaluations = 0
         self.passes = 0
@@ -323,7 +325,7 @@ class _LocalSearch:
             for gamma, value, kind, failure in zip(self.fresh(gammas), bound.value, bound.kind, bound.failure_prob):
                 self.failure += failure
                 self.evaluations += 1
-                self.bounded.append((gamma, float(value), f"local-{kind}"))
+                self.bounded.append((gamma, float(value), str(BoundKind.of(LOCAL, kind))))
         lips = []
         for gamma in gammas:
             lip, kind = self._own(gamma) or self._covering(gamma)

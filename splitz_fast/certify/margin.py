@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..model.modules import SplitModel
 from ..model.snapshot import ModuleSnapshot
 from ..bounds.radius import BoundOptions, RadiusSearch, check_bound_options
-from .kinds import NO_BOUND
+from ..kinds import NO_BOUND
 from .inputs import CallGuard, evaluating, inputs_of, prepare_input, resolve_seed, with_seeds
 from .smoothing import ABSTAIN, CertifyResult, about_given_input
 

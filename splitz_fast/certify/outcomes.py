@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .kinds import BoundKind
+from ..kinds import BoundKind
 from .stats import two_sided_binomial_pvalue
 
 ABSTAIN = -1
@@ -24,7 +24,7 @@ class CertifyResult:
     ``bound_kind`` says what produced ``lipschitz``: ``identity`` (s = 0), ``local-exact``, ``local-probabilistic``,
     ``global-exact`` or ``global-probabilistic``; ``none`` for an abstention (no radius searched: ``lipschitz`` and
     ``gamma`` are NaN); the estimate protocols' kinds end in ``-estimate`` (all of them:
-    :class:`~splitz_fast.certify.kinds.BoundKind`). ``noise_source`` says which stream drew the noise (``philox4x32-10``:
+    :class:`~splitz_fast.kinds.BoundKind`). ``noise_source`` says which stream drew the noise (``philox4x32-10``:
     the Philox stream of kernels/noise.py, the same on every device and backend; or ``torch-<device>``: the
     fallback's torch generator): with the seed, it is what a rerun needs to reproduce the certificate. ``seconds`` is this
     input's share of the sampling time of the batches it was packed in, plus its own radius search.
@@ -57,7 +57,7 @@ class CertifyResult:
     def is_certificate(self) -> bool:
         """False for the results of an estimate protocol (``bound_kind`` ``paper-estimate`` /
         ``published-code-estimate``): their radii are not certified (:mod:`splitz_fast.certify.protocols`; the kinds:
-        :class:`~splitz_fast.certify.kinds.BoundKind`)."""
+        :class:`~splitz_fast.kinds.BoundKind`)."""
         return not BoundKind.parse(self.bound_kind).is_estimate
 
 

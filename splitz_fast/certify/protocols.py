@@ -47,7 +47,7 @@ from ..bounds.displacement import displacement_radius
 from ..bounds.estimate import lipschitz_estimate
 from ..bounds.lipschitz import masked_operators
 from ..bounds.radius import RadiusResult, RadiusSearch
-from .kinds import DISPLACEMENT, BoundKind
+from ..kinds import DISPLACEMENT, BoundKind
 
 # Power steps of the paper's certification (its MNIST/CIFAR setting) and of the published code's estimate.
 PAPER_POWER_ITERS = 5

@@ -47,7 +47,7 @@ from scipy.stats import norm
 from .._checks import check_certify_counts, check_count, check_positive, check_probability
 from ..bounds.lipschitz import lipschitz_bound
 from ..model.modules import SplitModel
-from .kinds import GLOBAL, LOCAL, NO_BOUND, BoundKind
+from ..kinds import GLOBAL, LOCAL, NO_BOUND, BoundKind
 from .protocols import CertificationProtocol
 from ..sampling.engine import NoiseStream, SamplingJob
 from .inputs import evaluating, inputs_of, prepare_input, resolve_seed, with_seeds

@@ -17,7 +17,7 @@ import torch
 from ..bounds.radius import RadiusResult, RadiusSearch
 from ..model.modules import SplitModel
 from ..sampling.engine import NoiseStream, SamplingEngine, SamplingJob
-from .kinds import NO_BOUND
+from ..kinds import NO_BOUND
 from .inputs import CallGuard, PreparedInput, evaluating, prepare_input, resolve_seed
 from .outcomes import ABSTAIN, CertifyResult, PredictResult, about_given_input, predict_result
 from .protocols import CertificationProtocol

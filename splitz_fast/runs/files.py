@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._checks import read_settings_file
-from ..certify.kinds import certificate_status, results_are
+from ..kinds import certificate_status, results_are
 from .tasks import RunTask
 
 
@@ -39,7 +39,7 @@ def _split_rows(text: str, header: str, where: str) -> tuple[list[str], bool]:
 
 
 def _rows_certificate(header: str, rows: Iterable[str], where: str) -> bool | None:
-    """:func:`~splitz_fast.certify.kinds.certificate_status` of TSV rows with a ``bound`` column (``None`` without
+    """:func:`~splitz_fast.kinds.certificate_status` of TSV rows with a ``bound`` column (``None`` without
     one)."""
     columns = header.split("\t")
     if "bound" not in columns:

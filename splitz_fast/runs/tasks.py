@@ -31,7 +31,7 @@ class RunTask(abc.ABC):
     header: str
     #: Whether the task's radii are certificates; False for an estimate protocol's (``certificate: false`` in the
     #: sidecar). A file never mixes the two: resume and merge refuse it
-    #: (:func:`~splitz_fast.certify.kinds.certificate_status`).
+    #: (:func:`~splitz_fast.kinds.certificate_status`).
     certificate: bool = True
 
     @abc.abstractmethod

@@ -15,8 +15,8 @@ Every CERTIFY row names what produced its ``L`` (:attr:`~splitz_fast.certify.out
 :class:`BoundKind` is that pair, built, written (``str``) and read (:meth:`BoundKind.parse`) here, to and from exactly
 the strings the TSVs have always held; :func:`certificate_status` is the one test every reader of results applies
 (run files, resume, merge, analysis, envelopes, diagnostics). A leaf: it imports nothing of the package, so reading a
-TSV needs neither the protocols nor the bounds behind them. (The sound side, :mod:`splitz_fast.bounds.radius`, sits
-below this stage and writes its kinds in the same strings.)
+TSV needs neither the protocols nor the bounds behind them, and the sound side (:mod:`splitz_fast.bounds.radius`,
+:mod:`splitz_fast.bounds.displacement`) builds its kinds here too.
 """
 from __future__ import annotations
 
