@@ -116,12 +116,12 @@ def test_split_sequential_refuses_a_network_whose_forward_it_cannot_see(network)
 
 
 def test_split_sequential_uses_clipped_relu_threshold_and_rejects_other_modules_inside_f_l():
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(2, 2, 3), nn.ReLU())
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(2, 2, 4), nn.ReLU(), nn.Flatten())
     model = sz.split_sequential(net, 1, num_classes=2, input_shape=(1, 10, 10), threshold=0.7)
     assert float(model.left.activation(0).threshold) == pytest.approx(0.7)
     assert isinstance(model.right[0], nn.MaxPool2d)  # a pool after the last layer of f_L stays in f_R
     model = sz.split_sequential(net, 2, num_classes=2, input_shape=(1, 10, 10))
-    assert model.left.pool(0) is not None and len(model.right) == 0
+    assert model.left.pool(0) is not None and [type(m) for m in model.right] == [nn.Flatten]  # the ReLU joined f_L
     for other in (nn.AvgPool2d(2), nn.BatchNorm2d(2), nn.Dropout()):
         bad = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), other, nn.Conv2d(2, 2, 3), nn.ReLU())
         with pytest.raises(ValueError, match=type(other).__name__):

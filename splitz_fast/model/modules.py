@@ -17,9 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.thresholds import normalize_threshold
+from .layers import AFFINE_KINDS, LayerRule, replaces_methods, rule_for
 from .snapshot import hooked_modules, instance_overrides
 
-AFFINE_TYPES = (nn.Conv2d, nn.Linear)
+AFFINE_TYPES = AFFINE_KINDS
 
 
 @contextlib.contextmanager
@@ -132,7 +133,7 @@ def check_pool(pool: nn.Module) -> None:
     """Refuse pooling the bounds cannot pass through: only ``nn.MaxPool2d`` with disjoint windows (stride = kernel
     size, no padding or dilation). Disjoint windows make it 1-Lipschitz in l2 (each output moves by at most the
     largest move in its own window); overlapping windows would multiply the bound by up to √(windows per input)."""
-    if not isinstance(pool, nn.MaxPool2d) or _own_forward(pool, nn.MaxPool2d, "forward"):
+    if not isinstance(pool, nn.MaxPool2d) or replaces_methods(pool, nn.MaxPool2d, "forward"):
         raise TypeError(f"f_L may pool only with nn.MaxPool2d, got {type(pool).__name__}; move it into f_R")
     pair = nn.modules.utils._pair
     if pair(pool.kernel_size) != pair(pool.stride) or pair(pool.padding) != (0, 0) or pair(pool.dilation) != (1, 1) \
@@ -143,50 +144,32 @@ def check_pool(pool: nn.Module) -> None:
         )
 
 
-def _own_forward(module: nn.Module, base: type, *methods: str) -> bool:
-    """Whether ``module``'s class replaces any of ``base``'s ``methods`` (a subclass computing something else)."""
-    return any(getattr(type(module), m) is not getattr(base, m) for m in methods)
-
-
-def check_affine(layer: nn.Module) -> None:
-    """Refuse a layer of ``f_L`` the bounds cannot read: only ``nn.Conv2d`` (``groups=1``, zero padding given as
-    numbers) and ``nn.Linear``, and no subclass with a forward of its own (the bounds apply the weight themselves;
-    subclasses that only reparametrize the weight, such as ``torch.nn.utils.parametrize``'s, are fine)."""
-    if not isinstance(layer, AFFINE_TYPES):
-        raise TypeError(
-            f"f_L may hold only nn.Conv2d and nn.Linear layers, got {type(layer).__name__}; "
-            "move it into f_R (split earlier) or fold it into the neighbouring affine layer"
-        )
-    base = nn.Conv2d if isinstance(layer, nn.Conv2d) else nn.Linear
-    if _own_forward(layer, base, "forward", *(("_conv_forward",) if base is nn.Conv2d else ())):
-        raise TypeError(f"f_L's {type(layer).__name__} overrides {base.__name__}.forward: the bounds would not describe "
-                        f"it; use a plain nn.{base.__name__} or move the layer into f_R")
-    if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
-        raise ValueError("f_L supports Conv2d with groups=1 and padding_mode='zeros' only")
-    if isinstance(layer, nn.Conv2d) and isinstance(layer.padding, str):
-        raise ValueError(f"f_L's Conv2d needs integer padding, got padding={layer.padding!r}: write it out "
-                         "(padding=0 for 'valid'; for 'same' with stride 1, padding=dilation·(kernel_size − 1)/2 "
-                         "per side, an odd kernel)")
+def check_affine(layer: nn.Module) -> LayerRule:
+    """Refuse a layer of ``f_L`` the bounds cannot read, and return its rule: only the kinds of
+    :data:`~splitz_fast.model.layers.AFFINE_KINDS` (``nn.Conv2d`` with ``groups=1`` and zero padding given as numbers,
+    ``nn.Linear``), and no subclass with a forward of its own (the bounds apply the weight themselves; subclasses that
+    only reparametrize the weight, such as ``torch.nn.utils.parametrize``'s, are fine)."""
+    rule = rule_for(layer)
+    rule.check(layer)
+    return rule
 
 
 def affine(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``layer``'s affine map (a checked ``nn.Conv2d`` or ``nn.Linear``, :func:`check_affine`) applied to ``h`` from its
-    weight and bias, as the bound code reads them."""
-    if isinstance(layer, nn.Conv2d):
-        return F.conv2d(h, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation, layer.groups)
-    return F.linear(h, layer.weight, layer.bias)
+    """``layer``'s affine map (a checked layer, :func:`check_affine`) applied to ``h`` from its weight and bias, as the
+    bound code reads them."""
+    return rule_for(layer).apply(layer, h)
 
 
 def check_activation(act: nn.Module) -> None:
     """Refuse an activation of ``f_L`` other than :class:`ClippedReLU` (``nn.Identity`` stands for none)."""
-    if not isinstance(act, ClippedReLU) or _own_forward(act, ClippedReLU, "forward", "broadcast_threshold"):
+    if not isinstance(act, ClippedReLU) or replaces_methods(act, ClippedReLU, "forward", "broadcast_threshold"):
         raise TypeError(f"f_L activations must be ClippedReLU or None (nn.Identity), got {type(act).__name__}; "
                         "for a plain ReLU use ClippedReLU(float('inf'))")
 
 
 def check_standardize(standardize: nn.Module) -> None:
     """Refuse a standardization of ``f_L`` other than :class:`Standardize` with finite ``std > 0``."""
-    if not isinstance(standardize, Standardize) or _own_forward(standardize, Standardize, "forward", "_view"):
+    if not isinstance(standardize, Standardize) or replaces_methods(standardize, Standardize, "forward", "_view"):
         raise TypeError(f"f_L's standardize must be a splitz_fast.Standardize, got {type(standardize).__name__}")
     std = standardize.std
     if not torch.isfinite(std).all() or (std <= 0).any():
@@ -308,7 +291,7 @@ class LeftHalf(nn.Module):
     @staticmethod
     def layer_input(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Reshape ``h`` for ``layer`` (flatten before a Linear)."""
-        return h.flatten(1) if isinstance(layer, nn.Linear) and h.ndim > 2 else h
+        return rule_for(layer).layer_input(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``f_L(x)``, computed by :func:`latent_of` (no submodule is called)."""
@@ -347,8 +330,8 @@ def latent_of(left: LeftHalf, x: torch.Tensor) -> torch.Tensor:
         check_standardize(left.standardize)
         h = (h - left.standardize._view(left.standardize.mean, h)) / left.standardize._view(left.standardize.std, h)
     for k, layer in enumerate(left.layers):
-        check_affine(layer)
-        h = affine(layer, left.layer_input(layer, h))
+        rule = check_affine(layer)
+        h = rule.apply(layer, rule.layer_input(h))
         act = left.activation(k)
         if act is not None:
             h = torch.minimum(F.relu(h), normalize_threshold(act.threshold, tuple(h.shape[1:])).to(h.dtype))
@@ -375,7 +358,7 @@ class SplitModel(nn.Module):
         """Refuse halves that cannot be certified *as they are now* (certifiers call this on every call, since
         ``model.left`` / ``model.right`` may be replaced after construction): ``left`` must be a :class:`LeftHalf`
         that passes :meth:`LeftHalf.check_structure`, without standardization at split 0."""
-        if not isinstance(self.left, LeftHalf) or _own_forward(self.left, LeftHalf, "forward", "layer_input"):
+        if not isinstance(self.left, LeftHalf) or replaces_methods(self.left, LeftHalf, "forward", "layer_input"):
             raise TypeError(f"model.left must be a splitz_fast.LeftHalf, got {type(self.left).__name__}; build f_L "
                             "with LeftHalf(...) or split_sequential()")
         if self.left.standardize is not None and self.left.depth == 0:
@@ -432,9 +415,12 @@ def split_sequential(
     :class:`ClippedReLU` is kept, ``nn.Flatten`` is absorbed, a max-pool between two affine layers of ``f_L`` is kept
     if its windows are disjoint (:func:`check_pool`); any other module inside ``f_L`` (average pooling, BatchNorm,
     dropout, an overlapping max-pool) is an error. ``standardize`` (if given) goes to ``f_L`` for ``split_index ≥ 1`` and to the front of
-    ``f_R`` for ``split_index == 0``. The module right after ``f_L``'s last affine layer joins ``f_L`` only if it is
-    an ``nn.ReLU`` or a :class:`ClippedReLU`; any other (BatchNorm, Tanh, GELU, ReLU6, ...) starts ``f_R``, so that
-    ``f_L`` ends with the affine output: the network's function is unchanged, the noise is added before that module.
+    ``f_R`` for ``split_index == 0``. The module right after ``f_L``'s last affine layer joins ``f_L`` if it is an
+    ``nn.ReLU`` or a :class:`ClippedReLU`; an affine layer (after an ``nn.Flatten`` or not) or the network's end may
+    follow it too, and ``f_L`` then ends with the affine output. Any other module there (BatchNorm, Tanh, Sigmoid,
+    GELU, a pool, dropout) is an error: it belongs to the layer's block, and the split would move it behind the noise
+    (fold a BatchNorm into its layer with :func:`splitz_fast.zoo.models.fold_batchnorm`, or split before the layer).
+    ``num_classes`` must be the size of the network's logits.
 
     The result shares its layers with ``network`` (nothing is copied: training one changes the other); pass
     ``copy.deepcopy(network)`` to keep ``network`` as it was. ``threshold=1.0`` (the default) clips ``f_L``'s ReLUs at 1,
@@ -488,6 +474,8 @@ def split_sequential(
         elif isinstance(modules[i], ClippedReLU):
             activations[-1] = modules[i]
             i += 1
+        else:
+            _refuse_a_split_inside_a_block(modules, i)
     rest = modules[i:]
     if split_index == 0 and standardize is not None:
         rest = [standardize] + rest
@@ -498,6 +486,27 @@ def split_sequential(
     if threshold_per_element:
         left.thresholds_per_element_()
     return model
+
+
+def _refuse_a_split_inside_a_block(modules: Sequence[nn.Module], i: int) -> None:
+    """Refuse a split between f_L's last affine layer and a module that belongs to its block (a BatchNorm, an
+    activation other than ReLU, a pool, dropout): f_L would end with the bare affine output and that module would move
+    into f_R, behind the noise — not the split asked for. An affine layer, ``nn.Flatten`` before one, or the network's
+    end may follow: there the split point is a layer boundary."""
+    following = next((m for m in modules[i:] if not isinstance(m, nn.Flatten)), None)
+    if following is None or isinstance(following, AFFINE_TYPES):
+        return
+    index = modules.index(following)
+    fix = ""
+    if isinstance(following, nn.modules.batchnorm._BatchNorm):
+        fix = ", or fold it into the layer before it (splitz_fast.zoo.models.fold_batchnorm(conv, bn))"
+    elif isinstance(following, nn.MaxPool2d):
+        fix = ", or put the ReLU before the pool (max-pooling commutes with it)"
+    name = type(following).__name__
+    raise ValueError(f"module {index} ({name}) follows f_L's last affine layer, so f_L would end without an "
+                     f"activation and the {name} would move behind the noise; f_L's last affine layer may be followed "
+                     f"only by a ReLU or ClippedReLU (taken into f_L), another affine layer or the network's end: split "
+                     f"before that layer (a smaller split_index){fix}")
 
 
 _CONTAINER_HINT = ("; split_sequential splits the network's top-level modules in order and does not look inside "
@@ -524,16 +533,17 @@ def _misplaced_module_hint(index: int, module: nn.Module) -> str:
 
 
 def _check_input_shape(model: SplitModel, modules: Sequence[nn.Module]) -> None:
-    """Refuse an ``input_shape`` the network cannot take, with one line naming it, at build time rather than at the
-    first certify: one no-grad forward of a zero input of that shape in eval mode (modes restored, nothing changed;
-    about 0.15 s for a ResNet-50 at 224×224 on one CPU core, less than building it)."""
+    """Refuse an ``input_shape`` the network cannot take, or a ``num_classes`` its logits do not have, with one line
+    naming it, at build time rather than at the first certify: one no-grad forward of a zero input of that shape in
+    eval mode (modes restored, nothing changed; about 0.15 s for a ResNet-50 at 224×224 on one CPU core, less than
+    building it)."""
     shape = model.input_shape
     first = next((p for p in model.parameters()), None)
     zero = torch.zeros((1, *shape), dtype=first.dtype if first is not None and first.is_floating_point()
                        else torch.float32, device=first.device if first is not None else None)
     try:
         with evaluating(model), torch.no_grad():
-            model(zero)
+            logits = model(zero)
     except RuntimeError as err:
         affine = next((m for m in modules if isinstance(m, AFFINE_TYPES)), None)
         expects = ""
@@ -545,3 +555,7 @@ def _check_input_shape(model: SplitModel, modules: Sequence[nn.Module]) -> None:
         raise ValueError(f"input_shape={tuple(shape)} does not fit the network{expects}: a zero input of that shape "
                          f"fails with \"{first_line}\"; pass the shape of one input the network was built for "
                          "(without the batch dimension)") from None
+    if logits.shape != (1, model.num_classes):
+        fits = f"; pass num_classes={logits.shape[1]}" if logits.ndim == 2 else " (logits [batch, classes] expected)"
+        raise ValueError(f"num_classes={model.num_classes} does not match the network: its output for one input has "
+                         f"shape {tuple(logits.shape)}{fits}")
