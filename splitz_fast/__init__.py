@@ -20,6 +20,7 @@ from ._moved import MOVED, install as _install_moved_paths, moved_module
 _PUBLIC = {  # module under splitz_fast -> the public names it defines
     "analysis.diagnostics": ("diagnose", "neuron_states"),
     "analysis.envelope": ("envelope_report",),
+    "analysis.headroom": ("headroom", "headroom_report"),
     "bounds.certificate": ("certified_lambda_max",),
     "bounds.estimate": ("PowerIterationState", "lipschitz_estimate"),
     "bounds.intervals": ("BallBounds", "ball_bounds"),

@@ -1,5 +1,6 @@
 """Analysis of run files: certified accuracy, ACR and tables (:mod:`.tables`), plots and ``analyze`` (:mod:`.plots`),
-envelopes (:mod:`.envelope`) and diagnostics (:mod:`.diagnostics`).
+envelopes (:mod:`.envelope`), diagnostics (:mod:`.diagnostics`) and SPLITZ's headroom over randomized smoothing
+(:mod:`.headroom`: ``sz.headroom``).
 
 ``splitz_fast.analysis`` was one module before 0.2: its names are handed on here."""
 from .._moved import folded_attribute

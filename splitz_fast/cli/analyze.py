@@ -3,6 +3,10 @@ command beside its parser."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import sys
+import warnings
 from pathlib import Path
 
 from .._checks import read_settings_file
@@ -10,6 +14,27 @@ from ..runs.dataset_run import load_model_and_dataset
 from .options import DEMO_RADII, _HelpFormatter, _add_threads_option
 
 
+@contextlib.contextmanager
+def incomplete_lines_on_stderr():
+    """The reader's note that a TSV's torn last line was left out (:class:`~splitz_fast.analysis.tables.
+    IncompleteLastLineWarning`), shown as its one line on stderr; other warnings as before."""
+    from ..analysis.tables import IncompleteLastLineWarning
+
+    show = warnings.showwarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, IncompleteLastLineWarning):
+            print(f"note: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", IncompleteLastLineWarning)  # each file says it
+        warnings.showwarning = shown
+        yield
+
+
+@incomplete_lines_on_stderr()
 def analyze_command(args: argparse.Namespace) -> int:
     from ..analysis.plots import analyze
 
@@ -27,6 +52,13 @@ def diagnose_command(args: argparse.Namespace) -> int:
     from ..analysis.diagnostics import diagnose, diagnostics_report
     from ..checkpoints.splitz import checkpoint_digest
 
+    if args.radii is not None and not args.headroom:
+        raise ValueError("--radii is read only with --headroom; add --headroom or leave --radii out")
+    if args.radii is None:
+        from ..analysis.headroom import DEFAULT_HEADROOM_RADII
+        args.radii = list(DEFAULT_HEADROOM_RADII)
+    if any(not math.isfinite(r) or r < 0 for r in args.radii):
+        raise ValueError(f"--radii must be finite and >= 0, got {' '.join(f'{r:g}' for r in args.radii)}")
     table = read_certification(args.certification)  # first: a missing TSV is named as such, not as a missing sidecar
     try:
         sidecar = read_settings_file(args.certification + ".json")
@@ -45,10 +77,17 @@ def diagnose_command(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.certification} was certified with another model than {args.checkpoint} "
                          "(checkpoint digests differ); give the checkpoint that was certified")
     title = f"{Path(args.certification).stem} (σ = {sidecar['sigma']:g})"
+    if args.headroom:
+        from ..analysis.headroom import headroom_of_run, headroom_report
+
+        result = headroom_of_run(model, info.dataset, table, sidecar["sigma"], args.radii)
+        print(headroom_report(result, title, out_dir=args.out))
+        return 0
     print(diagnostics_report(diagnose(model, info.dataset, table), title, out_dir=args.out))
     return 0
 
 
+@incomplete_lines_on_stderr()
 def envelope_command(args: argparse.Namespace) -> int:
     from ..analysis.envelope import MNIST_REFERENCES, envelope_report, load_group
 
@@ -84,7 +123,13 @@ def _add_diagnose_parser(sub) -> None:
     x.add_argument("certification", help="its SPLITZ certify TSV (dataset and split are read from the sidecar)")
     x.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
     x.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N where a GPU is present")
-    x.add_argument("--out", default=None, help="folder for diagnostics.md/.tsv and the histograms")
+    x.add_argument("--out", default=None, help="folder for diagnostics.md/.tsv and the histograms (with --headroom: "
+                                               "headroom.md/.tsv)")
+    x.add_argument("--headroom", action="store_true",
+                   help="instead: per input, the bound on the cell-exit probability e_s, L̄/L(x, 0⁺) and the best case "
+                        "of SPLITZ against randomized smoothing of an equivalent base classifier (docs/splitz-vs-rs.md)")
+    x.add_argument("--radii", type=float, nargs="+", default=None,
+                   help="with --headroom: l2 radii ε (input units) of the table (default 0.5 1 1.5 2)")
     _add_threads_option(x)
     x.set_defaults(func=diagnose_command)
 
