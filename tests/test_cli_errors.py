@@ -346,7 +346,7 @@ def test_certify_resume_names_only_the_settings_that_differ(tmp_path, capsys, ch
     assert main(_certify_args(checkpoint, out, "--resume")) == 2
     err = _one_line_error(capsys)
     assert "max (not recorded in out.tsv.json, -1 now); skip (not recorded in out.tsv.json, 10 now)" in err
-    assert "not recorded was at its default, or another command or version wrote the file" in err
+    assert "; another command or version wrote the file; use" in err
 
 
 def test_a_resume_with_a_changed_checkpoint_file_says_so(tmp_path, capsys, checkpoint):

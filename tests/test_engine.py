@@ -532,22 +532,17 @@ def test_prepared_lenet_on_cuda_scores_like_the_users_f_r(precision):
     assert float((got - want).abs().max()) <= (1e-5 if precision == "float32" else 5e-2) * scale
 
 
-def test_certify_sidecar_records_unfolded_batchnorm_only_then(monkeypatch, tmp_path):
-    """`bn_folded: false` enters the settings only for an f_R that keeps a BatchNorm unfolded, so files of folded or
-    BatchNorm-free models keep their sidecars (and resume)."""
-    from types import SimpleNamespace
-
-    from splitz_fast.cli import certify as cli
-    from splitz_fast.cli.main import build_parser
+def test_certify_sidecar_records_whether_batchnorm_is_folded():
+    """`bn_folded` enters every certify sidecar: false only for an f_R that keeps a BatchNorm unfolded, so a resume
+    never mixes rows sampled through the folded and the unfolded f_R."""
+    from splitz_fast.runs.tasks import CertifyRun
 
     small, pooling = _small_splitz()[0], _pooling_splitz()[0]
     unfoldable = SplitModel(copy.deepcopy(small.left), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4),
                                                                      nn.Flatten(), nn.Linear(64, 5)), 5)
-    args = build_parser().parse_args(["certify", "mnist", "ckpt.pt", "0.5", str(tmp_path / "out.tsv")])
-    for model, recorded in ((small, None), (pooling, None), (unfoldable, False)):
-        monkeypatch.setattr(cli, "_open_run", lambda a, m=model: SimpleNamespace(model=m))
-        settings = cli._smoother(args, selection=True)[2]
-        assert settings.get("bn_folded") is recorded
+    for model, folded in ((small, True), (pooling, True), (unfoldable, False)):
+        settings = CertifyRun(sz.Smoother(model, 0.5), 10, 100, 0.001).settings()
+        assert settings["bn_folded"] is folded
 
 
 def _pooling_splitz(seed: int = 0) -> tuple[SplitModel, torch.Tensor]:

@@ -175,7 +175,7 @@ def test_cli_certify_records_an_estimate_in_the_sidecar_and_rows(tmp_path, tiny)
     sound = tmp_path / "sound.tsv"
     assert main(["certify", "tiny", str(ckpt / "best.pt"), "0.5", str(sound), "--N0", "10", "--N", "100",
                  "--max", "3"]) == 0
-    assert "protocol" not in json.loads((tmp_path / "sound.tsv.json").read_text())
+    assert json.loads((tmp_path / "sound.tsv.json").read_text())["protocol"] == "sound"
 
 
 def test_cli_published_code_without_a_known_std_is_one_line_before_anything_is_written(tmp_path, tiny, capsys):
@@ -224,7 +224,7 @@ def test_the_run_task_records_the_protocol_whatever_the_entry_point(tmp_path):
     assert sidecar["protocol"] == "paper" and sidecar["certificate"] is False
     _api_run(tmp_path / "sound.tsv", "sound")
     sidecar = json.loads((tmp_path / "sound.tsv.json").read_text())
-    assert "protocol" not in sidecar and "certificate" not in sidecar  # as sound runs always recorded it
+    assert sidecar["protocol"] == "sound" and sidecar["certificate"] is True  # every setting, defaults included
 
 
 @pytest.mark.parametrize("first,then", [("sound", "paper"), ("paper", "sound"), ("sound", "published-code")])
@@ -379,7 +379,7 @@ def test_cli_published_lipschitz_factor_reaches_the_sidecar_and_resume_refuses_a
     one, scaled = tmp_path / "c1.tsv", tmp_path / "c.tsv"
     assert main([*common, str(one), *counts]) == 0
     assert main([*common, str(scaled), *counts, "--published-lipschitz-factor", "0.2023"]) == 0
-    assert "lipschitz_factor" not in json.loads((tmp_path / "c1.tsv.json").read_text())
+    assert json.loads((tmp_path / "c1.tsv.json").read_text())["lipschitz_factor"] == 1.0
     sidecar = json.loads((tmp_path / "c.tsv.json").read_text())
     assert sidecar["protocol"] == "published-code" and sidecar["lipschitz_factor"] == 0.2023
     a, b = read_certification(one), read_certification(scaled)

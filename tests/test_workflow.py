@@ -487,13 +487,15 @@ def test_a_resume_under_another_noise_stream_is_refused(tmp_path, monkeypatch):
     a file begun with one and resumed with the other matched no uninterrupted run, and nothing said so."""
     import json
 
+    from splitz_fast.sampling.engine import PHILOX_STREAM
+
     task = CertifyRun(sz.Smoother(_model().eval(), 0.5), 5, 20, 0.01, 32)
     gen = torch.Generator().manual_seed(5)
     data = _digits(*[torch.rand(1, 28, 28, generator=gen) for _ in range(3)])
     args = dict(settings={}, indices=[0, 1, 2], seed=0, progress=False)
     philox, fallback = tmp_path / "philox.tsv", tmp_path / "fallback.tsv"
     run_over_dataset(task, data, philox, stop_after=1, **args)
-    assert "noise_stream" not in json.loads((tmp_path / "philox.tsv.json").read_text())  # older files still resume
+    assert json.loads((tmp_path / "philox.tsv.json").read_text())["noise_stream"] == PHILOX_STREAM
     monkeypatch.setenv("SPLITZ_BACKEND", "reference")
     with pytest.raises(ValueError, match="noise_stream"):
         run_over_dataset(task, data, philox, resume=True, **args)

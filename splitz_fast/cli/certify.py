@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +20,28 @@ from ..certify.sequential import SequentialCertifier
 from ..certify.smoothing import Smoother
 from ..runs.dataset_run import HELD_OUT_SPLIT, DatasetRun
 from ..sampling.engine import PRECISIONS
-from ..sampling.folding import unfolded_batchnorms
 from .options import (_AUTO_ON_OFF, _HelpFormatter, _add_checkpoint_format_option, _add_max_option,
                       _add_sharding_options, _add_threads_option, _bound_options, _dataset_help)
+
+
+@contextlib.contextmanager
+def resume_notices_on_stderr():
+    """The library's warning that ``resume`` found nothing to resume (``resume=True: …``), shown as the one line
+    ``--resume: …`` on stderr as it happens; other warnings as before. Usable as a decorator."""
+    from ..runs.files import RESUME_NOTICE
+
+    show = warnings.showwarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(RESUME_NOTICE):
+            print(f"--resume: {str(message).removeprefix(RESUME_NOTICE)}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=RESUME_NOTICE)  # each run says it, also after another
+        warnings.showwarning = shown
+        yield
 
 
 def _protocol(name: str, dataset: str, lipschitz_factor: float | None = None) -> CertificationProtocol:
@@ -72,13 +94,8 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[DatasetRun, Sm
     smoother = Smoother(run.model, args.sigma, bound_options=bound_options, precision=args.precision,
                         compile=args.compile, cuda_graphs=_AUTO_ON_OFF[args.cuda_graphs],
                         fused_kernels=_AUTO_ON_OFF[args.fused_kernels], protocol=protocol)
+    # The sampling settings (precision, gamma_batch, bn_folded) are the run task's.
     settings = {"bound": smoother.bound, "bound_method": smoother.bound_method, "gamma_search": smoother.gamma_search}
-    if smoother.precision != "float32":  # recorded only when set, so files written before the option still resume
-        settings["precision"] = smoother.precision
-    if smoother.options.gamma_batch != 2:  # changes which γ are evaluated (and so the radii)
-        settings["gamma_batch"] = smoother.options.gamma_batch
-    if unfolded_batchnorms(run.model.right):  # sampled with unfolded BatchNorm: recorded only then (files resume)
-        settings["bn_folded"] = False
     return run, smoother, settings
 
 
@@ -97,6 +114,7 @@ def _sequential_budget(args: argparse.Namespace) -> int:
     return budget
 
 
+@resume_notices_on_stderr()
 def certify_command(args: argparse.Namespace) -> int:
     from ..runs.tasks import CertifyRun
 
@@ -110,12 +128,11 @@ def certify_command(args: argparse.Namespace) -> int:
     if not args.sequential:
         run.run(CertifyRun(smoother, args.N0, args.N, args.alpha, args.batch), settings)
         return 0
-    # recorded only when set, so files written before the option still resume
-    settings.update(sequential=True, radii=list(args.radii), budget=budget)
     run.run(CertifyRun(SequentialCertifier(smoother, args.radii), args.N0, budget, args.alpha, args.batch), settings)
     return 0
 
 
+@resume_notices_on_stderr()
 def certify_margin_command(args: argparse.Namespace) -> int:
     """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
     from ..runs.tasks import MarginRun
@@ -128,6 +145,7 @@ def certify_margin_command(args: argparse.Namespace) -> int:
     return 0
 
 
+@resume_notices_on_stderr()
 def predict_command(args: argparse.Namespace) -> int:
     from ..runs.tasks import PredictRun
 
@@ -136,6 +154,7 @@ def predict_command(args: argparse.Namespace) -> int:
     return 0
 
 
+@resume_notices_on_stderr()
 def attack_command(args: argparse.Namespace) -> int:
     """l2 attacks (:mod:`splitz_fast.certify.attacks`) on each selected input; PREDICT decides the clean and attacked points."""
     from ..certify.attacks import Attacker
@@ -174,6 +193,10 @@ def merge_command(args: argparse.Namespace) -> int:
     rows = merged.read_text().count("\n") - 1
     print(f"merge: {len(paths)} shards, {rows} rows → {merged}")
     return 0
+
+
+_RESUME_HELP = ("continue an interrupted OUTFILE (same settings only); where OUTFILE does not exist yet, a new run "
+                "starts, saying so in one line on stderr (job scripts can pass --resume always)")
 
 
 def _add_certify_predict_parser(sub) -> None:
@@ -246,7 +269,7 @@ def _add_certify_predict_parser(sub) -> None:
                             "(default) where it scores like the plain f_R and measures faster, on, off (the same "
                             "function; rounding may differ in the last bits)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
-        c.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+        c.add_argument("--resume", action="store_true", help=_RESUME_HELP)
         _add_checkpoint_format_option(c)
         _add_sharding_options(c)
         _add_threads_option(c)
@@ -284,7 +307,7 @@ def _add_certify_margin_parser(sub) -> None:
     m.add_argument("--bound-method", choices=BOUND_METHODS, default="auto",
                    help="exact (deterministic) or probabilistic; auto picks by size")
     m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
-    m.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+    m.add_argument("--resume", action="store_true", help=_RESUME_HELP)
     _add_sharding_options(m)
     _add_threads_option(m)
     m.set_defaults(func=certify_margin_command)
@@ -324,7 +347,7 @@ def _add_attack_parser(sub) -> None:
     k.add_argument("--N", type=int, default=10_000, help="PREDICT samples at the clean and at the attacked point")
     k.add_argument("--alpha", type=float, default=0.001, help="PREDICT's significance level")
     k.add_argument("--seed", type=int, default=0, help="base seed; input i uses SEED+i (attack and PREDICT offsets)")
-    k.add_argument("--resume", action="store_true", help="continue an interrupted OUTFILE (same settings only)")
+    k.add_argument("--resume", action="store_true", help=_RESUME_HELP)
     _add_checkpoint_format_option(k)
     _add_sharding_options(k)
     _add_threads_option(k)

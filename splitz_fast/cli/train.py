@@ -82,6 +82,7 @@ def train_command(args: argparse.Namespace) -> int:
     from ..training.recipes import get_recipe
     from ..training.loop import train
     from ..training.parallel import SINGLE_PROCESS, DataParallelGroup
+    from .certify import resume_notices_on_stderr
 
     # Validate the settings before touching data or the output folder.
     config = _train_config(args, _TRAIN_OPTIONS, args.recipe)
@@ -101,13 +102,8 @@ def train_command(args: argparse.Namespace) -> int:
     if model.input_shape != tuple(info.input_shape):
         raise ValueError(f"model {args.model} expects inputs {model.input_shape}, dataset {args.dataset} gives "
                          f"{tuple(info.input_shape)}")
-    spec = {"name": args.model, "kwargs": kwargs, "dataset": args.dataset}
-    # Recorded only when set, so runs written before these options still resume.
-    if args.split != "train":
-        spec["split"] = args.split
-    if args.recipe is not None:
-        spec["recipe"] = args.recipe
-    with ranks:
+    spec = {"name": args.model, "kwargs": kwargs, "dataset": args.dataset, "split": args.split, "recipe": args.recipe}
+    with ranks, resume_notices_on_stderr():
         result = train(model, info.dataset, config, args.outdir, model_spec=spec, device=args.device,
                        resume=args.resume, data_parallel=group, on_epoch_end=lambda r: print(
                            f"epoch {r['epoch']} of 0-{config.epochs - 1}: loss {r['train_loss']:.4f}, val noisy acc "
@@ -212,6 +208,8 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--device", default=None,
                    help="cpu, or cuda / cuda:N where a GPU is present; unset, cpu (under torchrun: each rank's "
                         "cuda:LOCAL_RANK when CUDA is available)")
-    t.add_argument("--resume", action="store_true", help="continue OUTDIR/last.pt (same settings only)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue OUTDIR/last.pt (same settings only); where OUTDIR holds no last.pt, training starts "
+                        "from epoch 0, saying so in one line on stderr (job scripts can pass --resume always)")
     _add_threads_option(t)
     t.set_defaults(func=train_command)

@@ -160,13 +160,20 @@ class DatasetRun:
         shard's file, or under torchrun ``outfile`` on rank 0 and ``None`` on the other ranks."""
         indices, outfile = self.indices, self.outfile
         settings = {**self.settings, **(settings or {})}
+        computed = []  # the rows this call writes (a resume writes only those the file lacks)
 
         def run(shard_spec, progress):
             return run_over_dataset(task, self.info.dataset, outfile, settings=settings, indices=indices,
                                     seed=self.seed, resume=self.resume, checkpoint=self.checkpoint, shard=shard_spec,
-                                    progress=progress, checkpoint_format=self.checkpoint_format)
+                                    progress=progress, checkpoint_format=self.checkpoint_format,
+                                    on_row=lambda idx, _: computed.append(idx))
 
         what = "inputs" if task.kind == "certify-margin" else "images"
+
+        def counted(total: int) -> str:
+            """``total`` rows of the file, and how many of them this call computed where that is fewer."""
+            return (f"{total} {what}" if len(computed) == total else
+                    f"{len(computed)} {what} computed now, {total} in the file")
         if self.env is not None:
             env = self.env
             # Every rank reads the merged OUTFILE first: without --resume it is refused before any shard starts, and
@@ -185,11 +192,13 @@ class DatasetRun:
             return merged
         if self.shard is not None:
             path = run(self.shard, True)
-            print(f"{task.kind}: shard {self.shard}, {len(self.shard.select(indices))} of {len(indices)} {what} → "
+            mine = len(self.shard.select(indices))
+            rows = f"{mine} of {len(indices)} {what}" if len(computed) == mine else f"{counted(mine)} (of {len(indices)})"
+            print(f"{task.kind}: shard {self.shard}, {rows} → "
                   f"{path}; when all {self.shard.count} shards are done: splitz merge {shlex.quote(str(outfile))}")
             return path
         path = run(None, True)
-        print(f"{task.kind}: {len(indices)} {what} → {outfile}")
+        print(f"{task.kind}: {counted(len(indices))} → {outfile}")
         return path
 
 

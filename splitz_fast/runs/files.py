@@ -8,13 +8,19 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Sequence
 
 from .._checks import read_settings_file
 from ..kinds import certificate_status, results_are
+from .schema import current_settings
 from .tasks import RunTask
+
+#: How the warning of a ``resume`` with nothing to resume begins; the command line says ``--resume: `` instead.
+RESUME_NOTICE = "resume=True: "
 
 
 def _sidecar(out_path: Path) -> Path:
@@ -30,11 +36,15 @@ def _split_rows(text: str, header: str, where: str) -> tuple[list[str], bool]:
         raise ValueError(f"{where}: {found}, not the header this run writes ({header[:40]!r}…); restore the file or "
                          "start a new OUTFILE")
     torn = not text.endswith("\n")
-    complete = [line for line in (lines[1:-1] if torn else lines[1:]) if line]
     n_fields = len(header.split("\t"))
-    for line in complete:
-        if len(line.split("\t")) != n_fields:
-            raise ValueError(f"{where}: malformed row {line!r}")
+    complete = []
+    for number, line in enumerate(lines[1:-1] if torn else lines[1:], start=2):
+        if line and len(line.split("\t")) != n_fields:
+            shown = line if len(line) <= 40 else line[:40] + "…"
+            raise ValueError(f"{where}: line {number} is not a row of {n_fields} fields ({shown!r}); restore the "
+                             "file, or delete that line and rerun with --resume to recompute it")
+        if line:
+            complete.append(line)
     return complete, torn
 
 
@@ -51,8 +61,7 @@ def _rows_certificate(header: str, rows: Iterable[str], where: str) -> bool | No
 
 def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded_in: str) -> str:
     """Why a resume is refused: the settings both runs record with different values, else those only one of them
-    records (optional settings are recorded only when not at their default; otherwise another command or version
-    wrote the file), with both values where they are short."""
+    records (another command or version wrote the file), with both values where they are short."""
     differ = sorted(k for k in set(previous) & set(now) if previous[k] != now[k])
     only = sorted(set(previous) ^ set(now))
 
@@ -61,28 +70,32 @@ def _settings_difference(previous: dict[str, Any], now: dict[str, Any], recorded
         after = json.dumps(now[key]) if key in now else "not recorded"
         return f"{key} ({before} in {recorded_in}, {after} now)" if max(len(before), len(after)) <= 30 else key
 
-    keys = differ or only  # values that differ first: settings one file lacks are often just at their default
+    keys = differ or only  # values that differ first: they say most about what changed
     why = []
     if "checkpoint_digest" in differ:
         why.append("the checkpoint's contents are not those the run began with")
     if "noise_stream" in keys:
-        why.append("the noise comes from another generator (the Philox kernels record no noise_stream; "
-                   "SPLITZ_BACKEND=reference or missing C++ kernels give torch's)")
+        why.append("the noise comes from another generator (SPLITZ_BACKEND=reference or missing C++ kernels give "
+                   "torch's instead of the Philox kernels')")
     if not differ:
-        why.append("a setting that is not recorded was at its default, or another command or version wrote the file")
+        why.append("another command or version wrote the file")
     return "; ".join([f"it was written with different settings: {'; '.join(map(shown, keys))}", *why,
                       "use the same arguments or a new OUTFILE"])
 
 
 def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], resume: bool,
                     indices: Sequence[int]) -> set[int]:
-    """Create the TSV and sidecar, or validate them for a resume (the sidecar read through
-    :meth:`~splitz_fast.runs.tasks.RunTask.earlier_settings`; every row one of ``indices``, each once); returns the
-    indices already written."""
+    """Create the TSV and sidecar, or validate them for a resume (the sidecar read as the current schema,
+    :func:`~splitz_fast.runs.schema.current_settings`; every row one of ``indices``, each once); returns the indices
+    already written. ``resume`` on a file that does not exist starts it, with a :class:`UserWarning` that says so (job
+    scripts pass ``--resume`` whether or not there is something to continue, but a mistyped OUTFILE should not go
+    unnoticed)."""
     header = task.header
     sidecar = _sidecar(out_path)
     if out_path.exists() and not resume:
         raise FileExistsError(f"{out_path} exists; pass --resume to continue it, or choose another OUTFILE")
+    if resume and not out_path.exists():
+        warnings.warn(f"{RESUME_NOTICE}{out_path} does not exist yet; starting a new run", stacklevel=3)
     if not (resume and out_path.exists()):
         out_path.parent.mkdir(parents=True, exist_ok=True)
         sidecar.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
@@ -93,7 +106,10 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
     except ValueError as err:
         raise ValueError(f"cannot resume {out_path}: its settings file {err}; restore it or start a new "
                          "OUTFILE") from None
-    previous = task.earlier_settings(recorded)
+    try:
+        previous = current_settings(recorded, sidecar.name)
+    except ValueError as err:
+        raise ValueError(f"cannot resume {out_path}: {err}") from None
     complete, torn = _split_rows(out_path.read_text(), header, f"cannot resume {out_path}")
     written = _rows_certificate(header, complete, f"cannot resume {out_path}: it")
     if written is None:
@@ -107,6 +123,7 @@ def _prepare_output(out_path: Path, task: RunTask, settings: dict[str, Any], res
     if torn:  # a torn last row: cut it off (it is recomputed), in place: a kill or a full disk leaves every row
         data = out_path.read_bytes()
         if b"\n" in data:
+            print(f"resume: the last line of {out_path} was cut by an interruption and is recomputed", file=sys.stderr)
             os.truncate(out_path, data.rfind(b"\n") + 1)
         else:  # the header itself, cut before its newline
             with out_path.open("ab") as fh:
@@ -168,4 +185,4 @@ def _lock_sidecar(out_path: Path) -> int | None:
 
 
 
-__all__ = ["RunInProgressError"]
+__all__ = ["RunInProgressError", "RESUME_NOTICE"]

@@ -27,8 +27,9 @@ from tqdm import tqdm
 from .._checks import check_count, check_output_file, dataset_pair
 from ..certify.inputs import model_device
 from ..checkpoints.splitz import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
-from ..sampling.engine import PHILOX_STREAM, NoiseStream
+from ..sampling.engine import NoiseStream
 from .files import _lock_sidecar, _prepare_output, _put_in_selection_order, _sidecar
+from .schema import SIDECAR_SCHEMA
 from .shards import ShardSpec
 from .tasks import RunTask
 
@@ -47,17 +48,15 @@ def select_indices(n_items: int, skip: int, max_count: int) -> list[int]:
 def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices: Sequence[int],
                  checkpoint: str | os.PathLike | None = None, checkpoint_format: str = "splitz") -> dict[str, Any]:
     """What :func:`run_over_dataset` records in the sidecar of a whole run's TSV (a shard's adds its ``shard``):
-    ``settings``, the task's own settings, the seed, the indices and the checkpoint's digest."""
+    ``settings``, the task's own settings, the seed, the indices and the checkpoint's digest, under the sidecar
+    schema (:mod:`splitz_fast.runs.schema`)."""
     check_count("seed", seed, 0)
     settings = dict(settings, **task.settings(), seed=seed,
-                    indices=[indices[0], indices[-1], len(indices)] if indices else [])
+                    indices=[indices[0], indices[-1], len(indices)] if indices else [], schema=SIDECAR_SCHEMA)
     if task.draws_noise and task.model is not None:
         # The fallback generator draws other noise than the Philox kernels (a machine without a C++ compiler,
         # SPLITZ_BACKEND=reference): recorded, so that a resume or a merge never mixes rows of the two streams.
-        # Only then, so the files of the Philox stream written before this entry still resume.
-        source = NoiseStream(0, model_device(task.model)).source
-        if source != PHILOX_STREAM:
-            settings["noise_stream"] = source
+        settings["noise_stream"] = NoiseStream(0, model_device(task.model)).source
     if checkpoint is None and task.model is not None:
         # No checkpoint names the model (a run from Python): its weights do, so a resume with another model (or
         # another split of it) is refused rather than mixed into the file.
@@ -65,8 +64,7 @@ def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices:
     if checkpoint is not None:
         settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
-        if checkpoint_format != "splitz":  # recorded only when set, so files written before the option still resume
-            settings["checkpoint_format"] = checkpoint_format
+        settings["checkpoint_format"] = checkpoint_format
     return settings
 
 
@@ -106,7 +104,7 @@ def run_over_dataset(
     ``settings`` (what else determines the rows: dataset, split, model, bound options…) is stored in the sidecar
     together with the task's own settings, the seed, the indices and the checkpoint's digest (``checkpoint_digest``,
     described by ``checkpoint_digest_covers``; ``checkpoint_format`` says how ``checkpoint`` is read, see
-    :func:`~splitz_fast.checkpoints.splitz.load_checkpoint`, recorded unless ``"splitz"``; without a checkpoint, the digest
+    :func:`~splitz_fast.checkpoints.splitz.load_checkpoint`; without a checkpoint, the digest
     of the task's model's weights, ``model_digest``); ``stop_after`` stops after that
     many new rows (as an interruption would). The inputs stream through the task (shared ``f_R`` batches, one host
     sync per group of inputs); each row is written as soon as its input is done. The ``f_R`` batch size does not

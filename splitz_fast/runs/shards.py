@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from .._checks import read_settings_file
 from .files import _rows_certificate, _sidecar, _split_rows
+from .schema import current_settings
 from .tasks import HEADERS
 
 
@@ -97,6 +98,15 @@ class ShardData:
         return cls(where, settings, path.read_text())
 
 
+def _in_current_schema(shard: ShardData) -> ShardData:
+    """``shard`` with its settings as the current sidecar schema records them
+    (:func:`~splitz_fast.runs.schema.current_settings`), so shards written by different versions compare alike."""
+    try:
+        return ShardData(shard.where, current_settings(shard.settings, f"the sidecar of {shard.where}"), shard.text)
+    except ValueError as err:
+        raise ValueError(f"cannot merge: {err}") from None
+
+
 def shard_files(out_path: str | os.PathLike) -> list[Path]:
     """The shard files ``OUTFILE.shard-K-of-N`` beside ``out_path`` (their sidecars excluded), sorted by name."""
     out_path = Path(out_path)
@@ -115,6 +125,7 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
     out_path = Path(out_path)
     if not shards:
         raise ValueError(f"cannot merge into {out_path}: no shard files given or found ({out_path.name}.shard-K-of-N)")
+    shards = [_in_current_schema(shard) for shard in shards]
     for shard in shards:
         record = shard.settings.get("shard")
         if not isinstance(record, dict) or not {"index", "count", "rows", "indices_sha256"} <= set(record):
@@ -164,7 +175,7 @@ def merge_shards(out_path: str | os.PathLike, shards: Sequence[ShardData]) -> Pa
     sidecar = _sidecar(out_path)
     if out_path.exists() or sidecar.exists():
         try:
-            why = "settings differ" if read_settings_file(sidecar) != settings else None
+            why = "settings differ" if current_settings(read_settings_file(sidecar), sidecar.name) != settings else None
         except ValueError as err:
             why = f"its settings file {err}"
         if why is not None:

@@ -15,6 +15,7 @@ from ..certify.margin import MarginCertifier
 from ..certify.sequential import SequentialCertifier
 from ..certify.smoothing import PredictResult, Smoother
 from ..model.modules import SplitModel
+from ..sampling.folding import unfolded_batchnorms
 from .rows import HEADER as CERTIFY_HEADER
 from .rows import format_row
 
@@ -55,17 +56,12 @@ class RunTask(abc.ABC):
         unchecked)."""
         return None
 
-    def earlier_settings(self, previous: dict[str, Any]) -> dict[str, Any]:
-        """A sidecar found on resume, read as this version of the task records it (a task whose recorded settings
-        changed names or placeholders maps them here, so its earlier runs stay resumable); unchanged by default."""
-        return previous
 
-
-def _precision_setting(smoother: Smoother) -> dict[str, Any]:
-    """``{"precision": ...}`` where ``f_R`` samples in another precision than float32 (another base classifier); empty
-    for float32, so files written before this entry still resume."""
-    precision = getattr(smoother, "precision", "float32")
-    return {} if precision == "float32" else {"precision": precision}
+def _sampling_settings(smoother: Smoother) -> dict[str, Any]:
+    """How ``f_R`` is sampled: in which precision (another than float32 is another base classifier) and whether
+    with a BatchNorm left unfolded (``bn_folded``: false; the scores round differently)."""
+    return {"precision": getattr(smoother, "precision", "float32"),
+            "bn_folded": not unfolded_batchnorms(smoother.model.right)}
 
 
 def _inputs(pairs: Iterable[tuple[torch.Tensor, int]]) -> Iterator[torch.Tensor]:
@@ -89,16 +85,19 @@ class CertifyRun(RunTask):
         return self.certifier.model
 
     def settings(self) -> dict[str, Any]:
-        settings = {"kind": self.kind, "n0": self.n0, "n": self.n, "alpha": self.alpha, "sigma": self.certifier.sigma}
         protocol = self.certifier.protocol
-        if protocol.name != "sound":  # recorded only when set, so sound files written before still resume
-            settings["protocol"] = protocol.name
-        factor = getattr(protocol, "lipschitz_factor", 1.0)
-        if factor != 1.0:  # published-code's normalisation constant; recorded only when set (older files resume)
-            settings["lipschitz_factor"] = factor
-        if not protocol.certificate:
-            settings["certificate"] = False
-        return {**settings, **_precision_setting(getattr(self.certifier, "smoother", self.certifier))}
+        smoother = getattr(self.certifier, "smoother", self.certifier)
+        settings = {"kind": self.kind, "n0": self.n0, "n": self.n, "alpha": self.alpha, "sigma": self.certifier.sigma,
+                    "protocol": protocol.name, "certificate": protocol.certificate,
+                    # published-code's normalisation constant (1 for every other protocol)
+                    "lipschitz_factor": getattr(protocol, "lipschitz_factor", 1.0),
+                    # which γ a bisection evaluates, and so the radii
+                    "gamma_batch": smoother.options.gamma_batch,
+                    "sequential": isinstance(self.certifier, SequentialCertifier),
+                    **_sampling_settings(smoother)}
+        if settings["sequential"]:  # n is the sample budget of each input
+            settings.update(radii=list(self.certifier.radii), budget=self.n)
+        return settings
 
     def results(self, pairs, seeds):
         return self.certifier.certify_many(_inputs(pairs), self.n0, self.n, self.alpha, batch_size=self.batch_size,
@@ -124,7 +123,7 @@ class PredictRun(RunTask):
     def settings(self) -> dict[str, Any]:
         # n0 = 0: PREDICT draws no selection samples (recorded so that sidecars written before stay resumable).
         return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.smoother.sigma,
-                **_precision_setting(self.smoother)}
+                **_sampling_settings(self.smoother)}
 
     def results(self, pairs, seeds):
         return self.smoother.predict_many(_inputs(pairs), self.n, self.alpha, batch_size=self.batch_size,
@@ -153,18 +152,6 @@ class MarginRun(RunTask):
     def settings(self) -> dict[str, Any]:
         return {"kind": self.kind}
 
-    #: How margin runs were recorded before the run tasks (up to a9ddd72): as CERTIFY runs with placeholder sampling
-    #: settings. Their rows are those of today's margin runs.
-    _EARLIER_PLACEHOLDERS = {"kind": "certify", "n0": 1, "n": 1, "alpha": 0.5, "sigma": None}
-
-    def earlier_settings(self, previous):
-        missing = object()
-        if previous.get("certifier") == "margin" and all(
-                previous.get(key, missing) == value for key, value in self._EARLIER_PLACEHOLDERS.items()):
-            kept = {key: value for key, value in previous.items() if key not in self._EARLIER_PLACEHOLDERS}
-            return {**kept, "kind": self.kind}
-        return previous
-
     def results(self, pairs, seeds):
         return self.certifier.certify_many(_inputs(pairs), seeds=seeds)
 
@@ -188,7 +175,7 @@ class AttackRun(RunTask):
     def settings(self) -> dict[str, Any]:
         # n0 = 0 as for PREDICT (sidecars written before stay resumable); the attack's own settings come from the caller.
         return {"kind": self.kind, "n0": 0, "n": self.n, "alpha": self.alpha, "sigma": self.attacker.sigma,
-                **_precision_setting(self.attacker.smoother)}
+                "precision": getattr(self.attacker.smoother, "precision", "float32")}
 
     def results(self, pairs, seeds):
         return self.attacker.attack_many(pairs, self.n, self.alpha, batch_size=self.batch_size, seeds=seeds)

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -105,16 +106,24 @@ class TrainResult:
     out_dir: Path | None = None
 
 
+#: The model_spec entries that ``splitz train`` wrote only off their default before it wrote every one: a spec without
+#: them (a checkpoint of format 1 written before, or a spec given from Python) trained with these values.
+MODEL_SPEC_DEFAULTS = {"split": "train", "recipe": None}
+
+
 def _resume_(last_path: Path, config: TrainConfig, spec: dict[str, Any], model: SplitModel,
              optimizer: torch.optim.Optimizer, state, result: "TrainResult",
              device: torch.device) -> tuple[int, float, dict[str, Any]]:
     """Load ``last.pt`` into the model, optimizer, power-iteration state and history; returns the first epoch still to
     run, the Lagrangian's multiplier and the checkpoint. Refused, naming every difference, when it was written with other settings."""
     ckpt = load_checkpoint_file(last_path, device)
-    # Fields added after a checkpoint was written read as their defaults (what that run effectively used).
-    previous = {**dataclasses.asdict(TrainConfig()), **ckpt["config"], "model_spec": ckpt.get("model_spec", {})}
+    # Fields added after a checkpoint was written read as their defaults (what that run effectively used); both
+    # specs with the entries they leave out at their defaults, so that a spec recorded in full matches its earlier
+    # form and a value off the default never matches an omission.
+    previous = {**dataclasses.asdict(TrainConfig()), **ckpt["config"],
+                "model_spec": {**MODEL_SPEC_DEFAULTS, **ckpt.get("model_spec", {})}}
     changed = [f"{key} ({previous.get(key)!r} in last.pt, {value!r} now)"
-               for key, value in {**dataclasses.asdict(config), "model_spec": spec}.items()
+               for key, value in {**dataclasses.asdict(config), "model_spec": {**MODEL_SPEC_DEFAULTS, **spec}}.items()
                if previous.get(key) != value]
     if changed:
         raise ValueError(f"cannot resume {last_path}: it was written with another config or model: "
@@ -240,7 +249,8 @@ def train(
             as ``class_names``, and ``splitz certify`` refuses a dataset that names them otherwise.
         model_spec: how to rebuild the model (e.g. ``{"name": "lenet", "split_index": 1}``), stored in checkpoints.
         resume: continue from ``out_dir/last.pt``; refused if that run used a different config or model spec.
-            Without ``resume``, an existing ``last.pt`` is an error (nothing is overwritten silently).
+            Without ``resume``, an existing ``last.pt`` is an error (nothing is overwritten silently); with it, a
+            folder without ``last.pt`` trains from epoch 0 with a :class:`UserWarning` that says so.
         stop_after_epochs: stop (as an interruption would) after this many epochs of *this call*.
         on_epoch_end: called with each epoch's record (rank 0 only).
         data_parallel: this process's rank among the processes training together
@@ -297,6 +307,10 @@ def train(
         what = f"{last_path} exists" if last_path.exists() else f"{out} holds a run stopped in its first epoch"
         raise FileExistsError(f"{what}: pass resume=True (--resume) to continue that run, or choose another output "
                               "folder")
+    if resume and not last_path.exists() and group.rank == 0:
+        # Job scripts pass --resume whether or not there is a run to continue; a mistyped OUTDIR should still show.
+        # (The command line shows this warning as "--resume: ...".)
+        warnings.warn(f"resume=True: {out} holds no checkpoint (last.pt); training from epoch 0", stacklevel=2)
     if last_path.exists():
         start_epoch, multiplier, last = _resume_(last_path, config, spec, model, optimizer, state, result, device)
     elif config.init_checkpoint is not None:
