@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn as nn
 
 import splitz_fast as sz
-from splitz_fast.sampling import compiled as compiled_module
-from splitz_fast.sampling.compiled import COMPILE_AFTER_S, CompileChoice, check_compile_setting
+from splitz_fast.sampling import choices, compiled as compiled_module
+from splitz_fast.sampling.choices import Variant, check_setting
+from splitz_fast.sampling.compiled import COMPILE_AFTER_S, CompileChoice
 from _helpers import small_splitz
 
 CPU = torch.device("cpu")
@@ -75,17 +77,23 @@ class _CompilerCalls(list):
         self.entries: list = []
 
 
-KEY = (True, False, False, 64)
+def _eager(rows: int, compiled: bool = False) -> Variant:
+    """The plain channels_last variant of a batch of ``rows`` (what a compile decision is keyed by), or with
+    ``compiled`` the same through the compiled copy."""
+    return Variant(channels_last=True, pooled=False, compiled=compiled, rows=rows)
+
+
+KEY = _eager(64)
 
 
 def test_compile_none_waits_for_a_minute_of_sampling_per_batch_on_cuda_and_never_compiles_on_the_cpu():
     cuda = CompileChoice(None, torch.device("cuda"))  # a device object only: nothing runs on it
     assert not cuda.due(KEY)
     cuda.record_eager(KEY, COMPILE_AFTER_S / 2)
-    cuda.record_eager((True, False, False, 128), COMPILE_AFTER_S / 2)  # another batch size: its own clock
+    cuda.record_eager(_eager(128), COMPILE_AFTER_S / 2)  # another batch size: its own clock
     assert not cuda.due(KEY)
     cuda.record_eager(KEY, COMPILE_AFTER_S / 2)
-    assert cuda.due(KEY) and not cuda.due((True, False, False, 128))
+    assert cuda.due(KEY) and not cuda.due(_eager(128))
     cpu = CompileChoice(None, CPU)
     cpu.record_eager(KEY, 1e6)
     assert not cpu.due(KEY)
@@ -97,7 +105,7 @@ def test_compile_none_waits_for_a_minute_of_sampling_per_batch_on_cuda_and_never
 def test_compile_settings_other_than_none_true_false_are_refused(bad):
     model, _ = small_splitz()
     with pytest.raises(ValueError, match="compile must be None"):
-        check_compile_setting(bad)
+        check_setting("compile", bad)
     with pytest.raises(ValueError, match="compile must be None"):
         sz.Smoother(model, 0.4, compile=bad)
 
@@ -119,11 +127,11 @@ def test_compile_none_compiles_once_due_and_keeps_a_faster_compiled_f_r(monkeypa
     eager = [smoother.predict(x, 300, 0.05, batch_size=64, seed=i) for i, x in enumerate(xs[:2])]
     engine = smoother.engine()
     (key, seconds), = engine.compiling.eager_seconds.items()
-    assert calls == [] and key == (True, False, False, 64) and seconds > 0  # not due yet: eager, time counted
+    assert calls == [] and key == _eager(64) and seconds > 0  # not due yet: eager, time counted
     _due_now(monkeypatch)
     got = [smoother.predict(x, 300, 0.05, batch_size=64, seed=i) for i, x in enumerate(xs[:2])]
     decision, = engine.compiling.decisions.values()
-    assert decision.used and decision.compiled_s < decision.eager_s and decision.compile_s >= 0, decision
+    assert decision.used and decision.candidate_s < decision.baseline_s and decision.setup_s >= 0, decision
     assert "measured at batch 64" in decision.reason
     assert set(calls) == {64} and len(calls) > 10  # sampled through it, full batches only
     assert [(p.prediction, p.count_top, p.count_second) for p in got] == \
@@ -149,7 +157,7 @@ def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeyp
         warnings.simplefilter("error")  # a slower compiled f_R is a measured choice, not a warning
         got = smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
     decision, = smoother.engine().compiling.decisions.values()
-    assert not decision.used and decision.compiled_s > decision.eager_s
+    assert not decision.used and decision.candidate_s > decision.baseline_s
     timing_calls = len(calls)
     smoother.predict(xs[1], 300, 0.05, batch_size=64, seed=1)  # due again (threshold 0), but decided already
     assert len(calls) == timing_calls  # decided once: no batch ran through it afterwards
@@ -194,7 +202,7 @@ def test_compile_true_uses_the_compiled_f_r_from_the_first_batch_without_timing(
     smoother = sz.Smoother(model, 0.4, compile=True)
     smoother.predict(xs[0], 300, 0.05, batch_size=64, seed=0)
     decision, = smoother.engine().compiling.decisions.values()
-    assert decision.used and decision.reason == "compile=True" and decision.eager_s is None
+    assert decision.used and decision.reason == "compile=True" and decision.baseline_s is None
     assert not any(smoother.engine().compiling.eager_seconds.values()) and set(calls) == {64}
 
 
@@ -230,8 +238,8 @@ def test_one_engine_compiles_a_copy_per_batch_size_and_a_failure_at_one_size_lea
         for size in sizes:
             smoother.predict(xs[0], 200, 0.05, batch_size=size, seed=0)
     decisions = smoother.engine().compiling.decisions
-    assert sorted(key[-1] for key in decisions) == sizes
-    assert [key[-1] for key, d in decisions.items() if not d.used] == [24]
+    assert sorted(key.rows for key in decisions) == sizes
+    assert [key.rows for key, d in decisions.items() if not d.used] == [24]
     codes = {id(entry.__code__) for entry in calls.entries}  # equal code objects compare equal: identity counts
     assert len(calls.entries) == len(codes) == len(sizes)  # a fresh entry code object per batch size
     assert set(calls) == set(sizes)  # every size scored through its compiled copy (24 at its failed first call)
@@ -251,7 +259,7 @@ def test_only_full_batches_count_as_eager_sampling_towards_compiling(monkeypatch
     assert not any(smoother.engine().compiling.eager_seconds.values())
     smoother.predict(xs[0], 128 + 64, 0.05, batch_size=64, seed=0)  # three full batches
     (key, seconds), = smoother.engine().compiling.eager_seconds.items()
-    assert key[-1] == 64 and seconds >= 0.01  # (batches may run on worker threads at once)
+    assert key.rows == 64 and seconds >= 0.01  # (batches may run on worker threads at once)
 
 
 def test_share_of_a_timed_block_counts_as_eager_time():
@@ -292,7 +300,7 @@ def test_out_of_memory_while_checking_the_scores_decides_against_the_compiled_co
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(compiled_module, "score_gap", out_of_memory)
+    monkeypatch.setattr(choices, "score_gap", out_of_memory)
     _due_now(monkeypatch)
     smoother = sz.Smoother(model, 0.4)
     with pytest.warns(UserWarning, match="compiled f_R is not used .*OutOfMemoryError"):
@@ -313,10 +321,10 @@ def test_compile_true_never_asks_for_a_graph_of_the_eager_copy(monkeypatch):
     choose = GraphChoice.choose
     monkeypatch.setattr(GraphChoice, "choose", lambda self, key, *a: asked.append(key) or choose(self, key, *a))
     sz.Smoother(model, 0.4, compile=True).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
-    assert asked == [(True, False, False, True, 64)]
+    assert asked == [_eager(64, compiled=True)]
     asked.clear()
     sz.Smoother(model, 0.4, compile=False).predict(xs[0], 300, 0.05, batch_size=64, seed=0)
-    assert asked == [(True, False, False, False, 64)]  # the same check sees the eager copy's request
+    assert asked == [_eager(64)]  # the same check sees the eager copy's request
 
 
 @pytest.mark.parametrize("setting", [None, True])
@@ -383,7 +391,7 @@ def test_a_real_torch_compile_serves_ten_batch_sizes_of_one_engine():
             eager = sz.Smoother(model, 0.4, compile=False).predict(xs[0], 200, 0.05, batch_size=size, seed=0)
             assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
     decisions = smoother.engine().compiling.decisions
-    assert sorted(key[-1] for key in decisions) == sizes and all(d.used for d in decisions.values())
+    assert sorted(key.rows for key in decisions) == sizes and all(d.used for d in decisions.values())
 
 
 @pytest.mark.gpu
@@ -396,7 +404,7 @@ def test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync():
     start = time.perf_counter()
     smoother.predict(xs[0].cuda(), 20000, 0.05, batch_size=512, seed=0)
     compiling = smoother.engine().compiling
-    key = (True, False, False, 512)
+    key = _eager(512)
     torch.cuda.set_sync_debug_mode("error")  # reading the events never synchronises
     try:
         compiling.due(key)
@@ -420,9 +428,9 @@ def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_ea
     got = smoother.certify(xs[0].cuda(), 20, 2000, 0.01, batch_size=256, seed=3)
     engine = smoother.engine()
     (key, decision), = engine.compiling.decisions.items()
-    assert decision.compile_s is not None and decision.eager_s is not None and decision.compiled_s is not None
+    assert decision.setup_s is not None and decision.baseline_s is not None and decision.candidate_s is not None
     assert decision.reason.startswith("measured at batch 256"), decision  # compiled, not fallen back
-    compiled_graph = (*key[:3], True, key[3])
+    compiled_graph = replace(key, compiled=True)
     assert (engine.prepared._compiled[key] is not None) == decision.used  # what the engine samples through
     if decision.used and graphs is None:  # the compiled copy's own graph choice was made, and is what replays
         graph_decision = engine.graphs.decisions[compiled_graph]
@@ -430,7 +438,7 @@ def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_ea
     if not decision.used:  # a copy decided against is dropped with its graph
         assert compiled_graph not in engine.prepared._graphs
     else:  # the eager copy's graph of that batch would never replay again
-        assert (*key[:3], False, key[3]) not in engine.prepared._graphs
+        assert key not in engine.prepared._graphs
     eager = sz.Smoother(model, 0.4, compile=False, cuda_graphs=graphs).certify(xs[0].cuda(), 20, 2000, 0.01,
                                                                              batch_size=256, seed=3)
     assert got.prediction == eager.prediction and abs(got.count_a - eager.count_a) <= 1

@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import splitz_fast as sz
-from splitz_fast.sampling import epilogues
+from splitz_fast.sampling import choices, epilogues
+from splitz_fast.sampling.choices import Variant
 from splitz_fast.sampling.epilogues import (ConvAddReLU, ConvReLU, FusionChoice, fuse_conv_epilogues, has_fused_modules)
 from splitz_fast.sampling.folding import folded_copy
 from splitz_fast.sampling.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, score_gap
@@ -194,33 +195,38 @@ def test_fusion_settings_say_what_is_wrong():
     assert _choice().considered and _choice(True).considered
 
 
+def _at(rows: int) -> Variant:
+    """The plain channels_last variant of a batch of ``rows`` (what a fusion decision is keyed by)."""
+    return Variant(channels_last=True, pooled=False, rows=rows)
+
+
 def test_the_fused_copy_is_used_only_where_it_scores_alike_and_measures_faster(monkeypatch):
     """The default keeps the faster of the two (timings scripted here); scores that differ beyond the tolerance, or a
     fused copy that fails, keep the plain copy with one warning; fused_kernels=True still checks the scores."""
     batch = torch.randn(4, 3)
     plain = lambda b: b * 2  # noqa: E731
     timings = iter([2e-3, 1e-3, 1e-3, 2e-3])  # plain then fused, twice
-    monkeypatch.setattr(epilogues, "seconds_per_call", lambda call, device: next(timings))
+    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device: next(timings))
     choice = _choice()
-    assert choice.choose((True, False, 64), plain, lambda b: b * 2 + 1e-6, lambda: batch, lambda: 1e-2)
-    assert not choice.choose((True, False, 128), plain, lambda b: b * 2, lambda: batch, lambda: 1e-2)
+    assert choice.choose(_at(64), plain, lambda b: b * 2 + 1e-6, lambda: batch, lambda: 1e-2)
+    assert not choice.choose(_at(128), plain, lambda b: b * 2, lambda: batch, lambda: 1e-2)
     assert [d.used for d in choice.decisions.values()] == [True, False]
-    assert choice.decisions[(True, False, 64)].fused_s == 1e-3 and "measured at batch 64" in choice.decisions[
-        (True, False, 64)].reason
+    assert choice.decisions[_at(64)].candidate_s == 1e-3 and "measured at batch 64" in choice.decisions[
+        _at(64)].reason
 
     def broken(b):
         raise RuntimeError("no kernel image for this device")
 
     with pytest.warns(UserWarning, match="fused kernels are not used .*differ from the plain"):
-        assert not choice.choose((True, False, 256), plain, lambda b: b * 3, lambda: batch, lambda: 1e-2)
+        assert not choice.choose(_at(256), plain, lambda b: b * 3, lambda: batch, lambda: 1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per engine
-        assert not choice.choose((True, False, 512), plain, broken, lambda: batch, lambda: 1e-2)
-    assert choice.decisions[(True, False, 512)].reason.startswith("failed: RuntimeError: no kernel image")
+        assert not choice.choose(_at(512), plain, broken, lambda: batch, lambda: 1e-2)
+    assert choice.decisions[_at(512)].reason.startswith("failed: RuntimeError: no kernel image")
     forced = _choice(True)
-    assert forced.choose((True, False, 64), plain, lambda b: b * 2, lambda: batch, lambda: 1e-2)
+    assert forced.choose(_at(64), plain, lambda b: b * 2, lambda: batch, lambda: 1e-2)
     with pytest.warns(UserWarning, match="differ"):
-        assert not forced.choose((True, False, 128), plain, lambda b: b + 5, lambda: batch, lambda: 1e-2)
+        assert not forced.choose(_at(128), plain, lambda b: b + 5, lambda: batch, lambda: 1e-2)
 
 
 def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(monkeypatch):
@@ -239,7 +245,7 @@ def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(mo
 
     monkeypatch.setattr(FusionChoice, "choose", choose)
     timings = itertools.cycle([1.0, 0.5])  # plain, then fused: the fused copy measures faster
-    monkeypatch.setattr(epilogues, "seconds_per_call", lambda call, device: next(timings))
+    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device: next(timings))
     latent = model.left(torch.rand(2, 3, 32, 32, generator=_gen(3)))[0]
     example = lambda: latent.expand(8, *latent.shape).contiguous(memory_format=torch.channels_last)  # noqa: E731
 
@@ -247,17 +253,16 @@ def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(mo
         with torch.no_grad():
             return net(batch)
 
-    layout = (True, False)
-    first = engine.prepared.chosen(layout, 8, engine.fusion, scores, example, lambda: 1e-2)
-    again = engine.prepared.chosen(layout, 8, engine.fusion, scores, example, lambda: 1e-2)
-    assert first == again and len(asked) == 1 and first[1] and engine.fusion.decisions[(*layout, 8)].used
-    assert first[0] is engine.prepared.get(*layout, fused=True) and has_fused_modules(first[0])
-    engine.prepared.chosen(layout, 16, engine.fusion, scores, example, lambda: 1e-2)
+    first = engine.prepared.chosen(_at(8), engine.fusion, scores, example, lambda: 1e-2)
+    again = engine.prepared.chosen(_at(8), engine.fusion, scores, example, lambda: 1e-2)
+    assert first == again and len(asked) == 1 and first[1].fused and engine.fusion.decisions[_at(8)].used
+    assert first[0] is engine.prepared.get(True, False, fused=True) and has_fused_modules(first[0])
+    engine.prepared.chosen(_at(16), engine.fusion, scores, example, lambda: 1e-2)
     assert len(asked) == 2
     with torch.no_grad():
         model.right[0][0].conv1.weight.mul_(1.5)  # an edit: the copies and their decisions are rebuilt
     engine.prepared.check_current()
-    engine.prepared.chosen(layout, 8, engine.fusion, scores, example, lambda: 1e-2)
+    engine.prepared.chosen(_at(8), engine.fusion, scores, example, lambda: 1e-2)
     assert len(asked) == 3
 
 
@@ -309,7 +314,7 @@ def test_a_fused_resnet_certifies_like_the_unfused_one(precision):
         decisions = smoother.engine().fusion.decisions
         assert [d.used for d in decisions.values()] in (([],) if setting is False else ([True], [False]))
         if setting:
-            assert decisions[(True, False, 512)].used
+            assert decisions[_at(512)].used
             fused = [m for m in smoother.engine().prepared.get(channels_last=True, fused=True).modules()
                      if isinstance(m, (ConvReLU, ConvAddReLU))]
             assert len(fused) == 18 and all(m.fused for m in fused)

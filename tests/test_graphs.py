@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 from splitz_fast import Smoother, SplitModel
+from splitz_fast.sampling.choices import Variant
 from splitz_fast.sampling.graphs import GraphCaptureError, capture_scores
 from splitz_fast.sampling.score_checks import score_gap
 from splitz_fast.sampling.engine import SamplingEngine
@@ -70,7 +71,7 @@ def test_graphs_are_dropped_with_the_prepared_copy_when_f_r_changes():
     def ask():
         prepared.check_current()
         prepared.get(channels_last=True)
-        prepared.graphed((True, False), 64, capture)
+        prepared.graphed(Variant(channels_last=True, pooled=False, rows=64), capture)
 
     ask()
     ask()
@@ -82,7 +83,7 @@ def test_graphs_are_dropped_with_the_prepared_copy_when_f_r_changes():
     model.right[4] = nn.Linear(64, 5)
     ask()
     assert len(captures) == 3
-    prepared.graphed((True, False), 128, capture)  # another batch size: its own capture
+    prepared.graphed(Variant(channels_last=True, pooled=False, rows=128), capture)  # another batch size: its own capture
     assert len(captures) == 4
 
 
@@ -183,8 +184,8 @@ def test_the_default_decides_by_measurement_and_records_it():
     smoother = Smoother(model, 0.5)
     list(smoother.certify_many(xs, 10, 400, 0.01, batch_size=64, seeds=range(5)))
     (decision,) = smoother.engine().graphs.decisions.values()
-    assert decision.eager_s > 0 and decision.graph_s > 0
-    assert decision.used == (decision.graph_s < decision.eager_s)
+    assert decision.baseline_s > 0 and decision.candidate_s > 0
+    assert decision.used == (decision.candidate_s < decision.baseline_s)
     assert decision.reason.startswith("measured at batch 64: eager ")
 
 

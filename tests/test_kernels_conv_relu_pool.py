@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import splitz_fast as sz
 import splitz_fast.kernels as kernels
+from splitz_fast.sampling.choices import Variant
 from splitz_fast.sampling.epilogues import ConvReLUMaxPool2
 from splitz_fast.kernels.conv_relu_pool import (CONFIGS, GATHER_MAX_BLOCK_M, OP_NAME, _timed_configs,
                                                 conv_relu_maxpool2, conv_relu_maxpool2_reference,
@@ -188,7 +189,8 @@ def test_lenet_certificates_with_the_fused_kernel_match_the_eager_chain(split, p
         decisions = smoother.engine().fusion.decisions
         assert (not decisions) if fused is False else [d.used for d in decisions.values()] in ([True], [False])
         if fused:
-            assert decisions[(True, bool(split), 1024)].reason == "fused_kernels=True"
+            plain = Variant(channels_last=True, pooled=bool(split), rows=1024)
+            assert decisions[plain].reason == "fused_kernels=True"
             chain = smoother.engine().prepared.get(channels_last=True, pooled=bool(split), fused=True)
             assert sum(isinstance(m, ConvReLUMaxPool2) for m in chain.modules()) == 2 - split
     for off, on in zip(results[False], results[True]):

@@ -214,24 +214,20 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
 
 def graph_record(engine) -> list[dict]:
     """What the engine decided about CUDA graphs, per static batch it sampled (empty off CUDA)."""
-    return [dict(channels_last=key[0], pooled=key[1], fused=key[2], compiled=key[3], batch=key[4], used=d.used,
-                 reason=d.reason, eager_s=d.eager_s, graph_s=d.graph_s) for key, d in engine.graphs.decisions.items()]
+    return engine.graphs.records()
 
 
 def fusion_record(engine) -> list[dict]:
     """What the engine decided about its fused ``f_R`` copy, per layout and batch it sampled (empty off CUDA, or where
     nothing fuses)."""
-    return [dict(channels_last=key[0], pooled=key[1], batch=key[2], used=d.used, reason=d.reason, plain_s=d.plain_s,
-                 fused_s=d.fused_s) for key, d in engine.fusion.decisions.items()]
+    return engine.fusion.records()
 
 
 def compile_record(engine) -> list[dict]:
     """What the engine decided about ``torch.compile`` of ``f_R``, per layout, copy and batch where it compiled (with
     ``compile_s``, the first compiled call); empty where it never did (``compile=False``, or the default's minute of
     eager sampling not reached)."""
-    return [dict(channels_last=key[0], pooled=key[1], fused=key[2], batch=key[3], used=d.used, reason=d.reason,
-                 compile_s=d.compile_s, eager_s=d.eager_s, compiled_s=d.compiled_s)
-            for key, d in engine.compiling.decisions.items()]
+    return engine.compiling.records()
 
 
 def error_text(exc: BaseException) -> str:

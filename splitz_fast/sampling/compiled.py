@@ -19,7 +19,8 @@ rounding, like the CUDA graph and the fused copy), and, for ``None``, only where
 so) measures faster at the engine's batch than what the engine runs now (the eager copy, or its CUDA graph). Only full
 batches run compiled: a shorter batch (the end of a window, a sequential test's few draws) runs the eager copy, so
 nothing is padded and nothing recompiles. Each batch size gets a compiled copy of its own (its own dynamo cache and
-recompile limit). A compile that fails warns once and sampling stays eager. The switch happens
+recompile limit). A compile that fails, or a compiled copy that scores differently, is reported once (an error under
+``SPLITZ_STRICT=1``) and sampling stays eager; one measured slower is simply not used. The switch happens
 between sampling calls, so one input's draws may be scored partly eagerly and partly compiled (as with the CUDA graph,
 which replays full batches only): the votes are those of one base classifier up to float rounding.
 """
@@ -28,15 +29,13 @@ from __future__ import annotations
 import contextlib
 import time
 import types
-import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from .graphs import GraphedScores, seconds_per_call, synchronize
-from .score_checks import score_gap
+from .choices import CandidateFailed, MeasuredChoice, Option, Trial, Variant, score_mismatch, synchronize
+from .graphs import GraphedScores
 
 # Seconds of eager sampling at one batch size after which an engine with compile=None compiles f_R for it (on CUDA).
 # About what compiling a network of tens to a hundred layers takes (one static batch shape, cold caches): the
@@ -49,19 +48,19 @@ def _forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledOrEager(nn.Module):
-    """``net`` through ``torch.compile`` with static shapes, falling back to ``net`` itself (with a warning through
-    ``warn``: the engine's :meth:`CompileChoice.warn_once`) if compiling or a compiled call fails outside a CUDA graph
-    capture — no compiler, an unsupported platform or model;
-    eager is always a correct base classifier. :attr:`compiled` is ``None`` once it has fallen back.
+    """``net`` through ``torch.compile`` with static shapes, falling back to ``net`` itself (reported through
+    ``report``: the engine's :meth:`CompileChoice.report_once`) if compiling or a compiled call fails outside a CUDA
+    graph capture — no compiler, an unsupported platform or model; eager is always a correct base classifier.
+    :attr:`compiled` is ``None`` once it has fallen back.
 
     What is compiled is a copy of a one-line entry function with a code object of its own: dynamo keeps its compiled
     code, and its limit on recompiles (8), per code object, so compiling ``net`` itself would share one
     ``nn.Sequential.forward`` budget with every other ``nn.Sequential`` compiled in the process (the user's included),
     and past it would run eagerly without a word."""
 
-    def __init__(self, net: nn.Module, warn: Callable[[str], None]):
+    def __init__(self, net: nn.Module, report: Callable[[str], None]):
         super().__init__()
-        self.net, self._warn = net, warn
+        self.net, self._report = net, report
         self.compiled = None
         entry = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__)
         try:
@@ -70,8 +69,11 @@ class CompiledOrEager(nn.Module):
             self._give_up(err)
 
     def _give_up(self, err: Exception) -> None:
-        self._warn(f"torch.compile failed ({type(err).__name__}: {err}); sampling runs f_R eagerly")
+        # One line: inductor's errors carry its whole dump after the first.
+        lines = str(err).strip().splitlines()
         self.compiled = None
+        self._report(f"torch.compile failed ({type(err).__name__}: {lines[0][:200] if lines else ''}); sampling "
+                     "runs f_R eagerly")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled is None:
@@ -87,59 +89,42 @@ class CompiledOrEager(nn.Module):
         return self.net(x)
 
 
-@dataclass
-class CompileDecision:
-    """Whether the engine samples one layout, copy and batch through the compiled ``f_R`` (``used``) and why:
-    ``compile=True``, a compile that failed or scored differently from eager, or the measurement. ``compile_s``: the
-    first compiled call (compiling included); ``eager_s`` / ``compiled_s``: seconds per batch of what the engine ran
-    before and of the compiled copy (each replayed as a CUDA graph where the engine uses one)."""
+class CompileChoice(MeasuredChoice):
+    """A sampling engine's use of a compiled ``f_R`` (its ``compile`` setting; ``True`` also off CUDA), the seconds
+    it has sampled eagerly per :class:`~splitz_fast.sampling.choices.Variant` (an eager copy at a batch of rows),
+    and :attr:`decisions` under the same variants."""
 
-    used: bool
-    reason: str
-    compile_s: float | None = None
-    eager_s: float | None = None
-    compiled_s: float | None = None
-
-
-class CompileChoice:
-    """A sampling engine's use of a compiled ``f_R``: its ``compile`` setting (``None``: measure, ``True``,
-    ``False``), the seconds it has sampled eagerly per ``(channels_last, pooled, fused, rows)``, and
-    :attr:`decisions` under the same keys."""
-
-    # Where compile=None compiles at all (once COMPILE_AFTER_S of eager sampling at a batch size has passed).
-    AUTO_DEVICES = ("cuda",)
+    OPTION = Option("compile", "eager", "compiled", setup="compile")
+    FORCED_DEVICES = None
 
     def __init__(self, setting: bool | None, device: torch.device):
-        check_compile_setting(setting)
-        self.setting, self.device = setting, torch.device(device)
-        self.eager_seconds: dict[tuple, float] = {}
-        self.decisions: dict[tuple, CompileDecision] = {}
-        # timed CUDA blocks not yet read: (key, share, start, end)
-        self._pending: list[tuple[tuple, float, torch.cuda.Event, torch.cuda.Event]] = []
-        self._warned = False
+        super().__init__(setting, device)
+        self.eager_seconds: dict[Variant, float] = {}
+        # timed CUDA blocks not yet read: (variant, share, start, end)
+        self._pending: list[tuple[Variant, float, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def due(self, key: tuple) -> bool:
-        """Whether the engine should decide about compiling for ``key`` now: from the start with ``compile=True``;
-        with ``None`` on a device of :attr:`AUTO_DEVICES` once it has sampled ``key`` eagerly for
+    def due(self, variant: Variant) -> bool:
+        """Whether the engine should decide about compiling ``variant`` now: from the start with ``compile=True``;
+        with ``None`` on a device of :attr:`AUTO_DEVICES` once it has sampled ``variant`` eagerly for
         :data:`COMPILE_AFTER_S` seconds (since the last decision for it)."""
         if self.setting is None:
             self._collect()
-            return self._timing and self.eager_seconds.get(key, 0.0) >= COMPILE_AFTER_S
+            return self._timing and self.eager_seconds.get(variant, 0.0) >= COMPILE_AFTER_S
         return self.setting
 
     @property
     def _timing(self) -> bool:
         """Whether eager sampling time is counted: only where ``compile=None`` may compile."""
-        return self.setting is None and self.device.type in self.AUTO_DEVICES
+        return self.setting is None and self.considered
 
-    def record_eager(self, key: tuple, seconds: float) -> None:
-        """Add ``seconds`` of eager sampling of ``key``."""
-        self.eager_seconds[key] = self.eager_seconds.get(key, 0.0) + seconds
+    def record_eager(self, variant: Variant, seconds: float) -> None:
+        """Add ``seconds`` of eager sampling of ``variant``."""
+        self.eager_seconds[variant] = self.eager_seconds.get(variant, 0.0) + seconds
 
     @contextlib.contextmanager
-    def timed(self, key: tuple, share: float):
+    def timed(self, variant: Variant, share: float):
         """Count ``share`` (0 to 1: the block's eager full batches as a part of its rows) of the block's time as eager
-        sampling of ``key``, where :attr:`_timing`. On CUDA the time between two events recorded on the sampling
+        sampling of ``variant``, where :attr:`_timing`. On CUDA the time between two events recorded on the sampling
         stream around the block, read once both have completed (``query``, no host synchronisation): the device's
         time for the block's batches; elsewhere the block's host time."""
         if not (share > 0 and self._timing):
@@ -150,86 +135,70 @@ class CompileChoice:
             start.record(stream)
             yield
             end.record(stream)
-            self._pending.append((key, share, start, end))
+            self._pending.append((variant, share, start, end))
             self._collect()  # the list holds only blocks still in flight
         else:
             began = time.perf_counter()
             yield
-            self.record_eager(key, share * (time.perf_counter() - began))
+            self.record_eager(variant, share * (time.perf_counter() - began))
 
     def _collect(self) -> None:
         """Add the times of the timed CUDA blocks that have completed."""
         while self._pending and self._pending[0][-1].query():
-            key, share, start, end = self._pending.pop(0)
-            self.record_eager(key, share * start.elapsed_time(end) / 1e3)
+            variant, share, start, end = self._pending.pop(0)
+            self.record_eager(variant, share * start.elapsed_time(end) / 1e3)
 
-    def choose(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
+    def choose(self, variant: Variant, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
                tolerance: Callable[[], float]) -> bool:
-        """Whether to sample ``key`` through ``compiled`` rather than as now (``current(batch)``: the engine's scores
-        of a full batch, through its CUDA graph where it uses one). ``compiled`` (the same prepared ``f_R``, scored by
-        ``scores(net, batch)``) is called first on ``example()`` (compiling, outside any timing but its own), must not
-        have fallen back to eager, and must score the batch within ``tolerance()`` × (largest non-constant score + 1) of
-        ``current`` (:func:`~splitz_fast.sampling.score_checks.score_gap`); then, with ``compile=None``, the faster wins: ``current``
-        against ``compiled`` through ``graphed()`` (its CUDA graph where the engine's graph choice makes one, else
-        ``None``), each :func:`~splitz_fast.sampling.graphs.seconds_per_call`. A failure on the way (running out of device memory
-        included) decides against ``compiled``, with one warning: the eager ``f_R`` is always correct. Records the
-        decision under ``key``."""
+        """Whether to sample ``variant`` through ``compiled`` rather than as now (``current(batch)``: the engine's
+        scores of a full batch, through its CUDA graph where it uses one). ``compiled`` (the same prepared ``f_R``,
+        scored by ``scores(net, batch)``) is called first on ``example()`` (compiling, outside any timing but its own),
+        must not have fallen back to eager, and must score the batch like ``current`` within ``tolerance()``
+        (:func:`~splitz_fast.sampling.choices.score_mismatch`); then, with ``compile=None``, the faster wins:
+        ``current`` against ``compiled`` through ``graphed()`` (its CUDA graph where the engine's graph choice makes
+        one, else ``None``), each :func:`~splitz_fast.sampling.choices.seconds_per_call`. A failure on the way
+        (running out of device memory included) decides against ``compiled``, reported once: the eager ``f_R`` is
+        always correct. Records the decision under ``variant``."""
         try:
-            decision, warn = self._measure(key, current, compiled, scores, graphed, example, tolerance)
-        except Exception as err:  # noqa: BLE001 — out of device memory included: the eager f_R is always correct
-            decision, warn = CompileDecision(False, f"failed: {type(err).__name__}: {str(err).strip()[:160]}"), True
-        if warn:
-            self.warn_once(f"the compiled f_R is not used ({decision.reason}); sampling runs f_R eagerly")
-        self.decisions[key] = decision
-        self.eager_seconds[key] = 0.0  # a later decision for key (after an edit of f_R) waits its own time
-        return decision.used
+            used = self.decide(variant, lambda: self._trial(variant, current, compiled, scores, graphed, example,
+                                                            tolerance)) is not None
+        except torch.OutOfMemoryError as err:  # the eager f_R, which runs now, is always correct
+            self.fail(variant, f"failed: OutOfMemoryError: {str(err).strip()[:160]}")
+            used = False
+        self.eager_seconds[variant] = 0.0  # a later decision for variant (after an edit of f_R) waits its own time
+        return used
 
-    def _measure(self, key: tuple, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
-                 scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                 graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
-                 tolerance: Callable[[], float]) -> tuple[CompileDecision, bool]:
-        """The steps of :meth:`choose`: its decision, and whether it deserves a warning."""
+    def _trial(self, variant: Variant, current: Callable[[torch.Tensor], torch.Tensor], compiled: CompiledOrEager,
+               scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+               graphed: Callable[[], GraphedScores | None], example: Callable[[], torch.Tensor],
+               tolerance: Callable[[], float]) -> Trial:
+        """The steps of :meth:`choose` before the timing: the compiled copy's first call and its scores' check."""
         batch = example()
         start = time.perf_counter()
         got = scores(compiled, batch)
         synchronize(batch.device)
         compile_s = time.perf_counter() - start
-        if compiled.compiled is None:  # CompiledOrEager warned already
-            return CompileDecision(False, "torch.compile failed", compile_s), False
-        difference, scale = score_gap(got, current(batch))
-        allowed = tolerance() * scale
-        if not difference <= allowed:
-            return CompileDecision(False, f"its scores differ from the eager f_R's by {difference:.3g} (allowed "
-                                          f"{allowed:.3g})", compile_s), True
-        if self.setting:
-            return CompileDecision(True, "compile=True", compile_s), False
-        graph = graphed()
+        if compiled.compiled is None:  # CompiledOrEager reported why
+            raise CandidateFailed("torch.compile failed")
+        mismatch = score_mismatch(got, current(batch), tolerance(), "eager")
+        if mismatch is not None:
+            raise CandidateFailed(mismatch)
+        graph = graphed() if self.setting is None else None
         candidate = (lambda b: scores(compiled, b)) if graph is None else graph.score
-        eager_s = seconds_per_call(lambda: current(batch), batch.device)
-        compiled_s = seconds_per_call(lambda: candidate(batch), batch.device)
-        if compiled.compiled is None:  # fell back to eager while measured: eager against eager
-            return CompileDecision(False, "torch.compile failed", compile_s), False
-        return CompileDecision(compiled_s < eager_s, f"measured at batch {key[-1]} after "
-                               f"{self.eager_seconds.get(key, 0.0):.0f} s of eager sampling: eager "
-                               f"{eager_s * 1e3:.3f} ms, compiled {compiled_s * 1e3:.3f} ms"
-                               f"{' (graph)' if graph is not None else ''}; compiling took {compile_s:.1f} s",
-                               compile_s, eager_s, compiled_s), False
 
-    def warn_once(self, message: str) -> None:
-        """One warning per engine about its compiled ``f_R`` (a failed compile at any batch size, or a compiled copy
-        that is not used for a reason other than speed): one is enough to say that sampling runs eagerly."""
-        if not self._warned:
-            self._warned = True
-            warnings.warn(message, stacklevel=3)
+        def timed_candidate() -> None:
+            candidate(batch)
+            if compiled.compiled is None:  # fell back to eager while timed: eager against eager
+                raise CandidateFailed("torch.compile failed")
+
+        return Trial(lambda: current(batch), timed_candidate, compiled, compile_s,
+                     f"{' (graph)' if graph is not None else ''} after {self.eager_seconds.get(variant, 0.0):.0f} s "
+                     f"of eager sampling; compiling took {compile_s:.1f} s")
+
+    def fallback_message(self, variant: Variant, reason: str) -> str:
+        return f"the compiled f_R is not used ({reason}); sampling runs f_R eagerly"
 
 
-def check_compile_setting(setting: object) -> None:
-    """Refuse a ``compile`` other than ``None`` (measure), ``True`` or ``False``."""
-    if setting not in (None, True, False) or not isinstance(setting, (bool, type(None))):
-        raise ValueError(f"compile must be None (compile on CUDA once a run is long enough, where measured faster), "
-                         f"True or False, got {setting!r}")
-
-
-__all__ = ["COMPILE_AFTER_S", "CompileChoice", "CompileDecision", "CompiledOrEager", "check_compile_setting"]
+__all__ = ["COMPILE_AFTER_S", "CompileChoice", "CompiledOrEager"]

@@ -26,7 +26,7 @@ import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -42,10 +42,11 @@ from ..kernels.noise import (
     noisy_latents_native,
 )
 from ..kernels.votes import count_votes_cuda, count_votes_reference, count_votes_triton
-from .compiled import CompileChoice, CompiledOrEager, check_compile_setting
+from .choices import Variant, check_setting, synchronize
+from .compiled import CompileChoice, CompiledOrEager
 from ..cuda_math import cuda_math
 from .epilogues import FusionChoice
-from .graphs import GraphChoice, GraphedScores, synchronize
+from .graphs import GraphChoice, GraphedScores
 from .prepared import PreparedClassifier, check_batch_independent, noisy_rows, starts_with_maxpool2
 
 # Precision of f_R during sampling: the noisy latent is formed in float32 and cast to this dtype, and f_R runs under
@@ -90,12 +91,10 @@ def check_engine_settings(precision: str, cuda_graphs: bool | None, fused_kernel
                           compile: bool | None = None) -> None:
     """Refuse a precision that is not a key of :data:`PRECISIONS` and a ``cuda_graphs``, ``fused_kernels`` or
     ``compile`` other than None/True/False."""
-    check_compile_setting(compile)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    for name, value in (("cuda_graphs", cuda_graphs), ("fused_kernels", fused_kernels)):
-        if value not in (None, True, False):
-            raise ValueError(f"{name} must be None (measure), True or False, got {value!r}")
+    for name, value in (("compile", compile), ("cuda_graphs", cuda_graphs), ("fused_kernels", fused_kernels)):
+        check_setting(name, value)
 
 
 def pooled_noise_kernel(device: torch.device):
@@ -320,14 +319,15 @@ class SamplingEngine:
         tolerance = self.prepared.tolerances.lazy((*layout, batch_size), lambda: self.prepared.get(*layout),
                                                   self._scores, example, self.precision)
 
-        net, graph, key = _sampled_net(self, layout, batch_size, example, tolerance)
+        net, graph, variant = _sampled_net(self, Variant(channels_last=channels_last, pooled=pooled, rows=batch_size),
+                                           example, tolerance)
         plan = _plan(jobs, batch_size)
         # What counts towards compiling for this batch size: eager sampling of its full batches (a short batch never
         # runs compiled), as their share of the rows.
         rows = [_rows(segments) for segments in plan]
         full_rows = sum(r for r in rows if r == batch_size)
         eager_share = 0.0 if isinstance(net, CompiledOrEager) or not plan else full_rows / sum(rows)
-        with self.compiling.timed(key, eager_share):
+        with self.compiling.timed(variant, eager_share):
             self._execute(net, plan, channels_last, pooled, batch_size, self.prepared.may_run_parallel(net), graph)
 
     def _execute(self, net, plan: list[list[tuple]], channels_last: bool, pooled: bool, batch_size: int,
@@ -379,39 +379,40 @@ class SamplingEngine:
                 start += take
 
 
-def _sampled_net(engine: SamplingEngine, layout: tuple[bool, bool], rows: int, example: Callable[[], torch.Tensor],
-                 tolerance: Callable[[], float]) -> tuple[nn.Module, GraphedScores | None, tuple[bool, bool, bool, int]]:
-    """How ``engine`` scores full batches of ``rows`` in ``layout`` (``(channels_last, pooled)``): the prepared copy
-    (fused where measured faster: :meth:`~splitz_fast.sampling.prepared.PreparedClassifier.chosen`), compiled where
-    ``engine.compiling`` decides so, and its CUDA graph or ``None``; with the key ``(*layout, fused, rows)`` of the
-    compile choice. ``example()`` is a full batch of noisy rows for the measured choices."""
-    net, fused = engine.prepared.chosen(layout, rows, engine.fusion, engine._scores, example, tolerance)
-    key = (*layout, fused, rows)
+def _sampled_net(engine: SamplingEngine, plain: Variant, example: Callable[[], torch.Tensor],
+                 tolerance: Callable[[], float]) -> tuple[nn.Module, GraphedScores | None, Variant]:
+    """How ``engine`` scores full batches of the ``plain`` variant (a layout at its rows): the prepared copy (fused
+    where measured faster: :meth:`~splitz_fast.sampling.prepared.PreparedClassifier.chosen`), compiled where
+    ``engine.compiling`` decides so, and its CUDA graph or ``None``; with the eager variant that the compile choice
+    decides about (fused where the fused copy samples). ``example()`` is a full batch of noisy rows for the measured
+    choices."""
+    net, variant = engine.prepared.chosen(plain, engine.fusion, engine._scores, example, tolerance)
 
     def graph_of(module: nn.Module) -> GraphedScores | None:
-        return _graph_of(engine, module, layout, fused, rows, example, tolerance)
+        return _graph_of(engine, module, variant, example, tolerance)
 
     def decide(copy: nn.Module) -> CompiledOrEager | None:
         # Measured against what the engine runs now: the eager copy's graph where it has one. compile=True only
         # checks the scores, against the eager copy (a graph of it would never be used).
-        compiled = CompiledOrEager(copy, engine.compiling.warn_once)
+        compiled = CompiledOrEager(copy, engine.compiling.report_once)
         graph = graph_of(net) if engine.compiling.setting is None else None
         current = functools.partial(engine._scores, net) if graph is None else graph.score
-        used = engine.compiling.choose(key, current, compiled, engine._scores, lambda: graph_of(compiled), example,
-                                       tolerance)
+        used = engine.compiling.choose(variant, current, compiled, engine._scores, lambda: graph_of(compiled),
+                                       example, tolerance)
         return compiled if used else None
 
-    net = engine.prepared.compiled_if_chosen(net, key, engine.compiling.due(key), decide)
-    return net, graph_of(net), key
+    net = engine.prepared.compiled_if_chosen(net, variant, engine.compiling.due(variant), decide)
+    return net, graph_of(net), variant
 
 
-def _graph_of(engine: SamplingEngine, net: nn.Module, layout: tuple[bool, bool], fused: bool, rows: int,
-              example: Callable[[], torch.Tensor], tolerance: Callable[[], float]) -> GraphedScores | None:
-    """The CUDA graph of ``net``'s full batches, or None (eager): decided by ``engine.graphs`` once per prepared copy
-    (plain or fused, eager or compiled) and batch."""
-    key = (*layout, fused, isinstance(net, CompiledOrEager), rows)
-    return engine.prepared.graphed(key[:-1], rows, lambda: engine.graphs.choose(
-        key, lambda batch: engine._scores(net, batch), example, tolerance))
+def _graph_of(engine: SamplingEngine, net: nn.Module, eager: Variant, example: Callable[[], torch.Tensor],
+              tolerance: Callable[[], float]) -> GraphedScores | None:
+    """The CUDA graph of ``net``'s full batches (the prepared copy of the ``eager`` variant, or its compiled copy),
+    or None (eager): decided by ``engine.graphs`` once per prepared copy (plain or fused, eager or compiled) and
+    batch."""
+    variant = replace(eager, compiled=isinstance(net, CompiledOrEager))
+    return engine.prepared.graphed(variant, lambda: engine.graphs.choose(
+        variant, lambda batch: engine._scores(net, batch), example, tolerance))
 
 
 def _checked_scores(logits, num_classes: int) -> torch.Tensor:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import operator
 import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -40,9 +39,8 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .choices import CandidateFailed, MeasuredChoice, Option, Trial, Variant, score_mismatch
 from .folding import free_submodule_name, has_forward_hooks
-from .graphs import check_cuda_setting, seconds_per_call
-from .score_checks import score_gap
 from ..kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
@@ -145,68 +143,39 @@ def has_fused_modules(module: nn.Module) -> bool:
     return any(isinstance(m, FUSED_MODULES) for m in module.modules())
 
 
-@dataclass
-class FusionDecision:
-    """Whether the engine samples one layout and batch through the fused copy of ``f_R`` (``used``) and why:
-    ``fused_kernels=True``, a fused copy that failed or scored differently from the plain one, or the measured seconds
-    per batch of each."""
+class FusionChoice(MeasuredChoice):
+    """A sampling engine's use of the fused copy of ``f_R`` (its ``fused_kernels`` setting), one decision per
+    :class:`~splitz_fast.sampling.choices.Variant` of the plain copy (layout and batch of rows). Off CUDA it is not
+    considered: the CPU's convolutions add their bias already, and the fused modules would run their unfused
+    reference there."""
 
-    used: bool
-    reason: str
-    plain_s: float | None = None
-    fused_s: float | None = None
+    OPTION = Option("fused_kernels", "plain", "fused")
 
-
-class FusionChoice:
-    """A sampling engine's use of the fused copy of ``f_R``: its ``fused_kernels`` setting (``None``: measure,
-    ``True``, ``False``) and :attr:`decisions`, keyed by the engine's ``(channels_last, pooled, rows)``. One warning
-    for a fused copy that fails or disagrees, however many batches."""
-
-    def __init__(self, setting: bool | None, device: torch.device):
-        check_cuda_setting("fused_kernels", setting, device)
-        self.setting, self.device = setting, device
-        self.decisions: dict[tuple, FusionDecision] = {}
-        self._warned = False
-
-    @property
-    def considered(self) -> bool:
-        """Whether a fused copy is tried at all: on CUDA (the CPU's convolutions add their bias already, and the
-        fused modules would run their unfused reference there), unless ``fused_kernels=False``."""
-        return self.device.type == "cuda" and self.setting is not False
-
-    def choose(self, key: tuple, plain: Callable[[torch.Tensor], torch.Tensor],
+    def choose(self, variant: Variant, plain: Callable[[torch.Tensor], torch.Tensor],
                fused: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
                tolerance: Callable[[], float]) -> bool:
         """Whether to sample through ``fused`` rather than ``plain`` (two scorers of the same ``f_R``) at the batch
         of ``example()``: both score it first (compiling and autotuning outside any timing), the fused scores must
         lie within ``tolerance()`` × (largest non-constant score + 1) of the plain ones
-        (:func:`~splitz_fast.sampling.score_checks.score_gap`), then (by default) the faster wins. Records the decision under ``key``."""
-        batch = example()
-        try:
-            want, got = plain(batch), fused(batch)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the plain f_R is always correct
-            return self._refuse(key, f"failed: {type(err).__name__}: {str(err).strip()[:160]}")
-        difference, scale = score_gap(got, want)
-        allowed = tolerance() * scale
-        if not difference <= allowed:
-            return self._refuse(key, f"scores differ from the plain f_R's by {difference:.3g} (allowed {allowed:.3g})")
-        if self.setting:
-            self.decisions[key] = FusionDecision(True, "fused_kernels=True")
-            return True
-        plain_s = seconds_per_call(lambda: plain(batch), batch.device)
-        fused_s = seconds_per_call(lambda: fused(batch), batch.device)
-        self.decisions[key] = FusionDecision(fused_s < plain_s, f"measured at batch {key[-1]}: plain "
-                                             f"{plain_s * 1e3:.3f} ms, fused {fused_s * 1e3:.3f} ms", plain_s, fused_s)
-        return fused_s < plain_s
+        (:func:`~splitz_fast.sampling.choices.score_mismatch`), then (by default) the faster wins. A fused copy that
+        fails or scores differently is reported once. Records the decision under ``variant``."""
+        def trial() -> Trial:
+            batch = example()
+            try:
+                want, got = plain(batch), fused(batch)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the plain f_R is always correct
+                raise CandidateFailed(f"failed: {type(err).__name__}: {str(err).strip()[:160]}") from err
+            mismatch = score_mismatch(got, want, tolerance(), "plain")
+            if mismatch is not None:
+                raise CandidateFailed(mismatch)
+            return Trial(lambda: plain(batch), lambda: fused(batch))
 
-    def _refuse(self, key: tuple, reason: str) -> bool:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"f_R's fused kernels are not used ({reason}); sampling runs the plain f_R", stacklevel=3)
-        self.decisions[key] = FusionDecision(False, reason)
-        return False
+        return self.decide(variant, trial) is not None
+
+    def fallback_message(self, variant: Variant, reason: str) -> str:
+        return f"f_R's fused kernels are not used ({reason}); sampling runs the plain f_R"
 
 
 def fuse_conv_epilogues(module: nn.Module) -> nn.Module:
@@ -305,5 +274,5 @@ def _conv_add(node: torch.fx.Node, modules) -> tuple[torch.fx.Node, torch.fx.Nod
     return None
 
 
-__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSED_MODULES", "FusionChoice", "FusionDecision",
-           "fuse_conv_epilogues", "has_fused_modules"]
+__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSED_MODULES", "FusionChoice", "fuse_conv_epilogues",
+           "has_fused_modules"]

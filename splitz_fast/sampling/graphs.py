@@ -9,33 +9,26 @@ buffer, both outside the graph, on the same stream, so the order of work is what
 The base classifier does not change: the graph replays the kernels that the prepared ``f_R`` launched while it was
 captured, on the same shapes. :func:`capture_scores` checks this on a noisy batch before the graph is used (its scores
 against an eager forward of the same batch, to the rounding the eager forward makes: :mod:`~splitz_fast.sampling.score_checks`), and
-:func:`graph_is_faster` times both at the static batch where the choice is left to measurement. Where capturing fails
-(an ``f_R`` that synchronises with the host, data-dependent shapes, ...), or the check fails, the engine warns once and
-samples eagerly.
+the engine's :class:`GraphChoice` (a :class:`~splitz_fast.sampling.choices.MeasuredChoice`) times both at the static
+batch where the choice is left to measurement. Where capturing fails (an ``f_R`` that synchronises with the host,
+data-dependent shapes, ...), or the check fails, the engine reports it once (an error under ``SPLITZ_STRICT=1``) and
+samples without the graph.
 """
 from __future__ import annotations
 
-import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .score_checks import score_gap
+from .choices import CandidateFailed, MeasuredChoice, Option, Trial, Variant, score_mismatch
 
 # Eager calls on a side stream before the capture: cuDNN's benchmark mode picks its algorithms, lazy initialisation
 # (cuBLAS workspaces, autocast, compiled code) happens outside the graph.
 WARMUP_CALLS = 2
-# The timing that decides between the graph and eager (:func:`graph_is_faster`): calls of each until this much time
-# has elapsed, the better of up to TIMING_ROUNDS rounds (one round where a round already takes TIMING_LONG_S: a batch
-# that slow is not launch-bound, and the choice is not worth seconds of a run).
-TIMING_MIN_S = 0.02
-TIMING_ROUNDS = 3
-TIMING_LONG_S = 0.1
 
 
-class GraphCaptureError(RuntimeError):
+class GraphCaptureError(CandidateFailed):
     """``f_R`` could not be captured as a CUDA graph, or its replay did not score like the eager forward."""
 
 
@@ -62,8 +55,10 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
                    tolerance: Callable[[], float]) -> GraphedScores:
     """Capture ``scores`` (the engine's forward of the prepared ``f_R``, in its precision) on a static batch shaped
     like ``example`` (a batch of real noisy rows, in the layout the engine feeds) and check the graph: its scores for
-    ``example`` must match an eager call's within ``tolerance()`` (:func:`~splitz_fast.sampling.score_checks.copy_tolerance`) relative to the largest score of a class that is not
-    constant (+1; :func:`score_gap`). Raises :class:`GraphCaptureError` if capturing or the check fails.
+    ``example`` must match an eager call's within ``tolerance()``
+    (:func:`~splitz_fast.sampling.score_checks.copy_tolerance`) relative to the largest score of a class that is not
+    constant (+1; :func:`~splitz_fast.sampling.choices.score_mismatch`). Raises :class:`GraphCaptureError` if
+    capturing or the check fails.
 
     The capture only records the calling thread's work (``capture_error_mode="thread_local"``): the radius search of
     another group of inputs may run on a worker thread meanwhile."""
@@ -85,10 +80,9 @@ def capture_scores(scores: Callable[[torch.Tensor], torch.Tensor], example: torc
     except Exception as err:  # noqa: BLE001 — any failure to capture means: sample eagerly
         _release_default_generator(example.device)
         raise GraphCaptureError(f"{type(err).__name__}: {err}") from err
-    gap, scale = score_gap(output, expected)
-    if not gap <= tolerance() * scale:
-        raise GraphCaptureError(f"the replayed graph's scores differ from the eager forward's by {gap:.3g} (scores up "
-                                f"to {scale - 1:.3g})")
+    mismatch = score_mismatch(output, expected, tolerance(), "eager")
+    if mismatch is not None:
+        raise GraphCaptureError(f"the replayed graph: {mismatch}")
     return GraphedScores(graph, static_input, output)
 
 
@@ -103,95 +97,34 @@ def _release_default_generator(device: torch.device) -> None:
     generator.graphsafe_set_state(generator.clone_state())
 
 
-def graph_is_faster(scores: Callable[[torch.Tensor], torch.Tensor],
-                    graphed: GraphedScores) -> tuple[bool, float, float]:
-    """Whether replaying ``graphed`` scores its static batch faster than the eager ``scores``, measured here:
-    ``(faster, eager seconds per batch, graph seconds per batch)``, each the better of up to :data:`TIMING_ROUNDS`
-    rounds of at least :data:`TIMING_MIN_S` (:func:`seconds_per_call`). Noise and vote counting are the same either
-    way and are not timed."""
-    batch = graphed.input
-    eager = seconds_per_call(lambda: scores(batch), batch.device)
-    graph = seconds_per_call(graphed.replay, batch.device)
-    return graph < eager, eager, graph
+class GraphChoice(MeasuredChoice):
+    """A sampling engine's use of CUDA graphs (its ``cuda_graphs`` setting), one decision per :class:`Variant` captured
+    (plain or fused, eager or compiled copy, at its static batch of rows)."""
 
+    OPTION = Option("cuda_graphs", "eager", "graph")
 
-def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call of ``call`` on ``device``: the better of up to :data:`TIMING_ROUNDS` rounds of at least
-    :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: on CUDA the time is the host's or the
-    GPU's, whichever is slower; a round of :data:`TIMING_LONG_S` or more is the last)."""
-    best = float("inf")
-    for _ in range(TIMING_ROUNDS):
-        synchronize(device)
-        calls, start = 0, time.perf_counter()
-        while calls < 2 or time.perf_counter() - start < TIMING_MIN_S:
-            call()
-            calls += 1
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-        best = min(best, elapsed / calls)
-        if elapsed >= TIMING_LONG_S:
-            break
-    return best
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (CUDA; elsewhere the work is done when the call returns)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def check_cuda_setting(option: str, setting: bool | None, device: torch.device) -> None:
-    """Refuse ``option=True`` (a CUDA-only engine setting: CUDA graphs, fused kernels) for ``f_R`` off CUDA."""
-    if setting and device.type != "cuda":
-        raise ValueError(f"{option}=True needs f_R on a CUDA device (it is on {device}); move the model with .cuda(), "
-                         f"or leave {option} unset")
-
-
-@dataclass
-class GraphDecision:
-    """Whether the engine scores one static batch through a CUDA graph (``used``) and why: ``cuda_graphs=True``, the
-    measurement (``eager_s`` / ``graph_s``: seconds per batch of each), or the capture's failure."""
-
-    used: bool
-    reason: str
-    eager_s: float | None = None
-    graph_s: float | None = None
-
-
-class GraphChoice:
-    """A sampling engine's use of CUDA graphs: its ``cuda_graphs`` setting (``None``: measure, ``True``, ``False``),
-    and :attr:`decisions`, keyed by the engine's ``(channels_last, pooled, fused, compiled, rows)``. One warning for a capture that
-    fails, however many batch shapes fail."""
-
-    def __init__(self, setting: bool | None, device: torch.device):
-        check_cuda_setting("cuda_graphs", setting, device)
-        self.setting, self.device = setting, device
-        self.decisions: dict[tuple, GraphDecision] = {}
-
-    def choose(self, key: tuple, scores: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
-               tolerance: Callable[[], float]) -> GraphedScores | None:
+    def choose(self, variant: Variant, scores: Callable[[torch.Tensor], torch.Tensor],
+               example: Callable[[], torch.Tensor], tolerance: Callable[[], float]) -> GraphedScores | None:
         """A checked graph of ``scores`` at the shape of ``example()`` (a batch of noisy rows), or ``None`` where the
-        engine should stay eager: off CUDA, ``cuda_graphs=False``, a failed capture, or (by default) eager measured
-        faster. Records the decision under ``key``."""
-        if self.device.type != "cuda" or self.setting is False:
+        engine should stay eager: off CUDA, ``cuda_graphs=False``, a failed capture (reported once), or (by default)
+        eager measured faster. Records the decision under ``variant``."""
+        if not self.considered:
             return None
-        try:
-            graphed = capture_scores(scores, example(), tolerance)
-        except GraphCaptureError as err:
-            if not any(d.reason.startswith("capture failed") for d in self.decisions.values()):
-                copy = "the compiled f_R" if key[-2] else "f_R"  # key: (..., compiled, rows)
-                warnings.warn(f"{copy} could not run as a CUDA graph ({err}); sampling runs it without one",
-                              stacklevel=2)
-            self.decisions[key] = GraphDecision(False, f"capture failed: {err}")
-            return None
-        if self.setting:
-            self.decisions[key] = GraphDecision(True, "cuda_graphs=True")
-            return graphed
-        faster, eager_s, graph_s = graph_is_faster(scores, graphed)
-        self.decisions[key] = GraphDecision(faster, f"measured at batch {key[-1]}: eager {eager_s * 1e3:.3f} ms, "
-                                                    f"graph {graph_s * 1e3:.3f} ms", eager_s, graph_s)
-        return graphed if faster else None
+
+        def trial() -> Trial:
+            try:
+                graphed = capture_scores(scores, example(), tolerance)
+            except GraphCaptureError as err:
+                raise GraphCaptureError(f"capture failed: {err}") from err
+            batch = graphed.input
+            return Trial(lambda: scores(batch), graphed.replay, graphed)
+
+        tried = self.decide(variant, trial)
+        return None if tried is None else tried.made
+
+    def fallback_message(self, variant: Variant, reason: str) -> str:
+        copy = "the compiled f_R" if variant.compiled else "f_R"
+        return f"{copy} could not run as a CUDA graph ({reason}); sampling runs it without one"
 
 
-__all__ = ["GraphCaptureError", "GraphChoice", "GraphDecision", "GraphedScores", "capture_scores", "graph_is_faster",
-           "seconds_per_call", "synchronize"]
+__all__ = ["GraphCaptureError", "GraphChoice", "GraphedScores", "capture_scores"]

@@ -12,10 +12,12 @@ and scoring alike to rounding (:meth:`PreparedClassifier.chosen`), and either co
 batch size where the engine's :class:`~splitz_fast.sampling.compiled.CompileChoice` says so
 (:meth:`PreparedClassifier.compiled_if_chosen`). An ``f_R`` whose votes would depend on the batch is refused: from its
 modules (:func:`check_batch_independent`) and by a probe at the first batch (:func:`probe_batch_independence`).
+Every copy, graph and decision is kept per :class:`~splitz_fast.sampling.choices.Variant` (layout, copy, rows).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Callable
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import report_fallback
+from .choices import Variant
 from .compiled import CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
 from .folding import folded_copy, unfolded_batchnorms
@@ -49,12 +52,12 @@ class PreparedClassifier:
     def __init__(self, right: nn.Module, device: torch.device):
         self.source = right
         self.device = torch.device(device)
-        # (channels_last, pool in noise, fused, for compiling) -> the prepared module
-        self._prepared: dict[tuple[bool, bool, bool, bool], nn.Module] = {}
-        self._graphs: dict[tuple, GraphedScores | None] = {}  # (layout, fused, compiled, rows) -> graph, None: eager
-        self._fused: dict[tuple[bool, bool, int], bool] = {}  # (layout, rows) -> whether the fused copy is used
-        # (layout, fused, rows) -> the compiled copy that samples them, None: decided against it
-        self._compiled: dict[tuple[bool, bool, bool, int], CompiledOrEager | None] = {}
+        # a variant without rows (compiled: the copy to compile) -> the prepared module
+        self._prepared: dict[Variant, nn.Module] = {}
+        self._graphs: dict[Variant, GraphedScores | None] = {}  # a variant at its rows -> its graph, None: eager
+        self._fused: dict[Variant, bool] = {}  # a plain variant -> whether its fused copy is used
+        # an eager variant -> the compiled copy that samples it, None: decided against it
+        self._compiled: dict[Variant, CompiledOrEager | None] = {}
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
         self.tolerances = MeasuredTolerances()  # what a graph, fused or compiled copy may differ by, per (layout, rows)
         self._snapshot: ModuleSnapshot | None = None
@@ -110,7 +113,7 @@ class PreparedClassifier:
         (:mod:`~splitz_fast.sampling.epilogues`)) where preparing changes something and f_R is :attr:`rewritable`, else the
         private copy of :meth:`check_current` itself (or its ``[1:]`` slice). With ``for_compile``, a copy of its own,
         shared by the compiled copies of every batch size."""
-        key = (channels_last, pooled, fused, for_compile)
+        key = Variant(channels_last=channels_last, pooled=pooled, fused=fused, compiled=for_compile)
         if self._base is None:
             self.check_current()
         if pooled and not self.rewritable:
@@ -133,48 +136,50 @@ class PreparedClassifier:
             self._prepared[key] = prepared
         return self._prepared[key]
 
-    def chosen(self, layout: tuple[bool, bool], rows: int, fusion: FusionChoice,
+    def chosen(self, variant: Variant, fusion: FusionChoice,
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
-               tolerance: Callable[[], float]) -> tuple[nn.Module, bool]:
-        """The prepared module that samples ``layout`` at batch ``rows``, and whether it is the fused copy: decided
-        by ``fusion`` (:meth:`~splitz_fast.sampling.epilogues.FusionChoice.choose`, scoring ``example()`` through ``scores``)
-        once per layout and batch; the plain copy where fusing is not considered or would change nothing."""
-        plain = self.get(*layout)
+               tolerance: Callable[[], float]) -> tuple[nn.Module, Variant]:
+        """The prepared module that samples ``variant`` (a plain eager variant at its rows), and the variant it
+        samples as (``fused`` where it is the fused copy): decided by ``fusion``
+        (:meth:`~splitz_fast.sampling.epilogues.FusionChoice.choose`, scoring ``example()`` through ``scores``) once
+        per variant; the plain copy where fusing is not considered or would change nothing."""
+        plain = self.get(*variant.layout)
         if not fusion.considered or not self.rewritable:
-            return plain, False
-        key = (*layout, rows)
-        if key not in self._fused:  # decided once: the sampling loop asks again for every window
-            fused = self.get(*layout, fused=True)
-            self._fused[key] = has_fused_modules(fused) and fusion.choose(
-                key, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch), example, tolerance)
-        return (self.get(*layout, fused=True), True) if self._fused[key] else (plain, False)
+            return plain, variant
+        if variant not in self._fused:  # decided once: the sampling loop asks again for every window
+            fused = self.get(*variant.layout, fused=True)
+            self._fused[variant] = has_fused_modules(fused) and fusion.choose(
+                variant, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch), example, tolerance)
+        if self._fused[variant]:
+            return self.get(*variant.layout, fused=True), dataclasses.replace(variant, fused=True)
+        return plain, variant
 
-    def compiled_if_chosen(self, net: nn.Module, key: tuple[bool, bool, bool, int], due: bool,
+    def compiled_if_chosen(self, net: nn.Module, variant: Variant, due: bool,
                            decide: Callable[[nn.Module], CompiledOrEager | None]) -> nn.Module:
-        """``net`` (the prepared module of ``key = (channels_last, pooled, fused, rows)``) or the compiled copy that
-        ``decide(copy to compile)`` returns (:meth:`~splitz_fast.sampling.compiled.CompileChoice.choose`) once it is ``due``:
-        once per key and prepared copy. Each batch size has a compiled copy (entry code object, dynamo cache and
+        """``net`` (the prepared module of the eager ``variant``) or the compiled copy that ``decide(copy to
+        compile)`` returns (:meth:`~splitz_fast.sampling.compiled.CompileChoice.choose`) once it is ``due``: once per
+        variant and prepared copy. Each batch size has a compiled copy (entry code object, dynamo cache and
         recompile limit) of its own. What the decision leaves unused is dropped: the eager copy's CUDA graph of that
         batch, or the compiled copy with its graph (and the copy compiled from, when no batch size uses it)."""
-        if key not in self._compiled:
+        if variant not in self._compiled:
             if not due or not self.rewritable:
                 return net
-            self._compiled[key] = decide(self.get(*key[:3], for_compile=True))
-            unused_graph_is_compiled = self._compiled[key] is None  # graph keys: (*layout, fused, compiled, rows)
-            self._graphs.pop((*key[:3], unused_graph_is_compiled, key[3]), None)
-            if not any(k[:3] == key[:3] and c is not None for k, c in self._compiled.items()):
-                self._prepared.pop((*key[:3], True), None)
-        return net if self._compiled[key] is None else self._compiled[key]
+            self._compiled[variant] = decide(self.get(*variant.layout, fused=variant.fused, for_compile=True))
+            used = self._compiled[variant] is not None
+            self._graphs.pop(variant if used else dataclasses.replace(variant, compiled=True), None)
+            shared = dataclasses.replace(variant, rows=None)
+            if not any(dataclasses.replace(v, rows=None) == shared and c is not None
+                       for v, c in self._compiled.items()):
+                self._prepared.pop(dataclasses.replace(shared, compiled=True), None)
+        return net if self._compiled[variant] is None else self._compiled[variant]
 
-    def graphed(self, layout: tuple, rows: int,
-                capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:
-        """The CUDA graph of the prepared module of ``layout`` at a static batch of ``rows`` (``None``: that batch
+    def graphed(self, variant: Variant, capture: Callable[[], GraphedScores | None]) -> GraphedScores | None:
+        """The CUDA graph of the prepared module of ``variant`` at its static batch of rows (``None``: that batch
         runs eagerly), made by ``capture`` the first time it is asked for and dropped with the prepared copies when
         ``f_R`` changes (the graph holds the addresses of the tensors it was captured from)."""
-        key = (*layout, rows)
-        if key not in self._graphs:
-            self._graphs[key] = capture()
-        return self._graphs[key]
+        if variant not in self._graphs:
+            self._graphs[variant] = capture()
+        return self._graphs[variant]
 
     def may_run_parallel(self, net: nn.Module) -> bool:
         """Whether ``net``'s batches may run on several worker threads (the engine's ``_execute``): on the CPU,

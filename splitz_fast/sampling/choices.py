@@ -1,0 +1,226 @@
+"""The sampling engine's measured choices: one mechanism for "a faster copy of ``f_R``, or what runs without it".
+
+Three options of the engine each offer a faster way to score a static batch of noisy rows: a CUDA graph
+(:mod:`~splitz_fast.sampling.graphs`, ``cuda_graphs``), ``torch.compile`` (:mod:`~splitz_fast.sampling.compiled`,
+``compile``) and fused kernels (:mod:`~splitz_fast.sampling.epilogues`, ``fused_kernels``). Each is a
+:class:`MeasuredChoice`: its setting (``None``: measure, ``True``: use it wherever it scores alike, ``False``: never),
+and one :class:`Decision` per :class:`Variant` (how a batch is scored: layout, copy, rows). A decision is made once:
+the candidate is prepared and run on a batch of real noisy rows, its scores must match what runs without it within
+the rounding that copy makes (:func:`score_mismatch`, :func:`~splitz_fast.sampling.score_checks.copy_tolerance`), and
+then, for ``None``, both are timed (:func:`seconds_per_call`) and the faster is used.
+
+A candidate that fails on the way (it cannot be prepared, it fails when run, or its scores differ) is a fallback:
+the engine keeps what it ran, which is always a correct base classifier, and says so once per choice through
+:func:`~splitz_fast._checks.report_fallback` (an error under ``SPLITZ_STRICT=1``). A candidate measured slower is the
+measurement working: recorded, not reported.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Callable, ClassVar
+
+import torch
+
+from .._checks import report_fallback
+from .score_checks import score_gap
+
+# The timing of the two sides (:func:`seconds_per_call`): calls of each until this much time has elapsed, the better
+# of up to TIMING_ROUNDS rounds (one round where a round already takes TIMING_LONG_S: a batch that slow is not
+# launch-bound, and the choice is not worth seconds of a run).
+TIMING_MIN_S = 0.02
+TIMING_ROUNDS = 3
+TIMING_LONG_S = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """How the engine scores a batch: the layout (``channels_last`` image batches; ``pooled``: ``f_R``'s leading max
+    pool drawn with the noise), the prepared copy (``fused`` epilogues, ``compiled`` through ``torch.compile``) and
+    the static batch of ``rows`` (``None``: what every batch size of that copy shares, the prepared module itself).
+    ``dataclasses.replace(variant, compiled=True)`` is the same variant through the compiled copy."""
+
+    channels_last: bool
+    pooled: bool
+    fused: bool = False
+    compiled: bool = False
+    rows: int | None = None
+
+    @property
+    def layout(self) -> tuple[bool, bool]:
+        """``(channels_last, pooled)``, the arguments of the prepared copy's layout."""
+        return self.channels_last, self.pooled
+
+
+@dataclass(frozen=True)
+class Option:
+    """One faster way of the engine: its setting (the engine's argument, e.g. ``cuda_graphs``) and the names of the
+    two sides it measures (``baseline``: what runs without it; ``candidate``), with ``setup``, the name of the
+    one-off cost measured on the way (``compile``), where there is one. The names label reasons and records."""
+
+    setting: str
+    baseline: str
+    candidate: str
+    setup: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether the engine scores one :class:`Variant` through its ``option``'s candidate (``used``) and why: the
+    setting (``cuda_graphs=True``, ...), a failure (the candidate is not used), or the measurement.
+    ``baseline_s`` / ``candidate_s``: seconds per batch of each side where measured; ``setup_s``: the option's
+    one-off cost (the first compiled call) where measured."""
+
+    option: Option
+    used: bool
+    reason: str
+    baseline_s: float | None = None
+    candidate_s: float | None = None
+    setup_s: float | None = None
+
+    def record(self, variant: Variant) -> dict:
+        """The decision as a run record: the variant's fields (``rows`` as ``batch``), ``used``, ``reason`` and each
+        measured time under its side's name (``eager_s``, ``graph_s``, ...; ``None`` where not measured)."""
+        record = {f.name: getattr(variant, f.name) for f in fields(variant)}
+        record["batch"] = record.pop("rows")
+        record.update(used=self.used, reason=self.reason, **{f"{self.option.baseline}_s": self.baseline_s,
+                                                             f"{self.option.candidate}_s": self.candidate_s})
+        if self.option.setup is not None:
+            record[f"{self.option.setup}_s"] = self.setup_s
+        return record
+
+
+class CandidateFailed(RuntimeError):
+    """The candidate of a measured choice could not be prepared or run, or scored differently: it is not used."""
+
+
+@dataclass
+class Trial:
+    """A candidate ready to be decided on: it ran once and scored like the baseline. ``baseline()`` and
+    ``candidate()`` each score the same full batch (for timing); ``candidate`` raises :class:`CandidateFailed`
+    where it stopped being the candidate while timed. ``made``: the candidate itself (a graph, a compiled copy), for
+    the engine where it is used; ``setup_s``: the one-off cost measured while preparing it; ``note``: what the reason
+    of a measured decision adds (what was compared, the setup's time)."""
+
+    baseline: Callable[[], object]
+    candidate: Callable[[], object]
+    made: object = None
+    setup_s: float | None = None
+    note: str = ""
+
+
+class MeasuredChoice:
+    """One option of a sampling engine (:attr:`OPTION`): its setting (``None``: measure on :attr:`AUTO_DEVICES`,
+    ``True``: use the candidate wherever it scores alike, ``False``: never), and :attr:`decisions`, one per
+    :class:`Variant` decided. One report (:func:`~splitz_fast._checks.report_fallback`) for a candidate that fails,
+    however many variants fail."""
+
+    OPTION: ClassVar[Option]
+    # Where setting=None measures (elsewhere it keeps the baseline and decides nothing).
+    AUTO_DEVICES: ClassVar[tuple[str, ...]] = ("cuda",)
+    # Where setting=True may be asked for (None: anywhere); elsewhere the engine refuses it at construction.
+    FORCED_DEVICES: ClassVar[tuple[str, ...] | None] = ("cuda",)
+
+    def __init__(self, setting: bool | None, device: torch.device):
+        check_setting(self.OPTION.setting, setting)
+        device = torch.device(device)
+        if setting and self.FORCED_DEVICES is not None and device.type not in self.FORCED_DEVICES:
+            raise ValueError(f"{self.OPTION.setting}=True needs f_R on a CUDA device (it is on {device}); move the "
+                             f"model with .cuda(), or leave {self.OPTION.setting} unset")
+        self.setting, self.device = setting, device
+        self.decisions: dict[Variant, Decision] = {}
+        self._reported = False
+
+    @property
+    def considered(self) -> bool:
+        """Whether the choice is made at all: ``True``, or ``None`` on a device of :attr:`AUTO_DEVICES`."""
+        return bool(self.setting) or (self.setting is None and self.device.type in self.AUTO_DEVICES)
+
+    def decide(self, variant: Variant, trial: Callable[[], Trial]) -> Trial | None:
+        """The candidate of ``variant`` where the engine should use it, else ``None``: ``trial()`` prepares it, runs it
+        once and checks its scores (raising :class:`CandidateFailed` where it fails); with ``True`` it is used, with
+        ``None`` the faster of its two sides (:func:`seconds_per_call`). Records the decision under ``variant``; a
+        failure is reported once (:meth:`report_once`)."""
+        try:
+            tried = trial()
+            if self.setting:
+                decision = Decision(self.OPTION, True, f"{self.OPTION.setting}=True", setup_s=tried.setup_s)
+            else:
+                baseline_s = seconds_per_call(tried.baseline, self.device)
+                candidate_s = seconds_per_call(tried.candidate, self.device)
+                decision = Decision(self.OPTION, candidate_s < baseline_s,
+                                    f"measured at batch {variant.rows}: {self.OPTION.baseline} {baseline_s * 1e3:.3f} "
+                                    f"ms, {self.OPTION.candidate} {candidate_s * 1e3:.3f} ms{tried.note}",
+                                    baseline_s, candidate_s, tried.setup_s)
+        except CandidateFailed as err:
+            self.fail(variant, str(err))
+            return None
+        self.decisions[variant] = decision
+        return tried if decision.used else None
+
+    def fail(self, variant: Variant, reason: str) -> None:
+        """Record that ``variant`` keeps its baseline because its candidate failed (``reason``), and report it once."""
+        self.decisions[variant] = Decision(self.OPTION, False, reason)
+        self.report_once(self.fallback_message(variant, reason))
+
+    def fallback_message(self, variant: Variant, reason: str) -> str:
+        """What a failure of ``variant``'s candidate (``reason``) means for sampling, in one line."""
+        return (f"the {self.OPTION.candidate} f_R is not used ({reason}); sampling runs the {self.OPTION.baseline} "
+                "f_R")
+
+    def report_once(self, message: str) -> None:
+        """:func:`~splitz_fast._checks.report_fallback` of ``message``, once per choice (under ``SPLITZ_STRICT=1``
+        every time: each raises)."""
+        if not self._reported:
+            report_fallback(message, stacklevel=4)
+            self._reported = True
+
+    def records(self) -> list[dict]:
+        """Every decision as a run record (:meth:`Decision.record`), in the order made."""
+        return [decision.record(variant) for variant, decision in self.decisions.items()]
+
+
+def check_setting(option: str, setting: object) -> None:
+    """Refuse an ``option`` setting other than ``None`` (measure), ``True`` or ``False``."""
+    if not isinstance(setting, (bool, type(None))):
+        raise ValueError(f"{option} must be None (measure), True or False, got {setting!r}")
+
+
+def score_mismatch(got: torch.Tensor, want: torch.Tensor, tolerance: float, baseline: str) -> str | None:
+    """Why ``got`` (a candidate's scores of a batch) is not ``want`` (the ``baseline`` copy's) up to rounding, or
+    ``None`` where it is: the largest difference (:func:`~splitz_fast.sampling.score_checks.score_gap`) must be at
+    most ``tolerance`` × (the largest score of a class that is not constant + 1)."""
+    gap, scale = score_gap(got, want)
+    allowed = tolerance * scale
+    if gap <= allowed:
+        return None
+    return f"its scores differ from the {baseline} f_R's by {gap:.3g} (allowed {allowed:.3g})"
+
+
+def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds per call of ``call`` on ``device``: the better of up to :data:`TIMING_ROUNDS` rounds of at least
+    :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: on CUDA the time is the host's or the
+    GPU's, whichever is slower; a round of :data:`TIMING_LONG_S` or more is the last)."""
+    best = float("inf")
+    for _ in range(TIMING_ROUNDS):
+        synchronize(device)
+        calls, start = 0, time.perf_counter()
+        while calls < 2 or time.perf_counter() - start < TIMING_MIN_S:
+            call()
+            calls += 1
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed / calls)
+        if elapsed >= TIMING_LONG_S:
+            break
+    return best
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA; elsewhere the work is done when the call returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["CandidateFailed", "Decision", "MeasuredChoice", "Option", "Trial", "Variant", "check_setting",
+           "score_mismatch", "seconds_per_call", "synchronize"]
