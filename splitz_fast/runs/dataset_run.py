@@ -174,6 +174,7 @@ class DatasetRun:
             """``total`` rows of the file, and how many of them this call computed where that is fewer."""
             return (f"{total} {what}" if len(computed) == total else
                     f"{len(computed)} {what} computed now, {total} in the file")
+
         if self.env is not None:
             env = self.env
             # Every rank reads the merged OUTFILE first: without --resume it is refused before any shard starts, and
@@ -193,7 +194,8 @@ class DatasetRun:
         if self.shard is not None:
             path = run(self.shard, True)
             mine = len(self.shard.select(indices))
-            rows = f"{mine} of {len(indices)} {what}" if len(computed) == mine else f"{counted(mine)} (of {len(indices)})"
+            rows = (f"{mine} of {len(indices)} {what}" if len(computed) == mine else
+                    f"{counted(mine)} (of {len(indices)})")
             print(f"{task.kind}: shard {self.shard}, {rows} → "
                   f"{path}; when all {self.shard.count} shards are done: splitz merge {shlex.quote(str(outfile))}")
             return path
