@@ -8,7 +8,6 @@ line (a formatter wide enough that argparse never wraps it), then a table of its
 from __future__ import annotations
 
 import argparse
-import html
 import re
 
 #: Wide enough for the longest synopsis, so that argparse prints each on one line.

@@ -20,6 +20,8 @@ from griffe import Alias, AliasResolutionError, CyclicAliasError, Extension, Mod
 
 #: One Sphinx Python-domain role: ``:class:`…```, ``:py:func:`…```, with an optional ``title <target>`` body.
 ROLE = re.compile(r":(?:py:)?(?P<role>class|func|meth|mod|attr|data|exc|obj|const):`(?P<body>[^`]+)`")
+#: The HTML class of a link made from a role (scripts/check_docs_site.py counts them).
+LINK_CLASS = "sphinx-role"
 _EXPLICIT_TITLE = re.compile(r"^(?P<title>.*?)\s*<(?P<target>[^<>]+)>$", re.DOTALL)
 
 
@@ -42,11 +44,11 @@ def parse_role_body(body: str) -> RoleText:
     else:
         title = target = body
     linkable = not target.startswith("!")  # Sphinx's `!name`: shown as code, never linked
-    target = target.lstrip("!~")
+    target = "".join(target.split()).lstrip("!~")  # a dotted name broken over two docstring lines is one name
     relative = target.startswith(".")
     target = target.lstrip(".")
     if not explicit:
-        title = title.lstrip("!").lstrip(".")
+        title = "".join(title.split()).lstrip("!").lstrip(".")
         if title.startswith("~"):
             title = title[1:].rsplit(".", 1)[-1]
     return RoleText(title=title, target=target, relative=relative, linkable=linkable)
@@ -137,6 +139,6 @@ class SphinxRoles(Extension):
                     self.unresolved.append((obj.path, match[0]))
                 return _code(role.title)
             self.rewritten += 1
-            return f'<autoref identifier="{target}" optional>{_code(role.title)}</autoref>'
+            return f'<autoref identifier="{target}" optional class="{LINK_CLASS}">{_code(role.title)}</autoref>'
 
         return ROLE.sub(replace, text)
