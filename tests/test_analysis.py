@@ -220,12 +220,16 @@ RADII = [0, 0.25, 0.5]
 
 
 def test_markdown_table_cells_and_bold(table_a, table_b):
+    """A and B hold different inputs: nothing is ranked across them (bold among runs over the same inputs:
+    tests/test_envelope_inputs.py), and a line says which runs hold which inputs."""
     text = an.markdown_table({"A": table_a, "B": table_b}, RADII)
     assert text.splitlines() == [
         "| run | r=0 | r=0.25 | r=0.5 | ACR |",
         "|---|---:|---:|---:|---:|",
-        "| A | 60.0 | 40.0 | **40.0** | **0.350** |",
-        "| B | **75.0** | **50.0** | 25.0 | 0.275 |",
+        "| A | 60.0 | 40.0 | 40.0 | 0.350 |",
+        "| B | 75.0 | 50.0 | 25.0 | 0.275 |",
+        "",
+        "Runs over different inputs, ranked only among runs over the same inputs: A (5 inputs); B (4 inputs).",
     ]
 
 
@@ -236,8 +240,8 @@ def test_latex_table_cells_and_bold(table_a, table_b):
     assert lines.index(r"\toprule") < lines.index(r"\midrule") < lines.index(r"\bottomrule")
     assert r" & \multicolumn{3}{c}{certified accuracy (\%) at radius $r$} & \\" in lines
     assert r"run & $0$ & $0.25$ & $0.5$ & ACR \\" in lines
-    assert r"A & 60.0 & 40.0 & \textbf{40.0} & \textbf{0.350} \\" in lines
-    assert r"run\_B \& 50\% & \textbf{75.0} & \textbf{50.0} & 25.0 & 0.275 \\" in lines
+    assert r"A & 60.0 & 40.0 & 40.0 & 0.350 \\" in lines  # different inputs: not ranked against each other
+    assert r"run\_B \& 50\% & 75.0 & 50.0 & 25.0 & 0.275 \\" in lines
     assert lines[-1] == r"\end{tabular}"
 
 
@@ -266,8 +270,8 @@ def test_ties_are_all_bold_and_a_single_run_has_none(table_a):
 
 def test_summary_markdown_table(table_a, table_b):
     lines = an.summary_markdown_table({"A": table_a, "B": table_b}).splitlines()
-    assert lines[2] == "| A | 5 | 60.0 | 20.0 | 0.350 | 3.00 |"
-    assert lines[3] == "| B | 4 | 75.0 | 25.0 | 0.275 | 16.00 |"
+    assert lines[2] == "| A | — | 5 | 60.0 | 20.0 | 0.350 | 3.00 |"  # no sidecar: no σ recorded
+    assert lines[3] == "| B | — | 4 | 75.0 | 25.0 | 0.275 | 16.00 |"
 
 
 # ---------------------------------------------------------------------------------------------------- plot, analyze
@@ -340,11 +344,11 @@ def test_analyze_writes_its_files(tmp_path):
     b = write(tmp_path / "B.tsv", COHEN_HEADER, B_ROWS)
     out = tmp_path / "report"
     text = plots.analyze([a, b], RADII, out_dir=out)
-    assert "| A | 60.0 | 40.0 | **40.0** | **0.350** |" in text
-    assert "| B | **75.0** | **50.0** | 25.0 | 0.275 |" in text
-    assert "| B | 4 | 75.0 | 25.0 | 0.275 | 16.00 |" in text
+    assert "| A | 60.0 | 40.0 | 40.0 | 0.350 |" in text  # different inputs: not ranked against each other
+    assert "| B | 75.0 | 50.0 | 25.0 | 0.275 |" in text
+    assert "| B | — | 4 | 75.0 | 25.0 | 0.275 | 16.00 |" in text
     assert (out / "table.md").read_text() == text
-    assert r"A & 60.0 & 40.0 & \textbf{40.0} & \textbf{0.350} \\" in (out / "table.tex").read_text()
+    assert r"A & 60.0 & 40.0 & 40.0 & 0.350 \\" in (out / "table.tex").read_text()
     check_png_pdf(out / "certified_accuracy.png", out / "certified_accuracy.pdf")
 
 
@@ -354,7 +358,7 @@ def test_analyze_names_runs(tmp_path, table_b):
     a2 = write(tmp_path / "other" / "A.tsv", SPLITZ_HEADER, A_ROWS)
     # A mapping may mix paths and tables; no out_dir means nothing is written.
     text = plots.analyze({"splitz": a, "cohen": table_b}, [0.25])
-    assert "| splitz | 40.0 | **0.350** |" in text and "| cohen | **50.0** | 0.275 |" in text
+    assert "| splitz | 40.0 | 0.350 |" in text and "| cohen | 50.0 | 0.275 |" in text
     # Equal file stems fall back to the full paths; a single path is accepted too.
     assert list(an.load_runs([a, a2])) == [str(a), str(a2)]
     assert list(an.load_runs(a)) == ["A"]

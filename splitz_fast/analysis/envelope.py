@@ -20,8 +20,8 @@ import numpy as np
 
 from .._checks import check_output_folder, read_settings_file
 from ..kinds import NOT_A_CERTIFICATE
-from .plots import certified_accuracy_curve
-from .tables import (CertificationTable, acr, certified_accuracy, constant_note, labelled, markdown_table,
+from .plots import certified_accuracy_curve, run_protocol
+from .tables import (CertificationTable, acr, certified_accuracy, constant_note, input_sets, labelled, markdown_table,
                      read_certification, unfinished_note)
 
 __all__ = ["Reference", "MNIST_REFERENCES", "SigmaRuns", "envelope", "load_group", "envelope_report"]
@@ -63,30 +63,41 @@ def _sigma_of(path: Path) -> float:
         raise ValueError(f"{path}: its sidecar {sidecar} records no sigma; the envelope needs each run's σ") from None
 
 
-def load_group(paths: Sequence[str | os.PathLike]) -> dict[float, CertificationTable]:
+def load_group(paths: Sequence[str | os.PathLike], name: str = "the group") -> dict[float, CertificationTable]:
     """``{σ: table}`` of certification TSVs, σ from each sidecar; two files of the same σ are an error, and so is a
-    group that mixes certificates with estimates (:func:`envelope_report` refuses such groups too)."""
+    group that mixes certificates with estimates or runs over different inputs (:func:`envelope_report` refuses such
+    groups too); ``name`` is how errors call the group."""
     runs: dict[float, CertificationTable] = {}
     for path in map(Path, paths):
         table = read_certification(path)  # first: a missing TSV is named as such, not as a missing sidecar
         sigma = _sigma_of(path)
         if sigma in runs:
-            raise ValueError(f"two runs of σ = {sigma:g} in one group ({path} is the second); give one per σ")
+            raise ValueError(f"two runs of σ = {sigma:g} in {name} ({path} is the second); give one per σ")
         runs[sigma] = table
     if not runs:
-        raise ValueError("a group needs at least one certification file")
-    _check_group("the group", runs)
+        raise ValueError(f"{name} needs at least one certification file")
+    _check_group(name, runs)
     return dict(sorted(runs.items()))
+
+
+def _run_name(sigma: float, table: CertificationTable) -> str:
+    return f"σ={sigma:g}" + (f" ({table.path})" if table.path else "")
 
 
 def _check_group(name: str, runs: SigmaRuns) -> None:
     """Refuse a group that mixes certificates with estimates (``--protocol paper|published-code``): its envelope would
-    pass estimates off as certified wherever an estimate run reaches the maximum."""
-    estimates = [f"σ={sigma:g}" + (f" ({table.path})" if table.path else "") for sigma, table in runs.items()
-                 if table.is_estimate]
+    pass estimates off as certified wherever an estimate run reaches the maximum. Refuse a group whose runs hold
+    different inputs (their ``idx`` sets): ``max_σ CA_σ(r)`` would then take each σ's accuracy on other inputs (a
+    20-input σ = 0.75 run against a 6-input σ = 0.5 one), which is no envelope of one test set."""
+    estimates = [_run_name(sigma, table) for sigma, table in runs.items() if table.is_estimate]
     if estimates and len(estimates) < len(runs):
         raise ValueError(f"{name} mixes certificates with estimates ({', '.join(estimates)}: {NOT_A_CERTIFICATE}); "
                          "give the estimates a group of their own")
+    if len(input_sets(runs)) > 1:
+        counts = "; ".join(f"{_run_name(sigma, table)}: {len(table)} inputs" for sigma, table in runs.items())
+        raise ValueError(f"{name} mixes runs over different inputs ({counts}); a best-σ envelope takes every σ on the "
+                         "same inputs: certify each σ with the same --split, --skip and --max (and let every run "
+                         "finish)")
 
 
 def _group_label(name: str, runs: SigmaRuns) -> str:
@@ -130,6 +141,10 @@ def _envelope_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float],
                   f"classifier anyone wants: {'; '.join(constant)}."]
     if unfinished:
         lines += ["", f"† from a run that stopped before its end (its inputs so far): {'; '.join(unfinished)}."]
+    held = {name: next(iter(runs.values())) for name, runs in groups.items()}  # a group's runs hold the same inputs
+    if len(input_sets(held)) > 1:
+        counts = "; ".join(f"{name}: {len(table)} inputs" for name, table in held.items())
+        lines += ["", f"The groups hold different inputs ({counts}): their envelopes are not of the same test set."]
     return lines
 
 
@@ -151,6 +166,19 @@ def _same_sigma_rows(groups: Mapping[str, SigmaRuns], radii: Sequence[float]) ->
     return lines
 
 
+#: Line styles telling a group's σ apart in the plot and its legend (dotted, dash-dotted, dashed, ...).
+_SIGMA_DASHES = [(0, (1, 1)), (0, (4, 1, 1, 1)), (0, (6, 2)), (0, (1, 3)), (0, (4, 1, 1, 1, 1, 1)), (0, (10, 3))]
+
+
+def _plot_protocol(groups: Mapping[str, SigmaRuns]) -> str:
+    """The runs' n, α and number of inputs (:func:`~splitz_fast.analysis.plots.run_protocol`): one for all, or each
+    group's (its σ share their inputs, :func:`_check_group`; n or α may differ)."""
+    protocols = {name: {run_protocol(table) for table in runs.values()} for name, runs in groups.items()}
+    if len(set().union(*protocols.values())) == 1:
+        return next(iter(protocols[next(iter(protocols))]))
+    return "\n".join(f"{name}: {' / '.join(sorted(found))}" for name, found in protocols.items())
+
+
 def _plot(groups: Mapping[str, SigmaRuns], references: Sequence[Reference], stem: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -167,9 +195,9 @@ def _plot(groups: Mapping[str, SigmaRuns], references: Sequence[Reference], stem
         style = "--" if next(iter(runs.values())).is_estimate else "-"  # estimates dashed
         line, = ax.step(grid, 100 * curves.max(axis=0), where="pre", linewidth=2, linestyle=style,
                         label=f"{_group_label(name, runs)} envelope")
-        for accuracy in curves:  # each σ thin, in the envelope's colour
-            ax.step(grid, 100 * accuracy, where="pre", linewidth=0.6, alpha=0.45, color=line.get_color(),
-                    linestyle=style)
+        for sigma, accuracy, dashes in zip(runs, curves, _SIGMA_DASHES * len(runs)):  # each σ thin, its own dashes
+            ax.step(grid, 100 * accuracy, where="pre", linewidth=0.8, alpha=0.6, color=line.get_color(),
+                    linestyle=dashes, label=f"{name} σ = {sigma:g}")
     for marker, ref in zip("so^v", references):
         radii = sorted(ref.accuracy)
         ax.plot(radii, [ref.accuracy[r] for r in radii], marker=marker, linestyle=":", color="black",
@@ -180,6 +208,7 @@ def _plot(groups: Mapping[str, SigmaRuns], references: Sequence[Reference], stem
     ax.set_ylabel("certified accuracy (%)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"best-σ envelope\n{_plot_protocol(groups)}", fontsize="medium")
     fig.savefig(stem.with_name(stem.name + ".png"), dpi=150)
     fig.savefig(stem.with_name(stem.name + ".pdf"), metadata={"CreationDate": None})
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence, Union
@@ -124,6 +125,10 @@ class CertificationTable:
         return self._rows_certificate is False or self.recorded_certificate is False
 
 
+class IncompleteLastLineWarning(UserWarning):
+    """A certification TSV whose last line has no line end was read without that line (:func:`read_certification`)."""
+
+
 def _parse_seconds(text: str) -> float:
     """Seconds from ``"12.5"`` or a ``datetime.timedelta`` string (``"0:00:15.1"``, ``"1 day, 2:03:04"``)."""
     try:
@@ -144,10 +149,47 @@ def _extra_column(values: list[str]) -> np.ndarray:
         return np.array(values, dtype=object)
 
 
+def _parse_row(header: list[str], line: str, where: str) -> tuple[dict[str, int], float, float, dict[str, str]]:
+    """One data line's integer columns, radius, seconds and raw fields, checked (``ValueError`` naming ``where``)."""
+    fields = [value.strip() for value in line.split("\t")]
+    if len(fields) != len(header):
+        raise ValueError(f"{where}: expected {len(header)} tab-separated fields, got {len(fields)}: {line!r}")
+    row = dict(zip(header, fields))
+    try:
+        values = {name: int(row[name]) for name in _INT_COLUMNS}
+        r = float(row["radius"])
+        t = _parse_seconds(row["time"])
+    except ValueError as err:
+        raise ValueError(f"{where}: malformed row ({err}): {line!r}") from None
+    if not math.isfinite(r) or r < 0:
+        raise ValueError(f"{where}: radius must be finite and >= 0, got {row['radius']!r}")
+    if values["correct"] not in (0, 1):
+        raise ValueError(f"{where}: correct must be 0 or 1, got {row['correct']!r}")
+    if values["label"] < 0:  # else a label of -1 would make an abstention "correct"
+        raise ValueError(f"{where}: label must be a class index >= 0, got {row['label']!r}")
+    if values["correct"] != int(values["predict"] == values["label"]):
+        raise ValueError(f"{where}: correct={values['correct']} disagrees with "
+                         f"predict={values['predict']}, label={values['label']}")
+    if values["predict"] == _ABSTAIN and r != 0:
+        raise ValueError(f"{where}: abstention (predict -1) must have radius 0, got {row['radius']!r}")
+    return values, r, t, row
+
+
+def _is_row(header: list[str], line: str) -> bool:
+    try:
+        _parse_row(header, line, "")
+    except ValueError:
+        return False
+    return True
+
+
 def read_certification(path: PathLike) -> CertificationTable:
     """Read a certification TSV (Cohen's six columns first, any extra columns after).
 
-    Blank lines are ignored; line numbers in errors are 1-based lines of the file.
+    Blank lines are ignored; line numbers in errors are 1-based lines of the file. A last data line that has no line
+    end and is not a valid row is left out with an :class:`IncompleteLastLineWarning`: rows are written whole with
+    their line end, so it is one that a run is still writing, or was stopped while writing, and the file is read up
+    to its last complete row. (A last row without a line end that is valid is read, as hand-written files have them.)
 
     Raises:
         ValueError: the file is empty or has a header but no rows; the header does not start with
@@ -160,13 +202,13 @@ def read_certification(path: PathLike) -> CertificationTable:
     check_input_file(path, "a certification TSV")
     try:
         with open(path, encoding="utf-8") as fh:
-            lines = [(number, line.rstrip("\r\n")) for number, line in enumerate(fh, start=1)]
+            raw = fh.readlines()
     except OSError as err:
         raise type(err)(f"{path}: cannot be read ({err.strerror or type(err).__name__})") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a text file (byte {err.start} is not UTF-8); expected a certification TSV "
                          f"whose header starts with {' '.join(COHEN_COLUMNS)}") from None
-    lines = [(number, line) for number, line in lines if line.strip()]
+    lines = [(number, line.rstrip("\r\n")) for number, line in enumerate(raw, start=1) if line.strip()]
     if not lines:
         raise ValueError(f"{path}: empty file, expected a header starting with {' '.join(COHEN_COLUMNS)}")
 
@@ -180,6 +222,12 @@ def read_certification(path: PathLike) -> CertificationTable:
     duplicates = sorted({name for name in header if header.count(name) > 1})
     if duplicates or "" in header:
         raise ValueError(f"{path}:{header_number}: header has repeated or empty column names: {header_line!r}")
+    unended = len(raw) if not raw[-1].endswith("\n") else None  # rows are written whole, with their line end
+    if len(lines) > 1 and lines[-1][0] == unended and not _is_row(header, lines[-1][1]):
+        warnings.warn(IncompleteLastLineWarning(
+            f"{path}: its last line ({len(raw)}) is incomplete (no line end: a run still writing it, or stopped while "
+            "writing it) and is left out"), stacklevel=2)
+        lines.pop()
     if len(lines) == 1:
         raise ValueError(f"{path}: header but no data rows")
 
@@ -189,28 +237,8 @@ def read_certification(path: PathLike) -> CertificationTable:
     extra: dict[str, list[str]] = {name: [] for name in header[len(COHEN_COLUMNS):]}
     first_line_of_idx: dict[int, int] = {}
     for number, line in lines[1:]:
-        fields = [value.strip() for value in line.split("\t")]
         where = f"{path}:{number}"
-        if len(fields) != len(header):
-            raise ValueError(f"{where}: expected {len(header)} tab-separated fields, got {len(fields)}: {line!r}")
-        row = dict(zip(header, fields))
-        try:
-            values = {name: int(row[name]) for name in _INT_COLUMNS}
-            r = float(row["radius"])
-            t = _parse_seconds(row["time"])
-        except ValueError as err:
-            raise ValueError(f"{where}: malformed row ({err}): {line!r}") from None
-        if not math.isfinite(r) or r < 0:
-            raise ValueError(f"{where}: radius must be finite and >= 0, got {row['radius']!r}")
-        if values["correct"] not in (0, 1):
-            raise ValueError(f"{where}: correct must be 0 or 1, got {row['correct']!r}")
-        if values["label"] < 0:  # else a label of -1 would make an abstention "correct"
-            raise ValueError(f"{where}: label must be a class index >= 0, got {row['label']!r}")
-        if values["correct"] != int(values["predict"] == values["label"]):
-            raise ValueError(f"{where}: correct={values['correct']} disagrees with "
-                             f"predict={values['predict']}, label={values['label']}")
-        if values["predict"] == _ABSTAIN and r != 0:
-            raise ValueError(f"{where}: abstention (predict -1) must have radius 0, got {row['radius']!r}")
+        values, r, t, row = _parse_row(header, line, where)
         if values["idx"] in first_line_of_idx:
             raise ValueError(f"{where}: idx {values['idx']} already seen on line {first_line_of_idx[values['idx']]}")
         first_line_of_idx[values["idx"]] = number
@@ -340,9 +368,10 @@ def _cells(named_tables: Mapping[str, CertificationTable], radii: Sequence[float
            ) -> tuple[list[str], list[list[str]], list[list[bool]]]:
     """Run names, formatted cells (accuracy % to 0.1 then ACR to 0.001) and which cells are a column's best.
 
-    Best is decided on the displayed (rounded) values among the certificate runs, so ties all show in bold; an
-    estimate run is never bold (its values are not certified); with fewer than two certificate runs nothing is bold
-    (there is nothing to compare).
+    Best is decided on the displayed (rounded) values among the certificate runs over the same inputs (the same
+    ``idx`` set, :func:`input_sets`: statistics of different inputs are not ranked), so ties all show in bold; an
+    estimate run is never bold (its values are not certified); where fewer than two certificate runs share their
+    inputs nothing is bold (there is nothing to compare).
     """
     items = _check_named(named_tables)
     names = [name for name, _ in items]
@@ -351,13 +380,36 @@ def _cells(named_tables: Mapping[str, CertificationTable], radii: Sequence[float
         accuracy = np.atleast_1d(certified_accuracy(table, np.asarray(radii, dtype=np.float64)))
         cells.append([f"{100 * a:.1f}" for a in accuracy] + [f"{acr(table):.3f}"])
     bold = [[False] * (len(radii) + 1) for _ in items]
-    ranked = [i for i, (_, table) in enumerate(items) if not table.is_estimate]
-    if len(ranked) > 1:
-        for column in range(len(radii) + 1):
+    for same_inputs in input_sets(dict(items)):
+        ranked = [names.index(name) for name in same_inputs if not named_tables[name].is_estimate]
+        for column in range(len(radii) + 1) if len(ranked) > 1 else ():
             best = max(float(cells[i][column]) for i in ranked)
             for i in ranked:
                 bold[i][column] = float(cells[i][column]) == best
     return names, cells, bold
+
+
+def input_sets(named_tables: Mapping[str, CertificationTable]) -> list[list[str]]:
+    """The runs' names grouped by the inputs they hold (their ``idx`` sets), in order of first appearance."""
+    sets: dict[frozenset, list[str]] = {}
+    for name, table in named_tables.items():
+        sets.setdefault(frozenset(table.idx.tolist()), []).append(name)
+    return list(sets.values())
+
+
+def input_sets_note(named_tables: Mapping[str, CertificationTable]) -> str | None:
+    """"Runs over different inputs: …" naming each set's runs and input count, when the runs hold more than one set."""
+    sets = input_sets(named_tables)
+    if len(sets) < 2:
+        return None
+    described = [f"{', '.join(names)} ({len(named_tables[names[0]])} inputs)" for names in sets]
+    return f"Runs over different inputs, ranked only among runs over the same inputs: {'; '.join(described)}."
+
+
+def recorded_sigma(table: CertificationTable) -> float | None:
+    """The σ the run's sidecar records (``OUTFILE.json``), or ``None`` (no sidecar, Cohen's files)."""
+    sigma = _sidecar_settings(table.path).get("sigma")
+    return float(sigma) if isinstance(sigma, (int, float)) and not isinstance(sigma, bool) else None
 
 
 def _markdown_escape(text: str) -> str:
@@ -367,8 +419,9 @@ def _markdown_escape(text: str) -> str:
 def markdown_table(named_tables: Mapping[str, CertificationTable], radii: Iterable[float]) -> str:
     """Markdown table: one line per run, certified accuracy (%) at each radius (input units), then ACR.
 
-    The best value of each column among the certificate runs is bold (``**60.0**``); ties are all bold; estimate runs
-    (``--protocol paper|published-code``) are never bold; a single run has no bold.
+    The best value of each column among the certificate runs over the same inputs is bold (``**60.0**``); ties are
+    all bold; estimate runs (``--protocol paper|published-code``) are never bold; a single run has no bold. Runs over
+    different inputs get a line under the table that names each set (:func:`input_sets_note`).
     """
     radii = [float(r) for r in radii]
     names, cells, bold = _cells(named_tables, radii)
@@ -377,7 +430,8 @@ def markdown_table(named_tables: Mapping[str, CertificationTable], radii: Iterab
     for name, row_cells, row_bold in zip(names, cells, bold):
         shown = [f"**{c}**" if b else c for c, b in zip(row_cells, row_bold)]
         lines.append(f"| {_markdown_escape(name)} | " + " | ".join(shown) + " |")
-    return "\n".join(lines) + "\n"
+    note = input_sets_note(named_tables)
+    return "\n".join(lines + ([] if note is None else ["", _markdown_escape(note)])) + "\n"
 
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -424,12 +478,14 @@ def latex_table(named_tables: Mapping[str, CertificationTable], radii: Iterable[
 
 
 def summary_markdown_table(named_tables: Mapping[str, CertificationTable]) -> str:
-    """Markdown table of :func:`summarize` per run: images, clean accuracy %, abstentions %, ACR, s/image."""
-    lines = ["| run | images | clean acc. (%) | abstain (%) | ACR | time/image (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """Markdown table of :func:`summarize` per run: σ (from the sidecar, — where none is recorded), images, clean
+    accuracy %, abstentions %, ACR, s/image."""
+    lines = ["| run | σ | images | clean acc. (%) | abstain (%) | ACR | time/image (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, table in _check_named(named_tables):
-        s = summarize(table)
-        lines.append(f"| {_markdown_escape(name)} | {s.n} | {100 * s.clean_accuracy:.1f} | "
+        s, sigma = summarize(table), recorded_sigma(table)
+        lines.append(f"| {_markdown_escape(name)} | {'—' if sigma is None else f'{sigma:g}'} | {s.n} | "
+                     f"{100 * s.clean_accuracy:.1f} | "
                      f"{100 * s.abstention_rate:.1f} | {s.acr:.3f} | {s.mean_time:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -516,17 +572,21 @@ def labelled(name: str, table: CertificationTable) -> str:
 __all__ = [
     "DEFAULT_RADII",
     "CertificationTable",
+    "IncompleteLastLineWarning",
     "Summary",
     "abstention_rate",
     "acr",
     "certified_accuracy",
     "clean_accuracy",
     "constant_prediction",
+    "input_sets",
+    "input_sets_note",
     "latex_table",
     "load_runs",
     "markdown_table",
     "mean_time",
     "read_certification",
+    "recorded_sigma",
     "summarize",
     "summary_markdown_table",
     "unfinished_note",

@@ -97,7 +97,7 @@ def envelope_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--group {name} names no certification files; give NAME FILE [FILE ...]")
         if name in groups:
             raise ValueError(f"--group {name} is given twice; give each method's files once")
-        groups[name] = load_group(files)
+        groups[name] = load_group(files, name=f"--group {name}")
     references = MNIST_REFERENCES if args.references == "mnist" else ()
     print(envelope_report(groups, args.radii, references, out_dir=args.out))
     return 0
@@ -139,8 +139,10 @@ def _add_envelope_parser(sub) -> None:
     e = sub.add_parser("envelope", help="best-σ envelopes of methods (one certify TSV per σ) with reference lines",
                        formatter_class=_HelpFormatter)
     e.add_argument("--group", nargs="+", action="append", required=True, metavar=("NAME", "FILE"),
-                   help="a method's name, then its certification TSVs, one per σ (σ read from each sidecar); repeat "
-                        "for each method; same-σ differences are second group − first")
+                   help="a method's name, then its certification TSVs, one per σ (σ read from each sidecar), all over "
+                        "the same inputs (a group whose runs hold different inputs is refused: the best σ must be "
+                        "chosen on one test set); repeat for each method; same-σ differences are second group − "
+                        "first")
     e.add_argument("--radii", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
                    help="l2 radii ε (input units) of the table")
     e.add_argument("--references", choices=("mnist", "none"), default="none",
