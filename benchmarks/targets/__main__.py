@@ -56,6 +56,8 @@ timings are smoke-test numbers, never results.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -94,7 +96,11 @@ def main(argv=None) -> int:
                         help="comma-separated workload keys of the targets part, in the order to run them")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help="comma-separated f_R precisions of the targets part")
+    parser.add_argument("--append", action="store_true",
+                        help="add the rows to the part's rows already in DIR/targets.json (one call per workload)")
     args = parser.parse_args(argv)
+    # A stage stopped by the shell's `timeout` (SIGTERM) leaves every thread's stack in its log: the frame it hung in.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     workloads = _select(QUICK if args.quick else FULL, args.workloads, parser)
     precisions = tuple(p for p in args.precisions.split(",") if p)
     if not precisions or any(p not in PRECISIONS for p in precisions):
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
             settings.update(card=asdict(card) if card else None, copy_bandwidth_Bps=bandwidth,
                             tf32_conv=torch.backends.cudnn.allow_tf32,
                             tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
-        recorder = Recorder(out, part, settings)
+        recorder = Recorder(out, part, settings, append=args.append)
         print(f"[{now()}] part {part} on {device_name(device)}, torch {torch.__version__}"
               + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)
         if part == "targets":

@@ -37,43 +37,56 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def load_inputs(workload: Workload, split: int, count: int, device: torch.device):
-    """``(model, inputs [count, *shape], weights label, inputs label)``; the first input is the warm-up."""
+MISSING_PACKAGES = "run `make gpu-wheels` and carry .whl to the GPU machine"
+
+
+def load_inputs(workload: Workload, split: int, count: int, device: torch.device, quick: bool):
+    """``(model, inputs [count, *shape], weights label, inputs label)``; the first input is the warm-up.
+
+    An MNIST workload runs advertorch's trained LeNet on real test digits (SPEC §4's offline packages): the SPEC row
+    is about that model, so without the packages the row fails, saying how to carry them, rather than time random
+    weights. Only ``quick`` (a CPU smoke test of the path, never a result) falls back to random weights and inputs."""
+    from splitz_fast.data.packages import DatasetUnavailableError, load_mnist
+
     torch.manual_seed(0)
     weights, inputs = "random", "synthetic uniform [0, 1]"
-    model = None
-    if workload.mnist:
-        try:
-            model = sz.build_model(workload.model, split_index=split, pretrained=True)
-            weights = "advertorch clean-trained"
-        except Exception as exc:  # the offline advertorch package is optional
-            print(f"  (no trained LeNet: {error_text(exc)}; random weights)", flush=True)
-    if model is None:
-        model = sz.build_model(workload.model, split_index=split)
-    if model.input_shape not in (None, workload.shape):  # quick mode's small inputs for ResNet-50
-        model.left.input_shape = tuple(workload.shape)
+    model = sz.build_model(workload.model, split_index=split)
     xs = torch.rand(count, *workload.shape)
     if workload.mnist:
         try:
-            from splitz_fast.data.packages import load_mnist
-
+            model = sz.build_model(workload.model, split_index=split, pretrained=True)
             xs = load_mnist("test")[0][:count].clone()
-            inputs = "MNIST test digits"
-        except Exception as exc:
-            print(f"  (no MNIST digits: {error_text(exc)}; synthetic inputs)", flush=True)
+            weights, inputs = "advertorch clean-trained", "MNIST test digits"
+        except DatasetUnavailableError as exc:  # the offline packages are absent
+            if not quick:
+                raise RuntimeError(f"no trained LeNet or MNIST digits ({error_text(exc)}): {MISSING_PACKAGES}") from exc
+            print(f"  (quick mode without the offline packages: {error_text(exc)}; random weights, synthetic "
+                  "inputs)", flush=True)
+    if model.input_shape not in (None, workload.shape):  # quick mode's small inputs for ResNet-50
+        model.left.input_shape = tuple(workload.shape)
     return model.eval().to(device), xs.to(device), weights, inputs
 
 
 class Recorder:
     """The parts' shared output: DIR/targets.json (merged by part), targets.csv and targets.md, rewritten per row."""
 
-    def __init__(self, out: Path, part: str, settings: dict):
+    def __init__(self, out: Path, part: str, settings: dict, *, append: bool = False):
+        """``append``: this call's rows follow those the part already has in DIR/targets.json (the shell runs stage 1
+        one workload per process, each under its own deadline); otherwise the part starts empty."""
         self.out, self.part = out, part
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "targets.json"
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.data["environment"] = environment_record()
-        self.data.setdefault("parts", {})[part] = {"settings": settings, "rows": [], "started": now()}
+        parts = self.data.setdefault("parts", {})
+        earlier = parts.get(part) if append else None
+        if earlier is None:
+            parts[part] = {"settings": settings, "rows": [], "started": now()}
+        else:
+            for key in ("workloads", "precisions"):  # the settings of the calls together
+                if key in settings:
+                    earlier["settings"][key] = [*earlier["settings"].get(key, []),
+                                                *(k for k in settings[key] if k not in earlier["settings"].get(key, []))]
         self.write()
 
     def add(self, row: dict) -> None:
@@ -115,7 +128,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     ``compiled``). ``bound_options``: BoundOptions fields
     set on top of the workload's (for A/B rows). ``fused_kernels``: the Smoother's setting (default: decided by
     measurement, recorded like the graphs)."""
-    model, xs, weights, inputs = load_inputs(workload, split, images + 1, device)
+    model, xs, weights, inputs = load_inputs(workload, split, images + 1, device, quick)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
     max_batch = 32 if quick else None  # None: the Smoother's default for the device
