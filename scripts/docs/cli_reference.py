@@ -3,11 +3,12 @@ site is built, so it lists every command and option of the code it documents: an
 mkdocs.yml).
 
 One heading per command (and per subcommand, a level deeper), the command's one-line summary, its synopsis on one
-line (a formatter wide enough that argparse never wraps it), then a table of its arguments: option, default, help.
+line (a formatter wide enough that argparse never wraps it; the page wraps it between items), then a table of its arguments: option, default, help.
 """
 from __future__ import annotations
 
 import argparse
+import html
 import re
 
 #: Wide enough for the longest synopsis, so that argparse prints each on one line.
@@ -33,6 +34,20 @@ def _text(value: str) -> str:
 def _code(value: str) -> str:
     """``value`` as a code span in a table cell (a pipe inside a code span does not split the cell)."""
     return f"`{value}`"
+
+
+def _synopsis(usage: str) -> str:
+    """``usage`` as a ``<pre>`` whose top-level items (``[--batch BATCH]``, ``--sigma SIGMA``) are spans: the page's
+    stylesheet (docs/stylesheets/cli-reference.css) wraps the line between items, never inside one."""
+    items, depth, start = [], 0, 0
+    for at, char in enumerate(usage):
+        depth += (char in "[({") - (char in "])}")
+        if char == " " and depth == 0:
+            items.append(usage[start:at])
+            start = at + 1
+    items.append(usage[start:])
+    spans = " ".join(f"<span>{html.escape(item)}</span>" for item in items if item)
+    return f'<pre class="synopsis"><code>{spans}</code></pre>'
 
 
 def _default(action: argparse.Action) -> str:
@@ -76,7 +91,7 @@ def command_sections(parser: argparse.ArgumentParser, summary: str = "", level: 
     description = summary or parser.description or ""
     if description:
         lines += [_text(description), ""]
-    lines += ["```text", parser.format_usage().strip(), "```", ""]
+    lines += [_synopsis(parser.format_usage().strip()), ""]
     rows = _argument_rows(parser)
     if rows:
         lines += ["| argument | default | help |", "|---|---|---|", *rows, ""]
