@@ -192,3 +192,14 @@ def test_a_compile_decision_records_its_compile_time_under_its_name(monkeypatch,
     record, = smoother.engine().compiling.records()
     assert record["used"] and record["reason"] == "compile=True" and record["batch"] == 64
     assert record["compile_s"] >= 0 and record["eager_s"] is None and record["compiled_s"] is None
+
+
+def test_a_compile_failure_that_introduces_its_cause_warns_with_it(monkeypatch, lenient):
+    def failing(net, batch):
+        raise RuntimeError("backend='inductor' raised:\nValueError: Cannot view a tensor\n\nWhile executing ...")
+
+    _compiler(monkeypatch, failing)
+    model, xs = small_splitz()
+    with pytest.warns(UserWarning, match=r"^torch.compile failed \(RuntimeError: backend='inductor' raised: "
+                                         r"ValueError: Cannot view a tensor\); sampling runs f_R eagerly$"):
+        sz.Smoother(model, 0.4, compile=True).predict(xs[0], 200, 0.05, batch_size=64, seed=0)

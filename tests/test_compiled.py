@@ -442,3 +442,46 @@ def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_ea
     eager = sz.Smoother(model, 0.4, compile=False, cuda_graphs=graphs).certify(xs[0].cuda(), 20, 2000, 0.01,
                                                                              batch_size=256, seed=3)
     assert got.prediction == eager.prediction and abs(got.count_a - eager.count_a) <= 1
+
+
+def test_the_strided_pool_asks_for_its_layout_where_torch_compile_traces_it(monkeypatch):
+    """Under torch.compile (inference mode) an out= tensor's layout is lost and inductor failed to view the zoo
+    LeNet's channels_last pool output at its Flatten: traced, the pool asks for the layout instead, the same values."""
+    from splitz_fast.sampling.prepared import _MaxPool2x2
+
+    x = torch.randn(4, 8, 7, 9).contiguous(memory_format=torch.channels_last)
+    for channels_last in (False, True):
+        pool = _MaxPool2x2(channels_last)
+        with torch.inference_mode():
+            eager = pool(x)
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            traced = pool(x)
+            monkeypatch.undo()
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        assert torch.equal(traced, eager) and traced.is_contiguous(memory_format=layout)
+        assert eager.is_contiguous(memory_format=layout) and torch.equal(eager, nn.functional.max_pool2d(x, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [0, 1])
+def test_a_real_torch_compile_of_the_zoo_lenet_on_the_cpu_scores_bitwise_like_eager(split):
+    """The zoo LeNet's prepared chain (channels_last, strided pools, a Flatten) compiles with inductor without
+    falling back, and scores a noisy batch bitwise as the eager copy does."""
+    pytest.importorskip("torch._inductor")
+    from splitz_fast.sampling.compiled import CompiledOrEager
+    from splitz_fast.sampling.engine import SamplingEngine
+    from splitz_fast.sampling.prepared import noisy_rows
+
+    torch.manual_seed(0)
+    model = sz.build_model("lenet", split_index=split).eval()
+    engine = SamplingEngine(model.right, 10, 0.25, CPU, compile=True)
+    engine.prepared.check_current()
+    latent = model.left(torch.rand(1, 1, 28, 28, generator=torch.Generator().manual_seed(1)))[0]
+    pooled = engine.pools_in_noise(latent.shape)
+    batch = noisy_rows(latent, 0.25, torch.float32, 64, True, pooled)
+    reports = []
+    compiled = CompiledOrEager(engine.prepared.get(True, pooled, for_compile=True), reports.append)
+    with torch.inference_mode():
+        want = engine._scores(engine.prepared.get(True, pooled), batch)
+        got = engine._scores(compiled, batch)
+    assert reports == [] and compiled.compiled is not None and torch.equal(got, want)

@@ -69,11 +69,8 @@ class CompiledOrEager(nn.Module):
             self._give_up(err)
 
     def _give_up(self, err: Exception) -> None:
-        # One line: inductor's errors carry its whole dump after the first.
-        lines = str(err).strip().splitlines()
         self.compiled = None
-        self._report(f"torch.compile failed ({type(err).__name__}: {lines[0][:200] if lines else ''}); sampling "
-                     "runs f_R eagerly")
+        self._report(f"torch.compile failed ({type(err).__name__}: {_first_line(err)}); sampling runs f_R eagerly")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled is None:
@@ -87,6 +84,15 @@ class CompiledOrEager(nn.Module):
         except Exception as err:  # noqa: BLE001
             self._give_up(err)
         return self.net(x)
+
+
+def _first_line(err: Exception) -> str:
+    """The cause in ``err``'s message in one line: inductor's errors carry its whole dump (graph, traceback, advice)
+    after it, and its first line may only introduce the next (``backend='inductor' raised:``)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines = [f"{lines[0]} {lines[1]}"]
+    return lines[0][:240] if lines else ""
 
 
 class CompileChoice(MeasuredChoice):

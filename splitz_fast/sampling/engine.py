@@ -58,7 +58,8 @@ from .prepared import PreparedClassifier, check_batch_independent, noisy_rows, s
 PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Samples per normal_ call on the fallback path (the unit that makes its stream batch-size independent).
 NOISE_BLOCK = 64
-# Batch sizes tried by the tuner (powers of two up to the cap), and its time budget per configuration.
+# Batch sizes tried by the tuner (powers of two up to the cap), and its time budget per configuration (no measurement
+# starts that is projected to end past it: _measure_batch_size).
 TUNE_MIN_BATCH = 32
 TUNE_MIN_SEARCH = 512  # sizes below this are always tried (small batches can look slow on a noisy machine)
 TUNE_MIN_TIME_S = 0.15
@@ -482,7 +483,15 @@ def _plan(jobs: list[SamplingJob], batch_size: int) -> list[list[tuple[SamplingJ
 
 @torch.inference_mode()
 def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: int) -> int:
-    """The fastest ``f_R`` batch of ``engine`` for latents of ``shape``, at most ``cap`` (:meth:`SamplingEngine.batch_size`)."""
+    """The fastest ``f_R`` batch of ``engine`` for latents of ``shape``, at most ``cap`` (:meth:`SamplingEngine.batch_size`).
+
+    Its time is bounded by what it can save: every measurement (the sweep's and the second look's) starts only if it
+    is projected to end within :data:`TUNE_BUDGET_S` of the tuner's start (the first size is always measured). A
+    size's projected cost is the last measurement's time scaled by the batch ratio (a pass costs about in proportion
+    to its rows); the second look's, its own first measurement's time. A measurement that would end later than that would pay for itself, even at the least
+    gain that continues the sweep (:data:`TUNE_MIN_GAIN`), only in a run of over ``TUNE_BUDGET_S / TUNE_MIN_GAIN``
+    (160 s) of sampling; without it a deep ``f_R`` on the CPU (ResNet-110) spent minutes here before its first
+    input."""
     channels_last = len(shape) == 3
     pooled = engine.pools_in_noise(torch.Size(shape))
     # The eager copy: a static-shape compiled f_R would recompile for every size tried (seconds each); it is compiled
@@ -495,16 +504,22 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     counts = torch.zeros(engine.num_classes, dtype=torch.int64, device=engine.device)
     best_rate, best, b, flat = 0.0, min(cap, TUNE_MIN_BATCH), min(cap, TUNE_MIN_BATCH), 0
     rates: dict[int, float] = {}
+    seconds: dict[int, float] = {}  # what each size's first measurement took
     deadline = time.perf_counter() + TUNE_BUDGET_S
+
+    def fits(projected_s: float) -> bool:
+        return time.perf_counter() + projected_s <= deadline
+
     memory = _BatchMemory(engine.device)
-    while b <= cap and time.perf_counter() < deadline and memory.allows(b):
+    while b <= cap and memory.allows(b) and (not seconds or fits(seconds[max(seconds)] * b / max(seconds))):
+        began = time.perf_counter()
         try:
             with memory.measuring(b):
                 rate = _samples_per_second(engine, net, SamplingJob(latent, stream, b, counts), channels_last, pooled,
                                            parallel)
         except torch.OutOfMemoryError:
             break
-        rates[b] = rate
+        rates[b], seconds[b] = rate, time.perf_counter() - began
         # Once past the cache-sized batches, stop after two sizes in a row that do not beat the best by
         # TUNE_MIN_GAIN: past the optimum (slower) or on a plateau.
         flat = flat + 1 if rate < (1 + TUNE_MIN_GAIN) * best_rate else 0
@@ -517,6 +532,8 @@ def _measure_batch_size(engine: "SamplingEngine", shape: tuple[int, ...], cap: i
     # (noise only ever slows), so each of the fastest TUNE_RECHECK sizes is timed again and keeps its better rate
     # (measured: batches of 4096 chosen under load, 2-5x slower than 64-256 on a quiet machine).
     for b in sorted(rates, key=rates.get, reverse=True)[:TUNE_RECHECK]:
+        if not fits(seconds[b]):
+            continue
         try:
             rates[b] = max(rates[b], _samples_per_second(engine, net, SamplingJob(latent, stream, b, counts),
                                                               channels_last, pooled, parallel))

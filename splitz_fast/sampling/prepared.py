@@ -31,6 +31,7 @@ from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores
 from .score_checks import MeasuredTolerances, score_gap
+from ..model.layers import find_rule
 from ..model.snapshot import ModuleSnapshot, hooked_modules, instance_overrides
 
 # The batch-independence probe (probe_batch_independence): rows scored, and the largest score difference allowed
@@ -458,10 +459,14 @@ class _MaxPool2x2(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode: an odd last row/column is dropped
         rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
-        out = None
-        if x.ndim == 4 and not (x.requires_grad and torch.is_grad_enabled()):  # out= is not differentiable
-            out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device,
-                              memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
+        if x.ndim != 4 or (x.requires_grad and torch.is_grad_enabled()):  # out= is not differentiable
+            return torch.maximum(rows[..., 0::2], rows[..., 1::2])
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        if torch.compiler.is_compiling():
+            # under torch.compile in inference mode out='s layout is lost (inductor then views a channels_last result
+            # as NCHW at the Flatten, and fails): the layout is asked for instead
+            return torch.maximum(rows[..., 0::2], rows[..., 1::2]).contiguous(memory_format=layout)
+        out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device, memory_format=layout)
         return torch.maximum(rows[..., 0::2], rows[..., 1::2], out=out)
 
     def extra_repr(self) -> str:
@@ -558,7 +563,8 @@ def _library_module(module: nn.Module) -> bool:
 
 
 def _has_conv(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Conv2d) for m in module.modules())
+    """Whether ``module`` holds a layer whose kind runs faster on channels-last operands (a convolution)."""
+    return any(rule.channels_last for rule in map(find_rule, module.modules()) if rule is not None)
 
 
 __all__ = ["PreparedClassifier", "check_batch_independent", "probe_batch_independence", "noisy_rows", "PROBE_ROWS",
