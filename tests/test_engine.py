@@ -1082,28 +1082,12 @@ def test_batched_certificates_of_a_window_match_each_inputs_own_search(monkeypat
         monkeypatch.setattr(certificate, "_takes_squaring", lambda gram, estimator: gram.layout != torch.sparse_csr)
 
 
-def test_tf32_is_a_labelled_precision_and_float32_is_ieee_on_cuda():
-    """On CUDA the engine runs f_R with TF32 convolutions and matmuls exactly when the precision is ``tf32`` (PyTorch
-    enables cuDNN TF32 by default: "float32" must switch it off), and restores the user's flags; on the CPU ``tf32``
-    computes what ``float32`` does."""
-    from splitz_fast.cuda_math import cuda_math
+def test_tf32_is_a_labelled_precision_that_computes_float32_on_the_cpu():
+    """``tf32`` is float32 storage (on CUDA its convolutions and matmuls run in TF32: tests/test_cuda_math.py); on the
+    CPU it computes what ``float32`` does."""
     from splitz_fast.sampling.engine import PRECISIONS
 
     assert PRECISIONS["tf32"] is torch.float32
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    before = (cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32)
-    try:
-        cudnn.allow_tf32, matmul.allow_tf32 = True, False  # PyTorch's defaults
-        with cuda_math(torch.device("cuda"), tf32=False):
-            assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == (False, False, True)
-        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)
-        with cuda_math(torch.device("cuda"), tf32=True):
-            assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
-        with cuda_math(torch.device("cpu"), tf32=False):
-            assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)  # nothing touched off CUDA
-        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, False)
-    finally:
-        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = before
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
     model = sz.split_sequential(net, 1, num_classes=3, input_shape=(1, 6, 6), threshold=1.0)

@@ -4,7 +4,6 @@ stopped by its limit leaves every thread's stack; the install checked before any
 time random weights outside the quick mode."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -65,6 +65,8 @@ from pathlib import Path
 
 import torch
 
+from splitz_fast.cuda_math import convolutions_use_tf32, matmuls_use_tf32
+
 # benchmarks/ is on sys.path (the package's __init__ puts it there): the benchmark modules by bare name
 from floor import card_for, measure_copy_bandwidth
 
@@ -118,8 +120,7 @@ def main(argv=None) -> int:
             card = card_for(device_name(device)) if device.type == "cuda" else None
             bandwidth = measure_copy_bandwidth(device)  # None off CUDA
             settings.update(card=asdict(card) if card else None, copy_bandwidth_Bps=bandwidth,
-                            tf32_conv=torch.backends.cudnn.allow_tf32,
-                            tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+                            tf32_conv=convolutions_use_tf32(), tf32_matmul=matmuls_use_tf32())
         recorder = Recorder(out, part, settings, append=args.append)
         print(f"[{now()}] part {part} on {device_name(device)}, torch {torch.__version__}"
               + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)

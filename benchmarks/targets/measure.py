@@ -13,6 +13,7 @@ import torch
 
 import splitz_fast as sz
 from splitz_fast.certify.windows import WINDOW_BATCHES
+from splitz_fast.cuda_math import convolutions_use_tf32, matmuls_use_tf32
 from splitz_fast.kernels import conv_relu_pool
 # benchmarks/ is on sys.path (the package's __init__ puts it there): the benchmark modules by bare name
 from compile_watch import BatchShapes, CompileCounter, timed_region_record
@@ -110,7 +111,7 @@ def now() -> str:
 def environment_record() -> dict:
     env = environment()
     env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-               tf32_matmul=torch.backends.cuda.matmul.allow_tf32, tf32_cudnn=torch.backends.cudnn.allow_tf32,
+               tf32_matmul=matmuls_use_tf32(), tf32_cudnn=convolutions_use_tf32(),
                cudnn_benchmark=torch.backends.cudnn.benchmark, splitz_backend=os.environ.get("SPLITZ_BACKEND", "auto"))
     return env
 

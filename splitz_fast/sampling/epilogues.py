@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from .choices import CandidateFailed, MeasuredChoice, Option, Trial, Variant, score_mismatch
 from .folding import free_submodule_name, has_forward_hooks
+from ..cuda_math import convolutions_use_tf32
 from ..kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
@@ -113,8 +114,8 @@ class ConvReLUMaxPool2(nn.Module):
     """``MaxPool2d(2)(relu(conv(x)))`` of a stride-1 ``Conv2d`` (its parameters shared) as one op,
     :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2`: on CUDA one Triton kernel that writes only the
     pooled activation. Under autocast the operands are cast as autocast casts a convolution; float32 multiplies as
-    TF32 exactly where cuDNN's convolutions would (``torch.backends.cudnn.allow_tf32``, which the sampling engine sets
-    from its precision)."""
+    TF32 exactly where cuDNN's convolutions would (:func:`~splitz_fast.cuda_math.convolutions_use_tf32`, which the
+    sampling engine sets from its precision)."""
 
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
@@ -131,7 +132,7 @@ class ConvReLUMaxPool2(nn.Module):
         kind = x.device.type
         if torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))
-        tf32 = x.is_cuda and torch.backends.cudnn.allow_tf32
+        tf32 = x.is_cuda and convolutions_use_tf32()
         return conv_relu_pool.conv_relu_maxpool2(x, self.conv.weight, self.conv.bias, self.conv.padding, tf32)
 
 
