@@ -12,7 +12,6 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 
 if TYPE_CHECKING:
     from .operators import MaskedAffine
@@ -38,8 +37,8 @@ def exact_cost(op: MaskedAffine) -> tuple[int, float]:
     """
     n_in = math.prod(op.in_shape)
     varying_in = n_in if op.in_mask is None else int(op.in_mask.flatten(1).sum(1).max())
-    if isinstance(op.layer, nn.Linear):
-        n_out = op.layer.out_features
+    if not op.rule.banded_gram:
+        n_out = op.rule.out_features(op.layer)
         varying_out = n_out if op.out_mask is None else int(op.out_mask.flatten(1).sum(1).max())
         d = min(varying_in, varying_out)
         return d, 2.0 * varying_in * varying_out * d + float(d) ** 3
@@ -80,7 +79,7 @@ def factor_gram(op: MaskedAffine, b: int, sparse: bool | None = None) -> tuple[t
         factor = None
         if op.in_factor is not None:
             factor = op.in_factor[b if op.in_factor.shape[0] > 1 else 0].to(torch.float64)
-        if not isinstance(op.layer, nn.Conv2d):
+        if not op.rule.banded_gram:
             return _linear_gram(w, out_mask, factor)
         gram, terms = conv_gram(op, w, out_mask, factor)
         if sparse is False or (sparse is None and _dense_conv_gram(op, gram.shape[0])):

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .._checks import check_tensor
 from ..kernels import select_backend
 from ..kernels.first_layer_bounds import first_layer_bounds
 from ..kernels.interval_clip import interval_clip
 from ..kernels.thresholds import theta_broadcast, theta_mode
+from ..model.layers import rule_for
 from ..model.modules import LeftHalf
 
 # Relative widening of every interval (see module docstring).
@@ -37,10 +37,7 @@ GAMMA_FLOOR = 1e-100
 def linear_part(layer: nn.Module, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the linear part of an affine layer (no bias), optionally with another weight (e.g. ``|W|`` or ``W²``)."""
     w = layer.weight if weight is None else weight
-    w = w.to(h.dtype)
-    if isinstance(layer, nn.Conv2d):
-        return F.conv2d(h, w, None, layer.stride, layer.padding, layer.dilation)
-    return F.linear(h.flatten(1) if h.ndim > 2 else h, w)
+    return rule_for(layer).linear_part(layer, h, w.to(h.dtype))
 
 
 def affine(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -149,7 +146,7 @@ def _first_layer(left: LeftHalf, layer: nn.Module, x: torch.Tensor, gamma: torch
     """Layer 1 of :func:`ball_bounds` through the fused op; a Linear first layer sees the flattened input."""
     # Per element, so that a Linear on a flattened image gets its own entries.
     mean, std = (None, None) if left.standardize is None else left.standardize.per_element(x)
-    if isinstance(layer, nn.Linear) and x.ndim > 2:
+    if rule_for(layer).flattens_input and x.ndim > 2:
         x, mean, std = x.flatten(1), None if mean is None else mean.flatten(), None if std is None else std.flatten()
     return first_layer_bounds(x, layer, gamma, theta, mean=mean, std=std,
                               rel_rounding=ROUNDING_MARGIN if rigorous else 0.0, need_next=need_next,

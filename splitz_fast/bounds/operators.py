@@ -17,8 +17,7 @@ import torch.nn as nn
 
 from .intervals import linear_part
 from ..kernels import select_backend
-from ..kernels.masked_conv2d import conv2d_adjoint, masked_conv2d
-from ..kernels.masked_linear import masked_linear
+from ..model.layers import rule_for
 
 
 def _channels_last(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -49,6 +48,7 @@ class MaskedAffine:
         dtype: torch.dtype = torch.float64,
     ):
         self.layer = layer
+        self.rule = rule_for(layer)
         self.in_shape = tuple(in_shape)
         self.batch = batch
         self.dtype = dtype
@@ -61,20 +61,14 @@ class MaskedAffine:
             m = in_mask.to(dtype).reshape(-1, *self.in_shape)
             in_factor = m if in_factor is None else m * in_factor
         self.in_factor = in_factor  # [1 or B, *in_shape] or None
-        # Linear factors run the masked Triton matmul where the dispatch picks it (CUDA, or SPLITZ_BACKEND=triton).
-        self._triton_linear = (isinstance(layer, nn.Linear)
-                               and select_backend("masked_linear", self.weight.device) == "triton")
-        # Conv2d factors run the masked implicit-GEMM Triton kernels where the dispatch picks them.
-        self._triton_conv = (isinstance(layer, nn.Conv2d)
-                             and select_backend("masked_conv2d", self.weight.device) == "triton")
-        if isinstance(layer, nn.Conv2d) and not self._triton_conv:
+        # The layer kind's fused masked Triton op (masked matmul, masked implicit-GEMM convolution) runs where the
+        # dispatch picks it (CUDA, or SPLITZ_BACKEND=triton).
+        self._triton = select_backend(self.rule.masked_kernel, self.weight.device) == "triton"
+        if self.rule.channels_last and not self._triton:
             # NHWC operands take the faster convolution path (CPU: ~1.6x per power step for LeNet's conv1).
             self.out_mask = _channels_last(self.out_mask)
             self.in_factor = _channels_last(self.in_factor)
         self.in_mask = None if in_mask is None else in_mask.reshape(-1, *self.in_shape).bool()
-
-    def _flat_in_factor(self) -> torch.Tensor | None:
-        return None if self.in_factor is None else self.in_factor.reshape(self.in_factor.shape[0], -1)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -83,12 +77,9 @@ class MaskedAffine:
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``A v`` for ``v: [B, *in_shape]`` → ``[B, *out_shape]``."""
-        if self._triton_linear:
-            return masked_linear(v.reshape(v.shape[0], -1), self.weight, out_mask=self.out_mask,
-                                 in_mask=self._flat_in_factor(), backend="triton")
-        if self._triton_conv:
-            return masked_conv2d(v, self.weight, self.layer, out_mask=self.out_mask, in_factor=self.in_factor,
-                                 backend="triton")
+        if self._triton:
+            return self.rule.masked_apply(self.layer, v, self.weight, out_mask=self.out_mask,
+                                          in_factor=self.in_factor)
         if self.in_factor is not None:
             v = v * self.in_factor
         y = linear_part(self.layer, v, self.weight)
@@ -100,19 +91,10 @@ class MaskedAffine:
 
     def rmatvec(self, u: torch.Tensor, masked: bool = False) -> torch.Tensor:
         """``Aᵀ u`` for ``u: [B, *out_shape]`` → ``[B, *in_shape]`` (``masked``: ``u`` is already zero off the mask)."""
-        if self._triton_linear:
-            v = masked_linear(u, self.weight, out_mask=None if masked else self.out_mask,
-                              in_mask=self._flat_in_factor(), transpose=True, backend="triton")
-            return v.reshape(u.shape[0], *self.in_shape)
-        if self._triton_conv:
-            return masked_conv2d(u, self.weight, self.layer, out_mask=None if masked else self.out_mask,
-                                 in_factor=self.in_factor, transpose=True, in_size=self.in_shape[-2:],
-                                 backend="triton")
+        if self._triton:
+            return self.rule.masked_adjoint(self.layer, u, self.weight, out_mask=None if masked else self.out_mask,
+                                            in_factor=self.in_factor, in_shape=self.in_shape)
         if self.out_mask is not None and not masked:
             u = u * self.out_mask
-        layer = self.layer
-        if isinstance(layer, nn.Conv2d):
-            v = conv2d_adjoint(u, self.weight, layer, self.in_shape[-2:])
-        else:
-            v = (u @ self.weight).reshape(u.shape[0], *self.in_shape)
+        v = self.rule.adjoint(self.layer, u, self.weight, self.in_shape)
         return v if self.in_factor is None else v * self.in_factor

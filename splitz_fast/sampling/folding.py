@@ -27,7 +27,8 @@ import copy
 import torch
 import torch.fx
 import torch.nn as nn
-import torch.nn.functional as F
+
+from ..model.layers import fold_batchnorm_into, folding_rule
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 # The layer types a BatchNorm type folds into (exact types: subclasses may compute something else).
@@ -119,7 +120,7 @@ class _Folder:
             if isinstance(bn, _BatchNorm):
                 why = _why_not(layer, bn)
                 if why is None:
-                    setattr(chain, names[i - 1], _folded(layer, bn))
+                    setattr(chain, names[i - 1], fold_batchnorm_into(layer, bn))
                     delattr(chain, names[i])
                     del names[i]
                     continue
@@ -143,7 +144,7 @@ class _Folder:
                 self.reasons.setdefault(id(bn), why)
                 continue
             name = free_submodule_name(gm, f"{src.target}_folded")
-            gm.add_submodule(name, _folded(layer, bn))
+            gm.add_submodule(name, fold_batchnorm_into(layer, bn))
             with gm.graph.inserting_before(src):
                 new = gm.graph.call_module(name, src.args, src.kwargs)
             node.replace_all_uses_with(new)
@@ -181,62 +182,10 @@ def _why_not(layer: nn.Module | None, bn: _BatchNorm) -> str | None:
         return "it or the layer before it has hooks"
     if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
         return "no running statistics (it normalizes with the batch's)"
-    features = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    features = folding_rule(layer).out_features(layer)
     if bn.num_features != features:
         return f"{bn.num_features} features after a layer with {features} outputs"
     return None
-
-
-@torch.no_grad()
-def _scale_shift(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``(s, t)`` with ``bn(x) = s·x + t`` per channel in eval mode."""
-    scale = torch.rsqrt(bn.running_var.double() + bn.eps)
-    if bn.weight is not None:
-        scale = scale * bn.weight.double()
-    shift = -bn.running_mean.double() * scale
-    if bn.bias is not None:
-        shift = shift + bn.bias.double()
-    return scale, shift
-
-
-@torch.no_grad()
-def _folded(layer: nn.Module, bn: _BatchNorm) -> nn.Module:
-    """``bn ∘ layer`` (eval mode) as one layer: a new convolution with bias, or :class:`_LinearBatchNorm1d`."""
-    scale, shift = _scale_shift(bn)
-    weight = layer.weight.double() * scale.view(-1, *([1] * (layer.weight.ndim - 1)))
-    bias = shift if layer.bias is None else shift + layer.bias.double() * scale
-    if isinstance(layer, nn.Linear):
-        return _LinearBatchNorm1d(layer, weight, bias, scale, shift)
-    conv = type(layer)(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                       padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=True,
-                       padding_mode=layer.padding_mode, device=layer.weight.device, dtype=layer.weight.dtype)
-    conv.weight.copy_(weight)
-    conv.bias.copy_(bias)
-    return conv.train(False)
-
-
-class _LinearBatchNorm1d(nn.Module):
-    """``BatchNorm1d(Linear(x))`` in eval mode. For ``[B, F]`` inputs (the BatchNorm normalizes the linear layer's
-    outputs) one linear layer with the BatchNorm folded in; for higher-rank inputs ``[B, C, ..., F]`` the BatchNorm
-    normalizes dim 1, not the features, so the linear layer runs as it is and the per-channel affine map after it."""
-
-    def __init__(self, linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor,
-                 shift: torch.Tensor):
-        super().__init__()
-        dtype = linear.weight.dtype
-        self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-        self.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-        self.linear = linear
-        self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("shift", shift.to(dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim == 2:
-            return F.linear(x, self.weight, self.bias)
-        y = self.linear(x)
-        if y.ndim != 3:
-            raise ValueError(f"BatchNorm1d expects 2D or 3D input (got {y.ndim}D input)")
-        return y * self.scale.view(-1, 1).to(y.dtype) + self.shift.view(-1, 1).to(y.dtype)
 
 
 __all__ = ["fold_batchnorm", "folded_copy", "unfolded_batchnorms"]

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..model.layers import fold_batchnorm_into
 from ..model.modules import ClippedReLU, LeftHalf, SplitModel, Standardize, affine_layers, split_sequential
 from .pretrained import lenet5, pretrained_lenet5
 
@@ -301,33 +302,15 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-@torch.no_grad()
 def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     """A new ``nn.Conv2d`` (with bias) equal to ``bn ∘ conv`` when ``bn`` is in eval mode (running statistics).
 
-    ``w' = w · γ/√(var + ε)`` per output channel, ``b' = (b − mean) · γ/√(var + ε) + β``. For a freshly initialized
-    BatchNorm (γ = 1, β = 0, mean 0, var 1) this is ``conv`` scaled by ``1/√(1 + ε)``, i.e. removing the BatchNorm.
+    ``w' = w · γ/√(var + ε)`` per output channel, ``b' = (b − mean) · γ/√(var + ε) + β``, computed in float64 and
+    rounded to the convolution's dtype once (:func:`~splitz_fast.model.layers.fold_batchnorm_into`, the folder
+    ``f_R``'s BatchNorms go through too). For a freshly initialized BatchNorm (γ = 1, β = 0, mean 0, var 1) this is
+    ``conv`` scaled by ``1/√(1 + ε)``, i.e. removing the BatchNorm.
     """
-    if bn.running_mean is None or bn.running_var is None:
-        raise ValueError("fold_batchnorm needs a BatchNorm with running statistics (track_running_stats=True)")
-    if bn.num_features != conv.out_channels:
-        raise ValueError(f"BatchNorm has {bn.num_features} features but the convolution {conv.out_channels} channels")
-    scale = torch.rsqrt(bn.running_var + bn.eps)
-    if bn.weight is not None:
-        scale = scale * bn.weight
-    shift = -bn.running_mean * scale
-    if bn.bias is not None:
-        shift = shift + bn.bias
-    if conv.bias is not None:
-        shift = shift + conv.bias * scale
-    folded = nn.Conv2d(
-        conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-        dilation=conv.dilation, groups=conv.groups, bias=True, padding_mode=conv.padding_mode,
-        device=conv.weight.device, dtype=conv.weight.dtype,
-    )
-    folded.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1).to(conv.weight.dtype))
-    folded.bias.copy_(shift.to(conv.weight.dtype))
-    return folded
+    return fold_batchnorm_into(conv, bn)
 
 
 def split_resnet(

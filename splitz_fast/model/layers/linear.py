@@ -50,7 +50,7 @@ class LinearRule(LayerRule):
 
     def fold_batchnorm(self, layer: nn.Linear, scale: torch.Tensor, shift: torch.Tensor) -> nn.Module:
         weight, bias = self.folded_parameters(layer, scale, shift)
-        return LinearBatchNorm1d(layer, weight, bias, scale, shift)
+        return LinearBatchNorm1d(layer, weight, bias, scale, shift).train(False)
 
 
 class LinearBatchNorm1d(nn.Module):
