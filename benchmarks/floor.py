@@ -50,6 +50,8 @@ On a CPU, or a card not in :data:`CARDS`, the floors are ``None`` ("—" in the 
 from __future__ import annotations
 
 import copy
+import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -115,6 +117,31 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes * repeats / seconds
+
+
+def measure_normal_rate(device: torch.device, count: int = 1 << 25, repeats: int = 5) -> float:
+    """Standard normals per second that torch's generator writes on ``device`` (``Tensor.normal_`` into float32:
+    Philox on CUDA, the CPU generator on the CPU), the best of ``repeats`` after a warm-up: the RNG floor of a row
+    (every sample draws as many normals as its latent has elements)."""
+    device = torch.device(device)
+    buffer = torch.empty(count, dtype=torch.float32, device=device)
+    buffer.normal_()
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        buffer.normal_()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return count / best
+
+
+def rng_floor(noise_per_sample: int, samples: int, normal_rate: float) -> dict:
+    """The RNG fields of a row: normals per sample, the measured rate and the seconds per image drawing them takes."""
+    return dict(noise_per_sample=noise_per_sample, normal_rate=normal_rate,
+                rng_floor_s=samples * noise_per_sample / normal_rate)
 
 
 # ------------------------------------------------------------------------------------------------------ counting
@@ -220,10 +247,13 @@ def peak_for(card: Card, precision: str) -> tuple[float, str]:
     return card.fp32_flops, f"FP32 {card.fp32_flops / 1e12:.0f} TFLOP/s"
 
 
-def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidth: float | None = None) -> dict:
+def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidth: float | None = None,
+           rng_floor_s: float = 0.0) -> dict:
     """The floor fields of a row: bytes per sample always; with a known ``card``, the compute floor, the memory floors
     (unfused, fused), the floor and the fused floor in seconds per image of ``samples`` samples. ``bandwidth``: a
-    measured copy bandwidth (bytes/s), else the card's figure."""
+    measured copy bandwidth (bytes/s), else the card's figure. ``rng_floor_s``: the seconds per image that drawing the
+    noise takes (:func:`rng_floor`); the generator's arithmetic runs on the same units as ``f_R``'s, so it adds to
+    the compute floor: floor = max(compute + RNG, memory)."""
     size = ELEMENT_SIZE[precision]
     row = dict(samples_per_image=samples, element_size=size,
                activation_bytes_per_sample=cost.activation_elements * size,
@@ -241,7 +271,7 @@ def floors(cost: Cost, precision: str, samples: int, card: Card | None, bandwidt
     row.update(card=card.name, peak=label, bandwidth_Bps=bandwidth,
                bandwidth_source="measured copy_ in this run" if measured else card.bandwidth_source,
                compute_floor_s=compute, memory_floor_s=memory, fused_memory_floor_s=fused_memory,
-               floor_s=max(compute, memory), fused_floor_s=max(compute, fused_memory))
+               floor_s=max(compute + rng_floor_s, memory), fused_floor_s=max(compute + rng_floor_s, fused_memory))
     return row
 
 

@@ -202,6 +202,28 @@ def test_floors_reproduce_spec_figures_on_an_h100():
     assert row["activation_bytes_per_sample"] == 20 and row["floor_s"] is None and row["compute_floor_s"] is None
 
 
+def test_the_rng_floor_adds_to_the_compute_floor_and_sets_the_s1_target():
+    """LeNet at s = 1 draws 25,088 normals per sample, 2.5 × 10⁹ per image at n0 + n = 100,100: its floor and its
+    target include drawing them (at 3 × 10¹¹ normals/s, 8.4 ms), where 1.2× the s = 0 time cannot hold them."""
+    from benchmarks.targets.workloads import FULL, RNG_FLOOR_FACTOR, targets_for
+
+    rng = floor.rng_floor(32 * 28 * 28, 100_100, 3e11)
+    assert rng["rng_floor_s"] == pytest.approx(25_088 * 100_100 / 3e11) == pytest.approx(8.37e-3, rel=1e-3)
+    card = floor.card_for("NVIDIA H100 80GB HBM3")
+    cost = floor.Cost(8.9e6, 8.9e6, 0.0, 88_000, 30_000, 0, {})
+    plain, with_noise = (floor.floors(cost, "bfloat16", 100_100, card, rng_floor_s=r) for r in (0.0, rng["rng_floor_s"]))
+    assert with_noise["floor_s"] == max(plain["compute_floor_s"] + rng["rng_floor_s"], plain["memory_floor_s"])
+    assert with_noise["fused_floor_s"] == plain["compute_floor_s"] + rng["rng_floor_s"] > plain["fused_floor_s"]
+    lenet = FULL[0]
+    target = targets_for(lenet, 1, "bfloat16", {"bfloat16": 0.006}, rng["rng_floor_s"])
+    assert target["target_s"] == pytest.approx(0.006 + RNG_FLOOR_FACTOR * rng["rng_floor_s"])
+    assert "RNG floor" in target["target_rule"]
+    assert targets_for(lenet, 1, "bfloat16", {"bfloat16": 0.006})["target_s"] == pytest.approx(1.2 * 0.006)
+    assert targets_for(lenet, 1, "bfloat16", {})["target_s"] is None
+    assert targets_for(lenet, 0, "bfloat16", None, 1.0)["target_s"] == 0.008  # SPEC's s = 0 row: no noise term
+    assert floor.measure_normal_rate(torch.device("cpu"), count=1 << 16, repeats=2) > 1e6  # normals/s, measured
+
+
 def test_count_cost_counts_flops_and_activation_writes_of_each_op():
     """Hand-counted: conv(1→2, 3×3, pad 1) on 4×4 → BN → ReLU → 2×2 max pool → flatten (a view) → linear(8→3); and a
     residual block (conv-BN-ReLU-conv-BN, + identity, ReLU) whose fused chains write two of its seven tensors."""

@@ -68,7 +68,7 @@ import torch
 from splitz_fast.cuda_math import convolutions_use_tf32, matmuls_use_tf32
 
 # benchmarks/ is on sys.path (the package's __init__ puts it there): the benchmark modules by bare name
-from floor import card_for, measure_copy_bandwidth
+from floor import card_for, measure_copy_bandwidth, measure_normal_rate
 
 from .comparisons import run_native
 from .measure import Recorder, device_name, now, run_targets
@@ -114,18 +114,21 @@ def main(argv=None) -> int:
         start = time.monotonic()
         settings = dict(n0=N0, alpha=ALPHA, sigma=SIGMA, images=images, warmup_images=1, quick=args.quick,
                         budget_s=args.budget)
-        bandwidth = None
+        bandwidth = normal_rate = None
         if part == "targets":
             settings.update(workloads=[w.key for w in workloads], precisions=list(precisions))
             card = card_for(device_name(device)) if device.type == "cuda" else None
             bandwidth = measure_copy_bandwidth(device)  # None off CUDA
-            settings.update(card=asdict(card) if card else None, copy_bandwidth_Bps=bandwidth,
+            normal_rate = measure_normal_rate(device, count=1 << 20 if args.quick else 1 << 25)
+            settings.update(card=asdict(card) if card else None, copy_bandwidth_Bps=bandwidth, normal_rate=normal_rate,
                             tf32_conv=convolutions_use_tf32(), tf32_matmul=matmuls_use_tf32())
         recorder = Recorder(out, part, settings, append=args.append)
         print(f"[{now()}] part {part} on {device_name(device)}, torch {torch.__version__}"
-              + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)
+              + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else "")
+              + (f"; torch's generator {normal_rate / 1e9:.2f} G normals/s" if normal_rate else ""), flush=True)
         if part == "targets":
-            run_targets(recorder, workloads, images, device, args.quick, start + args.budget, bandwidth, precisions)
+            run_targets(recorder, workloads, images, device, args.quick, start + args.budget, bandwidth, precisions,
+                        normal_rate)
         else:
             run_native(recorder, images, device, args.quick, start + args.budget)
         recorder.finish(time.monotonic() - start)

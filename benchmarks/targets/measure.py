@@ -18,7 +18,7 @@ from splitz_fast.kernels import conv_relu_pool
 # benchmarks/ is on sys.path (the package's __init__ puts it there): the benchmark modules by bare name
 from compile_watch import BatchShapes, CompileCounter, timed_region_record
 from conftest import environment
-from floor import card_for, count_cost, floors
+from floor import card_for, count_cost, floors, rng_floor
 from test_bench_certify import cohen_style_certify  # (the faithful naive loop, shared)
 
 from .report import markdown, summary, write_csv
@@ -119,7 +119,8 @@ def environment_record() -> dict:
 def measure_group(workload: Workload, split: int, images: int, device: torch.device, quick: bool,
                   precisions=PRECISIONS, naive: bool = True, bandwidth: float | None = None,
                   rs_times: dict | None = None, cuda_graphs: bool | None = None, compile: bool | None = None,
-                  bound_options: dict | None = None, fused_kernels: bool | None = None):
+                  bound_options: dict | None = None, fused_kernels: bool | None = None,
+                  normal_rate: float | None = None):
     """Yield one row per precision for ``(workload, split)``: ours vs the fp32 naive loop (timed once, first), with
     ``f_R``'s counted cost per sample and the card's floors. ``bandwidth``: the copy bandwidth measured in this run
     (bytes/s; the card table's figure otherwise). ``rs_times``: precision → this model's s = 0 time, for the s = 1
@@ -128,7 +129,8 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
     after a minute of eager sampling at one batch size, so not within a row; what it decided is recorded in
     ``compiled``). ``bound_options``: BoundOptions fields
     set on top of the workload's (for A/B rows). ``fused_kernels``: the Smoother's setting (default: decided by
-    measurement, recorded like the graphs)."""
+    measurement, recorded like the graphs). ``normal_rate``: the normals per second torch's generator drew in this
+    run (benchmarks/floor.py's measure_normal_rate): the RNG floor of each row, in its floors and the s = 1 target."""
     model, xs, weights, inputs = load_inputs(workload, split, images + 1, device, quick)
     warm, data = xs[:1], xs[1:]
     n0, n = workload.n0, workload.n
@@ -147,6 +149,7 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
         traceback.print_exc()
         cost_error = error_text(exc)
     card = card_for(device_name(device)) if device.type == "cuda" else None
+    rng = rng_floor(reference.latent(warm[0]).numel(), n0 + n, normal_rate) if normal_rate else {}
 
     naive_by_batch, naive_predictions, naive_errors, naive_regions = {}, [], {}, {}
     for b in workload.naive_batches if naive else ():
@@ -175,12 +178,13 @@ def measure_group(workload: Workload, split: int, images: int, device: torch.dev
                                     else None),
                    naive_s_per_image_by_batch={str(b): s for b, s in naive_by_batch.items()},
                    naive_errors=naive_errors)
-        row.update(targets_for(workload, split, precision, rs_times))
+        row.update(rng)
+        row.update(targets_for(workload, split, precision, rs_times, rng.get("rng_floor_s")))
         if naive_batch is not None:
             row.update(timed_region_record(naive_regions[naive_batch], prefix="naive_"))
         if cost is not None:
             row.update(cost.record())
-            row.update(floors(cost, precision, n0 + n, card, bandwidth))
+            row.update(floors(cost, precision, n0 + n, card, bandwidth, rng.get("rng_floor_s", 0.0)))
         else:
             row["cost_error"] = cost_error
         smoother = None
@@ -254,7 +258,7 @@ def device_name(device: torch.device) -> str:
 
 
 def run_targets(recorder: Recorder, workloads, images: int, device: torch.device, quick: bool, deadline: float,
-                bandwidth: float | None = None, precisions=PRECISIONS):
+                bandwidth: float | None = None, precisions=PRECISIONS, normal_rate: float | None = None):
     for workload in workloads:
         rs_times: dict[str, float] = {}  # precision → this model's s = 0 time (the s = 1 rows' target)
         for split in (0, 1):
@@ -265,7 +269,7 @@ def run_targets(recorder: Recorder, workloads, images: int, device: torch.device
             print(f"[{now()}] {workload.label}, s = {split}, n = {workload.n:,}", flush=True)
             try:
                 for row in measure_group(workload, split, images, device, quick, precisions, bandwidth=bandwidth,
-                                         rs_times=rs_times if split else None):
+                                         rs_times=rs_times if split else None, normal_rate=normal_rate):
                     print("  " + summary(row), flush=True)
                     recorder.add(row)
                     if split == 0 and row.get("status") == "ok":

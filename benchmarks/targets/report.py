@@ -17,7 +17,8 @@ CSV_FIELDS = ("part", "workload", "label", "model", "split", "precision", "n0", 
               "all_targets_met", "flops_per_sample", "conv_flops_per_sample", "matmul_flops_per_sample",
               "activation_elements_per_sample", "fused_activation_elements_per_sample", "input_elements_per_sample",
               "element_size", "activation_bytes_per_sample", "fused_activation_bytes_per_sample", "samples_per_image",
-              "card", "peak", "bandwidth_Bps", "bandwidth_source", "compute_floor_s", "memory_floor_s",
+              "card", "peak", "bandwidth_Bps", "bandwidth_source", "compute_floor_s", "noise_per_sample",
+              "normal_rate", "rng_floor_s", "memory_floor_s",
               "fused_memory_floor_s", "floor_s", "fused_floor_s", "ours_over_floor", "ours_over_fused_floor",
               "compiled_in_timed_region", "naive_compiled_in_timed_region", "engine_batch", "setup_s", "certified",
               "warmup_certified", "naive_certified", "gamma_evaluations_mean", "what", "cuda_ms", "triton_ms",
@@ -69,7 +70,7 @@ def markdown(data: dict) -> str:
                   floor_note(s), "",
                   "| workload, n | split | f_R | ours (s/image) | Cohen et al. algorithm (naive loop), s/image (batch) "
                   f"| vs loop (≥ {VS_LOOP_TARGET:g}×) | certified (γ evals; loop's) | GFLOP / sample "
-                  "| activation MB / sample (unfused / fused) | compute floor (s/image) "
+                  "| activation MB / sample (unfused / fused) | compute floor (s/image; + RNG floor) "
                   "| memory floor (s/image; unfused / fused) | ours ÷ floor "
                   f"| ours ÷ fused floor (≤ {FUSED_FLOOR_TARGET:g}×) | time target (s/image) "
                   f"| met: time / ≥ {VS_LOOP_TARGET:g}× loop / ≤ {FUSED_FLOOR_TARGET:g}× fused floor "
@@ -88,7 +89,8 @@ def markdown(data: dict) -> str:
                 f"{_fmt(r.get('ratio_vs_naive'), 2, '×')} | {r['certified']}/{r['images']} "
                 f"({r['gamma_evaluations_mean']:.1f}; {r.get('naive_certified')}) | "
                 f"{_sig(r.get('flops_per_sample'), 1e9)} | {_sig(r.get('activation_bytes_per_sample'), 1e6)} / "
-                f"{_sig(r.get('fused_activation_bytes_per_sample'), 1e6)} | {_sig(r.get('compute_floor_s'))} | "
+                f"{_sig(r.get('fused_activation_bytes_per_sample'), 1e6)} | {_sig(r.get('compute_floor_s'))}"
+                + (f" + {_sig(r['rng_floor_s'])}" if r.get("rng_floor_s") is not None else "") + " | "
                 f"{_sig(r.get('memory_floor_s'))} / {_sig(r.get('fused_memory_floor_s'))} | "
                 f"{_fmt(r.get('ours_over_floor'), 1, '×')} | {_fmt(r.get('ours_over_fused_floor'), 1, '×')} | "
                 f"≤ {_fmt(r.get('target_s'), 4)} ({r.get('target_rule', '—')}) | "
@@ -185,8 +187,10 @@ def floor_note(settings: dict) -> str:
             "fused = only the last output of each conv/linear + BN + pointwise (ReLU, bias, residual add) + pool "
             "chain. Per image of n0 + n samples: compute floor = FLOPs at the card's dense peak for the row's "
             "precision (bf16, TF32 or IEEE fp32, as the engine runs f_R); memory floor = activations "
-            "written once and read once at the card's bandwidth; floor = max(compute, memory), fused floor = "
-            f"max(compute, fused memory). {where}. Compiled in timed region: dynamo compiles, Triton JIT compiles or "
+            "written once and read once at the card's bandwidth; RNG floor = the normals the row draws (its latent's "
+            "elements per sample) at the rate torch's generator drew them in this run (on the same units as f_R's "
+            "arithmetic, so it adds to the compute floor); floor = max(compute + RNG, memory), fused floor = "
+            f"max(compute + RNG, fused memory). {where}. Compiled in timed region: dynamo compiles, Triton JIT compiles or "
             "new Triton cache files during the timed run, or f_R batch shapes it saw that the warm-up did not (cuDNN "
             "benchmark mode would autotune them; benchmarks/compile_watch.py).")
 
