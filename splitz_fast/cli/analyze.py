@@ -9,8 +9,6 @@ import sys
 import warnings
 from pathlib import Path
 
-from .._checks import read_settings_file
-from ..runs.dataset_run import load_model_and_dataset
 from .options import DEMO_RADII, _HelpFormatter, _add_threads_option
 
 
@@ -48,9 +46,11 @@ def analyze_command(args: argparse.Namespace) -> int:
 
 
 def diagnose_command(args: argparse.Namespace) -> int:
+    from .._checks import read_settings_file
     from ..analysis.tables import read_certification
     from ..analysis.diagnostics import diagnose, diagnostics_report
     from ..checkpoints.splitz import checkpoint_digest
+    from ..runs.dataset_run import load_model_and_dataset
 
     if args.radii is not None and not args.headroom:
         raise ValueError("--radii is read only with --headroom; add --headroom or leave --radii out")

@@ -8,20 +8,17 @@ import contextlib
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .._checks import check_count, check_output_file, check_positive, check_probability
-from ..bounds.radius import BOUND_METHODS, BOUNDS, GAMMA_SEARCHES
-from ..certify.margin import MarginCertifier
-from ..certify.protocols import PROTOCOLS, PUBLISHED_DATA_STD, CertificationProtocol, PublishedCode, get_protocol
-from ..certify.sequential import SequentialCertifier
-from ..certify.smoothing import Smoother
-from ..runs.dataset_run import HELD_OUT_SPLIT, DatasetRun
-from ..sampling.engine import PRECISIONS
+from .choices import (ATTACK_NAMES, BOUND_METHODS, BOUNDS, GAMMA_SEARCHES, HELD_OUT_SPLIT, PRECISION_NAMES,
+                      PROTOCOL_NAMES)
 from .options import (_AUTO_ON_OFF, _HelpFormatter, _add_checkpoint_format_option, _add_max_option,
                       _add_sharding_options, _add_threads_option, _bound_options, _dataset_help)
+
+if TYPE_CHECKING:  # the parser imports neither torch nor scipy: the commands import what they run
+    from ..certify.protocols import CertificationProtocol
+    from ..certify.smoothing import Smoother
+    from ..runs.dataset_run import DatasetRun
 
 
 @contextlib.contextmanager
@@ -48,6 +45,8 @@ def _protocol(name: str, dataset: str, lipschitz_factor: float | None = None) ->
     """The protocol ``--protocol NAME`` means for ``dataset``: ``published-code`` reads a model without
     standardization behind the dataset's published normalization (MNIST's std 0.3081) and multiplies its ``L`` by
     ``--published-lipschitz-factor`` (``lipschitz_factor``, default 1), which no other protocol takes."""
+    from ..certify.protocols import PUBLISHED_DATA_STD, PublishedCode, get_protocol
+
     if name == "published-code":
         factor = 1.0 if lipschitz_factor is None else lipschitz_factor
         return PublishedCode(data_std=PUBLISHED_DATA_STD.get(dataset), lipschitz_factor=factor)
@@ -59,6 +58,8 @@ def _protocol(name: str, dataset: str, lipschitz_factor: float | None = None) ->
 def _open_run(args: argparse.Namespace) -> DatasetRun:
     """The :class:`~splitz_fast.runs.dataset_run.DatasetRun` of a dataset command's checked arguments; sets
     ``args.device`` to the device this process uses (under torchrun: its local rank's GPU)."""
+    from ..runs.dataset_run import DatasetRun
+
     run = DatasetRun.open(args.dataset, args.checkpoint, args.outfile, split=args.split, root=args.root,
                           skip=args.skip, max_count=args.max, seed=args.seed, resume=args.resume, device=args.device,
                           shard=args.shard, checkpoint_format=getattr(args, "checkpoint_format", "splitz"),
@@ -71,6 +72,11 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[DatasetRun, Sm
     """certify / predict: the sampling options checked under their command-line names and the bound options built
     (before the model and data are loaded), the run, the Smoother and the settings its sidecar records.
     ``selection``: the command draws ``--N0``."""
+    import torch
+
+    from .._checks import check_count, check_positive, check_probability
+    from ..certify.smoothing import Smoother
+
     check_positive("SIGMA", args.sigma)
     if args.batch is not None:
         check_count("--batch", args.batch)
@@ -101,6 +107,8 @@ def _smoother(args: argparse.Namespace, selection: bool) -> tuple[DatasetRun, Sm
 
 def _sequential_budget(args: argparse.Namespace) -> int:
     """The checked sample budget of ``certify --sequential`` (``--budget``, else ``--N``) and its ``--radii``."""
+    from .._checks import check_count
+
     if not args.radii:
         raise ValueError("--sequential needs --radii: the input-space radii to decide, e.g. --radii 0.5 1 1.5 2")
     bad = [r for r in args.radii if not (r > 0 and r != float("inf"))]
@@ -116,6 +124,7 @@ def _sequential_budget(args: argparse.Namespace) -> int:
 
 @resume_notices_on_stderr()
 def certify_command(args: argparse.Namespace) -> int:
+    from ..certify.sequential import SequentialCertifier
     from ..runs.tasks import CertifyRun
 
     if args.sequential:
@@ -135,6 +144,7 @@ def certify_command(args: argparse.Namespace) -> int:
 @resume_notices_on_stderr()
 def certify_margin_command(args: argparse.Namespace) -> int:
     """Deterministic margin certificates for a model trained with the whole classifier in f_L."""
+    from ..certify.margin import MarginCertifier
     from ..runs.tasks import MarginRun
 
     bound_options = _bound_options(args)
@@ -157,7 +167,9 @@ def predict_command(args: argparse.Namespace) -> int:
 @resume_notices_on_stderr()
 def attack_command(args: argparse.Namespace) -> int:
     """l2 attacks (:mod:`splitz_fast.certify.attacks`) on each selected input; PREDICT decides the clean and attacked points."""
+    from .._checks import check_count, check_positive, check_probability
     from ..certify.attacks import Attacker
+    from ..certify.smoothing import Smoother
     from ..runs.tasks import AttackRun
 
     check_positive("SIGMA", args.sigma)
@@ -181,6 +193,7 @@ def attack_command(args: argparse.Namespace) -> int:
 
 def merge_command(args: argparse.Namespace) -> int:
     """Join the shards of one certify/predict run (``--shard K/N``) into OUTFILE, sorted by idx."""
+    from .._checks import check_output_file
     from ..runs.shards import ShardData, merge_shards, shard_files
 
     out = check_output_file("OUTFILE", args.outfile)
@@ -241,7 +254,7 @@ def _add_certify_predict_parser(sub) -> None:
                            help="with --sequential: input-space l2 radii to decide, e.g. 0.5 1 1.5 2")
             c.add_argument("--budget", type=int, default=None,
                            help="with --sequential: most estimation samples per image; --N when unset")
-            c.add_argument("--protocol", choices=tuple(PROTOCOLS), default="sound",
+            c.add_argument("--protocol", choices=PROTOCOL_NAMES, default="sound",
                            help="sound: a certificate; displacement: a certificate never smaller than sound (the "
                                 "latent-displacement bound of clipped neurons; slower). paper (Algorithm 1: masked "
                                 "5-step power iteration, one-step "
@@ -252,7 +265,7 @@ def _add_certify_predict_parser(sub) -> None:
                            help="with --protocol published-code: multiply its L by C, the published code's "
                                 "normalisation constant (its stored versions disagree: 0.2023 multiplies, 1/0.2023 "
                                 "divides; unset: 1). Recorded in the sidecar")
-        c.add_argument("--precision", choices=tuple(PRECISIONS), default="float32",
+        c.add_argument("--precision", choices=PRECISION_NAMES, default="float32",
                        help="how f_R computes while sampling (noise stays float32): float32 is IEEE float32 also on "
                             "CUDA; tf32 uses TF32 tensor cores on CUDA (a different base classifier, recorded)")
         c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -315,8 +328,6 @@ def _add_certify_margin_parser(sub) -> None:
 
 def _add_attack_parser(sub) -> None:
     """``splitz attack``: l2 attacks with PREDICT at the clean and attacked points."""
-    from ..certify.attacks import ATTACKS
-
     dataset_help = _dataset_help()
     k = sub.add_parser("attack", help="l2 attacks on the smoothed classifier (smooth-pgd, smooth-fgsm) or the base "
                                       "classifier (pgd, fgsm, deepfool); PREDICT decides clean and attacked points",
@@ -327,7 +338,7 @@ def _add_attack_parser(sub) -> None:
     k.add_argument("sigma", type=float, help="noise level σ of the smoothed classifier")
     k.add_argument("outfile", help="TSV: idx label clean_predict adv_predict eps delta_norm success time (a sidecar "
                                    "OUTFILE.json records the settings)")
-    k.add_argument("--attack", choices=ATTACKS, default="smooth-pgd",
+    k.add_argument("--attack", choices=ATTACK_NAMES, default="smooth-pgd",
                    help="smooth-*: gradients of the Monte Carlo soft smoothed classifier through f_L and f_R")
     k.add_argument("--eps", type=float, required=True, help="l2 budget in raw input units")
     k.add_argument("--steps", type=int, default=20, help="PGD / DeepFool iterations")

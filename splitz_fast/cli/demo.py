@@ -6,15 +6,8 @@ import json
 import platform
 import time
 
-import torch
-
 from .. import __version__
-from .._checks import check_count, check_output_folder, check_probability
-from ..checkpoints.splitz import load_model
-from ..certify.smoothing import Smoother
-from ..certify.stats import max_latent_radius
 from .options import DEMO_RADII, _HelpFormatter, _add_threads_option
-from .train import _train_config
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -22,12 +15,19 @@ def demo(args: argparse.Namespace) -> int:
     budget, certify the same test images with each, and print the certified-accuracy tables side by side.
 
     Everything lands in ``--out``; a second call resumes (finished parts are not redone)."""
+    import torch
+
+    from .._checks import check_count, check_output_folder, check_probability
     from ..analysis.plots import analyze
+    from ..certify.smoothing import Smoother
+    from ..certify.stats import max_latent_radius
+    from ..checkpoints.splitz import load_model
     from ..data.datasets import get_dataset
     from ..zoo.models import build_model
     from ..runs.loop import run_over_dataset, select_indices
     from ..runs.tasks import CertifyRun
     from ..training.loop import train
+    from .train import _train_config
 
     # Check every setting up front: a bad value must not cost a training run first.
     config = _train_config(args, _DEMO_TRAIN_OPTIONS)

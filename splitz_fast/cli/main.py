@@ -24,13 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from .. import __version__
-from .._checks import check_count, check_device
-from ..data.packages import DatasetUnavailableError
 from .analyze import _add_analyze_parser, _add_diagnose_parser, _add_envelope_parser
 from .certify import _add_attack_parser, _add_certify_margin_parser, _add_certify_predict_parser, _add_merge_parser
+from .choices import MODEL_NAMES
 from .demo import _add_demo_parser
 from .options import _refuse_conflicts
 from .train import _add_train_parser
@@ -132,6 +129,17 @@ def _typed_options(argv: list[str]) -> dict[str, str]:
     return {dest: options[dest] for dest in vars(parser.parse_args(argv)) if dest in options}
 
 
+def _check_cheap_arguments(args: argparse.Namespace) -> None:
+    """The arguments checked without torch, before any checkpoint or dataset is read, so that a typo costs a fraction
+    of a second (the libraries check them again, in the same words)."""
+    if hasattr(args, "max") and args.skip < 1:
+        raise ValueError(f"--skip must be >= 1, got {args.skip}")
+    if hasattr(args, "max") and not (args.max == -1 or args.max >= 1):
+        raise ValueError(f"--max must be -1 (all) or >= 1, got {args.max}")
+    if args.command == "train" and args.model not in MODEL_NAMES:
+        raise ValueError(f"unknown model {args.model!r}; valid names: {', '.join(sorted(MODEL_NAMES))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; errors are one line on stderr with exit status 2 (under torchrun printed by rank 0 only,
     :func:`_print_error`), Ctrl-C exits with 130."""
@@ -143,15 +151,22 @@ def main(argv: list[str] | None = None) -> int:
                              f"{os.environ['WORLD_SIZE']}) every rank would write the same files. train runs "
                              "data-parallel; certify, predict and certify-margin are sharded over ranks")
         _refuse_conflicts(args, _typed_options(argv))
+        _check_cheap_arguments(args)
         if getattr(args, "threads", None) is not None:
+            import torch
+
+            from .._checks import check_count
+
             torch.set_num_threads(check_count("--threads", args.threads))
         if getattr(args, "device", None) is not None and not hasattr(args, "shard"):
+            from .._checks import check_device
+
             check_device("--device", args.device)  # certify/predict check theirs once torchrun's ranks are known
         return args.func(args)
     except KeyboardInterrupt:
         print(f"interrupted: {_stopped_at(args)}; to continue, run: {_continue_command(args, argv)}", file=sys.stderr)
         return 130
-    except (DatasetUnavailableError, ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: DatasetUnavailableError (a FileNotFoundError) too
         _print_error(f"error: {err}")
         return 2
 

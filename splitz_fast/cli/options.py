@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
-import torch
+from .choices import CHECKPOINT_FORMATS, COHEN_ARCH_DATASETS, DATASET_NAMES
 
-from ..bounds.radius import BoundOptions
+if TYPE_CHECKING:
+    from ..bounds.radius import BoundOptions
 
 
 DEMO_RADII = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0]
@@ -29,9 +31,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_threads_option(parser: argparse.ArgumentParser) -> None:
     """``--threads`` of every command that computes: torch's intra-op threads (``torch.set_num_threads``)."""
     parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help=f"torch threads of this process (each rank under torchrun); unset, torch's default "
-                             f"({torch.get_num_threads()} here). Trained weights depend on it (float sums are split "
-                             "differently); on a machine shared with other jobs fewer threads can be much faster")
+                        help="torch threads of this process (each rank under torchrun); unset, torch's default "
+                             "(torch.get_num_threads(): as a rule one per physical core). Trained weights depend on it "
+                             "(float sums are split differently); on a machine shared with other jobs fewer threads "
+                             "can be much faster")
 
 
 def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -46,10 +49,7 @@ def _add_max_option(parser: argparse.ArgumentParser, what: str) -> None:
 
 def _add_checkpoint_format_option(parser: argparse.ArgumentParser) -> None:
     """``--checkpoint-format`` of the commands that certify or attack a smoothed classifier."""
-    from ..checkpoints.splitz import CHECKPOINT_FORMATS
-    from ..checkpoints.cohen import COHEN_ARCHS
-
-    archs = ", ".join(f"{name} ({arch.dataset})" for name, arch in COHEN_ARCHS.items())
+    archs = ", ".join(f"{name} ({dataset})" for name, dataset in COHEN_ARCH_DATASETS.items())
     parser.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default="splitz",
                         help="splitz: CHECKPOINT was written by `splitz train`. cohen: a checkpoint.pth.tar of "
                              "Cohen et al.'s randomized smoothing code (locuslab/smoothing; SmoothAdv, MACER, ... "
@@ -69,9 +69,7 @@ def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _dataset_help() -> str:
-    from ..data.datasets import DATASETS
-
-    return f"dataset name: {', '.join(DATASETS)}"
+    return f"dataset name: {', '.join(DATASET_NAMES)}"
 
 
 def _bound_options(args: argparse.Namespace) -> BoundOptions:
@@ -79,6 +77,8 @@ def _bound_options(args: argparse.Namespace) -> BoundOptions:
     options: each option is the field of the same name (``--bound-method`` is ``bound_method``); a field the command
     has no option for keeps its default. Options typed together where one does nothing were refused before
     (:data:`_CONFLICTS`)."""
+    from ..bounds.radius import BoundOptions
+
     given = {field.name: getattr(args, field.name) for field in fields(BoundOptions) if hasattr(args, field.name)}
     try:
         return BoundOptions(**given)

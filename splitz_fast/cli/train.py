@@ -5,9 +5,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-import torch
-
-from .._checks import check_device, check_output_folder
+from .choices import LIP_OBJECTIVE_NAMES, MODEL_NAMES, RECIPE_NAMES
 from .options import _HelpFormatter, _add_threads_option, _dataset_help
 
 
@@ -76,6 +74,9 @@ def train_command(args: argparse.Namespace) -> int:
     """``splitz train``; under torchrun, data-parallel over the ranks
     (:class:`~splitz_fast.training.parallel.DataParallelGroup`: the same weights as one process, rank 0 writes the
     files and prints)."""
+    import torch
+
+    from .._checks import check_device, check_output_folder
     from ..data.datasets import get_dataset
     from ..runs.torchrun import TorchrunEnv, process_group
     from ..zoo.models import build_model
@@ -118,23 +119,19 @@ def train_command(args: argparse.Namespace) -> int:
 
 def _add_train_parser(sub) -> None:
     """``splitz train``: SPLITZ (or RS) training with a named recipe and its overrides."""
-    from ..zoo.models import MODELS
-    from ..training.recipes import RECIPES
-    from ..training.config import LIP_OBJECTIVES
-
     dataset_help = _dataset_help()
     t = sub.add_parser("train", help="train a SPLITZ model (or the RS baseline with --split-index 0)",
                        formatter_class=_HelpFormatter)
     t.add_argument("dataset", help=dataset_help)
-    t.add_argument("model", help=f"model name: {', '.join(MODELS)}")
+    t.add_argument("model", help=f"model name: {', '.join(MODEL_NAMES)}")
     t.add_argument("outdir", help="run folder: last.pt, best.pt, train.log")
     t.add_argument("--root", default=None, help="dataset folder (CIFAR-10, ImageNet, torchvision MNIST)")
     t.add_argument("--split", default="train",
                    help="dataset split to train on (--val-fraction of it is held out); another split only for smoke "
                         "runs, e.g. cifar10-samples, whose 20 images are test images")
-    t.add_argument("--recipe", choices=tuple(RECIPES), default=None,
-                   help="named settings with their source (splitz_fast.training.recipes; options below override them): "
-                        + "; ".join(f"{r.name}: {r.source}" for r in RECIPES.values()))
+    t.add_argument("--recipe", choices=RECIPE_NAMES, default=None,
+                   help="named settings (options below override them); where each comes from: "
+                        "docs/reproducing-splitz.md (Training recipes), splitz_fast.training.recipes.RECIPES")
     t.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="warm start: copy this checkpoint's affine layers (same architecture and σ; recipe warm-start)")
     # Options a recipe sets default to None: unset, they take the recipe's value, else TrainConfig's (the paper's).
@@ -159,7 +156,7 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--lambda-start", type=float, default=None,
                    help="λ at the first epoch (unset: the recipe's, else 0.8)")
     t.add_argument("--lambda-end", type=float, default=None, help="λ at the last epoch (unset: the recipe's, else 0.4)")
-    t.add_argument("--lip-objective", choices=tuple(LIP_OBJECTIVES), default=None,
+    t.add_argument("--lip-objective", choices=LIP_OBJECTIVE_NAMES, default=None,
                    help="how the estimate L̂ enters the loss (unset: the recipe's, else per-sample-hinge)")
     t.add_argument("--theta-lip", type=float, default=None, help="hinge threshold θ_lip (unset: the recipe's, else 0.5)")
     t.add_argument("--lip-target", type=float, default=None,
