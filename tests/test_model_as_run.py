@@ -17,6 +17,7 @@ from torch.nn.modules import module as torch_module
 
 import splitz_fast as sz
 from splitz_fast import cuda_math as cuda_math_module
+from splitz_fast.cuda_math import convolutions_use_tf32, matmuls_use_tf32
 from splitz_fast.sampling.epilogues import FusionChoice
 from splitz_fast.bounds.radius import BoundOptions
 from splitz_fast.sampling.engine import SamplingEngine
@@ -396,45 +397,36 @@ def test_the_latent_runs_with_tf32_off(monkeypatch):
     monkeypatch.setattr("splitz_fast.certify.smoothing.ieee_float32", recording)
     Smoother(_toy_model(), 0.5).latent(torch.tensor([0.3, 0.0]))
     assert entered == [torch.device("cpu")]
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    before = (cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32)
-    try:
-        cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark = True, True, False
-        with original(torch.device("cuda")):
-            assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == (False, False, False)
-        assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == (True, True, False)
-    finally:
-        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = before
+    cuda, cudnn = torch.device("cuda"), torch.backends.cudnn
+    with cuda_math_module.cuda_math(cuda, tf32=True, benchmark=False):  # a user's settings: TF32 on, no autotuning
+        with original(cuda):
+            assert (convolutions_use_tf32(), matmuls_use_tf32(), cudnn.benchmark) == (False, False, False)
+        assert (convolutions_use_tf32(), matmuls_use_tf32(), cudnn.benchmark) == (True, True, False)
 
 
 def test_math_settings_of_two_threads_never_interleave():
     """A thread sampling in TF32 and a thread computing a latent in IEEE float32 each see only their own settings."""
     cuda = torch.device("cuda")
     inside, release, seen = threading.Event(), threading.Event(), []
-    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
 
     def sampling():
         with cuda_math_module.cuda_math(cuda, tf32=True):
             inside.set()
             release.wait(5)
-            seen.append(("sampling", torch.backends.cudnn.allow_tf32))
+            seen.append(("sampling", convolutions_use_tf32()))
 
     def latent():
         inside.wait(5)
         with cuda_math_module.ieee_float32(cuda):
-            seen.append(("latent", torch.backends.cudnn.allow_tf32))
+            seen.append(("latent", convolutions_use_tf32()))
 
     threads = [threading.Thread(target=sampling), threading.Thread(target=latent)]
-    try:
-        for t in threads:
-            t.start()
-        inside.wait(5)
-        threading.Timer(0.2, release.set).start()
-        for t in threads:
-            t.join(10)
-    finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-         torch.backends.cuda.matmul.allow_tf32) = before
+    for t in threads:
+        t.start()
+    inside.wait(5)
+    threading.Timer(0.2, release.set).start()
+    for t in threads:
+        t.join(10)
     assert seen == [("sampling", True), ("latent", False)]
 
 
@@ -444,12 +436,8 @@ def test_the_latent_on_cuda_is_ieee_float32_even_with_tf32_enabled():
     net = nn.Sequential(nn.Conv2d(3, 64, 5, padding=2), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 32 * 32, 10))
     model = sz.split_sequential(net, 1, num_classes=10, input_shape=(3, 32, 32), threshold=float("inf")).cuda()
     x = torch.rand(3, 32, 32, device="cuda")
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = True
-    try:
+    with cuda_math_module.cuda_math(torch.device("cuda"), tf32=True):  # a user who enabled TF32
         got = Smoother(model, 0.5).latent(x).double()
-    finally:
-        torch.backends.cudnn.allow_tf32 = before
     conv = model.left.layers[0]
     exact = F.conv2d(x.double().unsqueeze(0), conv.weight.double(), conv.bias.double(), padding=2).clamp(min=0)[0]
     assert float((got - exact).abs().max()) <= 1e-5 * float(exact.abs().max())  # TF32 would be ~1e-3
