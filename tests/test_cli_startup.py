@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from splitz_fast.cli import choices
+from splitz_fast.cli.main import main
 
 COMMANDS = ["demo", "train", "certify", "predict", "merge", "certify-margin", "attack", "analyze", "diagnose",
             "envelope"]
@@ -72,3 +73,21 @@ def test_the_parser_choices_are_the_registries_names():
         tuple(radius.BOUNDS), tuple(radius.BOUND_METHODS), tuple(radius.GAMMA_SEARCHES))
     assert choices.PROTOCOL_NAMES == tuple(PROTOCOLS) and choices.PRECISION_NAMES == tuple(PRECISIONS)
     assert choices.ATTACK_NAMES == tuple(ATTACKS) and choices.HELD_OUT_SPLIT == HELD_OUT_SPLIT
+
+
+def test_cli_errors_name_the_options_not_the_python_arguments(tmp_path, capsys):
+    """The library says split_index, resume=True and init_checkpoint=...; the command line says its options."""
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "train.log").write_text("epoch\n")
+    for argv, said in (
+            (["train", "mnist", "lenet", str(tmp_path / "a"), "--sigma", "0.5", "--split-index", "5"],
+             "error: --split-index must be an integer in [0, 4] for this network"),
+            (["train", "mnist", "lenet", str(stopped), "--sigma", "0.5"],
+             f"error: {stopped} holds a run stopped in its first epoch: pass --resume to continue that run"),
+            (["train", "mnist", "lenet", str(tmp_path / "b"), "--sigma", "0.5", "--recipe", "warm-start"],
+             "error: recipe 'warm-start' starts from a trained checkpoint: give it with --init CHECKPOINT\n")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(said) and err.count("\n") == 1
+        assert "split_index" not in err and "resume=True" not in err and "init_checkpoint" not in err

@@ -95,3 +95,35 @@ def test_a_torn_last_line_is_left_out_with_one_line_on_stderr(tmp_path, capsys):
     path.write_text("\n".join([HEADER, "0\t1\t1\t0.", *rows]) + "\n")  # a bad row elsewhere is still an error
     with pytest.raises(ValueError, match=r"running.tsv:2: expected 6 tab-separated fields"):
         read_certification(path)
+
+
+def _overlapping_tick_labels(fig) -> list[str]:
+    """Pairs of neighbouring x tick labels whose drawn boxes overlap, on every axis of ``fig``."""
+    renderer = fig.canvas.get_renderer()
+    found = []
+    for ax in fig.axes:
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        found += [f"{a.get_text()} / {b.get_text()}" for (a, box_a), (b, box_b)
+                  in zip(zip(labels, boxes), zip(labels[1:], boxes[1:])) if box_a.x1 > box_b.x0]
+    return found
+
+
+def test_the_diagnostics_histograms_tick_labels_do_not_overlap(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from splitz_fast.analysis.diagnostics import CertificateDiagnostics, NeuronStates, diagnostics_report
+
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self) or save(self, *a, **k))
+    rows = 40
+    spread = np.linspace(0.0, 1.0, rows)
+    lipschitz = 123456.7 * (1 + spread)  # six-digit labels: matplotlib's default nine ticks collide
+    states = NeuronStates(0.3 * spread, 0.1 * spread, 1 - 0.4 * spread, np.ones(4, dtype=bool))
+    diag = CertificateDiagnostics(np.arange(rows), lipschitz, 0.5 * np.ones(rows), 0.9 * np.ones(rows), states)
+    diagnostics_report(diag, "narrow", out_dir=tmp_path)
+    fig = figures[0]
+    fig.canvas.draw()
+    assert _overlapping_tick_labels(fig) == []

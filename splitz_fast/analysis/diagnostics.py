@@ -196,6 +196,7 @@ class _Words:
 def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, words: _Words, stem: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(8.0, 3.2), layout="constrained")
     FigureCanvasAgg(fig)
@@ -205,6 +206,8 @@ def _plot(diag: CertificateDiagnostics, constant: np.ndarray, title: str, words:
     left.set_ylabel(words.inputs)
     right.hist(100 * constant, bins=30)
     right.set_xlabel("neurons of f_L constant on B(x, γ*) (%)")
+    for ax in (left, right):  # at most 6 ticks: matplotlib's default 9 collide where the labels are long (L ≥ 10⁵)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
     fig.suptitle(f"{title} ({ESTIMATES})" if diag.estimate else title)
     fig.savefig(stem.with_name(stem.name + ".png"), dpi=150)
     fig.savefig(stem.with_name(stem.name + ".pdf"), metadata={"CreationDate": None})

@@ -129,6 +129,21 @@ def _typed_options(argv: list[str]) -> dict[str, str]:
     return {dest: options[dest] for dest in vars(parser.parse_args(argv)) if dest in options}
 
 
+#: The library's words for a setting -> the command line's: the Python API names its arguments, the CLI its options.
+_OPTION_NAMES = (
+    ("split_index must", "--split-index must"),
+    ("pass resume=True (--resume)", "pass --resume"),
+    ("--init CHECKPOINT (init_checkpoint=...)", "--init CHECKPOINT"),
+)
+
+
+def _in_option_names(message: str) -> str:
+    """``message`` with the library's argument names (:data:`_OPTION_NAMES`) said as the options that set them."""
+    for python, option in _OPTION_NAMES:
+        message = message.replace(python, option)
+    return message
+
+
 def _check_cheap_arguments(args: argparse.Namespace) -> None:
     """The arguments checked without torch, before any checkpoint or dataset is read, so that a typo costs a fraction
     of a second (the libraries check them again, in the same words)."""
@@ -167,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {_stopped_at(args)}; to continue, run: {_continue_command(args, argv)}", file=sys.stderr)
         return 130
     except (ValueError, TypeError, OSError) as err:  # OSError: DatasetUnavailableError (a FileNotFoundError) too
-        _print_error(f"error: {err}")
+        _print_error(f"error: {_in_option_names(str(err))}")
         return 2
 
 

@@ -161,8 +161,9 @@ def get_dataset(name: str, split: str, root: str | os.PathLike | None = None, **
     extracted; torchvision checks their md5 sums). Train: random crop 32 with padding 4 + horizontal flip, unless
     ``augment=False``; test: ``ToTensor`` only. Reports the CIFAR-10 mean/std for the model (not applied here).
 
-    **imagenet** -- torchvision ``ImageFolder(root/split)`` with one sub-folder per class (sorted folder names give
-    the labels, so use the standard ``n01440764``... synset folders for 1000-class ImageNet). Train:
+    **imagenet** -- torchvision ``ImageFolder(root/train)`` for split ``train``, ``ImageFolder(root/val)`` for ``val``
+    and ``test`` (Cohen et al.'s code certifies ``val`` as its test set), with one sub-folder per class (sorted
+    folder names give the labels, so use the standard ``n01440764``... synset folders for 1000-class ImageNet). Train:
     ``RandomResizedCrop(224)`` + flip (or the val transform with ``augment=False``); val: ``Resize(256)`` +
     ``CenterCrop(224)``. ``num_classes`` is the number of class folders. Reports the ImageNet mean/std.
 
