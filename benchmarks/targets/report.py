@@ -90,7 +90,8 @@ def markdown(data: dict) -> str:
                 f"({r['gamma_evaluations_mean']:.1f}; {r.get('naive_certified')}) | "
                 f"{_sig(r.get('flops_per_sample'), 1e9)} | {_sig(r.get('activation_bytes_per_sample'), 1e6)} / "
                 f"{_sig(r.get('fused_activation_bytes_per_sample'), 1e6)} | {_sig(r.get('compute_floor_s'))}"
-                + (f" + {_sig(r['rng_floor_s'])}" if r.get("rng_floor_s") is not None else "") + " | "
+                + (f" + {_sig(r['rng_floor_s'])}" if r.get("rng_floor_s") is not None and r.get("compute_floor_s") is not None
+                   else "") + " | "
                 f"{_sig(r.get('memory_floor_s'))} / {_sig(r.get('fused_memory_floor_s'))} | "
                 f"{_fmt(r.get('ours_over_floor'), 1, '×')} | {_fmt(r.get('ours_over_fused_floor'), 1, '×')} | "
                 f"≤ {_fmt(r.get('target_s'), 4)} ({r.get('target_rule', '—')}) | "
