@@ -317,11 +317,11 @@ class SamplingEngine:
         def example() -> torch.Tensor:  # a full batch of noisy rows, for the measured choices
             return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
 
-        tolerance = self.prepared.tolerances.lazy((*layout, batch_size), lambda: self.prepared.get(*layout),
-                                                  self._scores, example, self.precision)
+        variant = Variant(channels_last=channels_last, pooled=pooled, rows=batch_size)
+        tolerance = self.prepared.tolerances.lazy(variant, lambda: self.prepared.get(*layout), self._scores, example,
+                                                  self.precision)
 
-        net, graph, variant = _sampled_net(self, Variant(channels_last=channels_last, pooled=pooled, rows=batch_size),
-                                           example, tolerance)
+        net, graph, variant = _sampled_net(self, variant, example, tolerance)
         plan = _plan(jobs, batch_size)
         # What counts towards compiling for this batch size: eager sampling of its full batches (a short batch never
         # runs compiled), as their share of the rows.

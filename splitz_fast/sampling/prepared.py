@@ -60,7 +60,7 @@ class PreparedClassifier:
         # an eager variant -> the compiled copy that samples it, None: decided against it
         self._compiled: dict[Variant, CompiledOrEager | None] = {}
         self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
-        self.tolerances = MeasuredTolerances()  # what a graph, fused or compiled copy may differ by, per (layout, rows)
+        self.tolerances = MeasuredTolerances()  # what a graph, fused or compiled copy may differ by, per plain Variant
         self._snapshot: ModuleSnapshot | None = None
         self._base: nn.Module | None = None  # the private copy of f_R that every prepared module is made from
         self.rewritable = False  # whether the copies may rearrange f_R (sampled_copy)

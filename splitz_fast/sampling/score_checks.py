@@ -12,6 +12,7 @@ a refused copy is not used (the eager copy is always correct).
 from __future__ import annotations
 
 import copy
+from collections.abc import Hashable
 from typing import Callable
 
 import torch
@@ -79,16 +80,18 @@ def copy_tolerance(net: nn.Module, scores: Callable[[nn.Module, torch.Tensor], t
 
 
 class MeasuredTolerances:
-    """:func:`copy_tolerance` per key (the engine's ``(channels_last, pooled, rows)``), measured the first time a graph,
-    fused or compiled copy is checked against it, and kept until :meth:`clear` (``f_R`` changed)."""
+    """:func:`copy_tolerance` per plain :class:`~splitz_fast.sampling.choices.Variant` (layout and rows; not fused,
+    not compiled: the eager copy the others are checked against), measured the first time a graph, fused or compiled
+    copy is checked against it, and kept until :meth:`clear` (``f_R`` changed)."""
 
     def __init__(self):
-        self._measured: dict[tuple, tuple[float, str]] = {}
+        self._measured: dict[Hashable, tuple[float, str]] = {}
 
     def clear(self) -> None:
         self._measured.clear()
 
-    def lazy(self, key: tuple, net: Callable[[], nn.Module], scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    def lazy(self, key: Hashable, net: Callable[[], nn.Module],
+             scores: Callable[[nn.Module, torch.Tensor], torch.Tensor],
              example: Callable[[], torch.Tensor], precision: str) -> Callable[[], float]:
         """The tolerance of ``key`` as a call that measures it when first made: ``copy_tolerance(net(), scores,
         example(), precision)``."""
@@ -98,6 +101,6 @@ class MeasuredTolerances:
             return self._measured[key][0]
         return measured
 
-    def records(self) -> dict[tuple, str]:
+    def records(self) -> dict[Hashable, str]:
         """Each measured tolerance and how it was found, for run records."""
         return {key: f"{value:.3g} ({how})" for key, (value, how) in self._measured.items()}
