@@ -105,9 +105,11 @@ def envelope_command(args: argparse.Namespace) -> int:
 
 def _add_analyze_parser(sub) -> None:
     """``splitz analyze``: tables and plots from certify TSVs."""
-    a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs",
+    a = sub.add_parser("analyze", help="certified accuracy / ACR tables and plots from certify TSVs (bold: a column's "
+                                       "best among the runs over the same inputs)",
                        formatter_class=_HelpFormatter)
-    a.add_argument("files", nargs="+", help="certification TSVs (Cohen's six columns first)")
+    a.add_argument("files", nargs="+", help="certification TSVs (Cohen's six columns first); a torn last line (a run "
+                                            "still writing, or killed) is left out, with a note on stderr")
     a.add_argument("--names", nargs="+", default=None, help="one display name per file; file names when omitted")
     a.add_argument("--radii", type=float, nargs="+", default=DEMO_RADII,
                    help="l2 radii (input units, >= 0) at which to report certified accuracy")
