@@ -29,35 +29,35 @@ DEFAULT_LIMIT_S = 30
 # name -> (the gpu test that checks the path against its reference, its watchdog limit in seconds)
 SMOKE = {
     "conv+ReLU+pool Triton kernel, autotuned, at a sampling batch":
-        ("tests/test_kernels_conv_relu_pool.py::test_kernel_at_a_sampling_batch_in_every_precision", 60),
+        ("tests/kernels/test_kernels_conv_relu_pool.py::test_kernel_at_a_sampling_batch_in_every_precision", 60),
     "cuDNN fused conv+bias+ReLU":
-        ("tests/test_epilogues.py::test_fused_cudnn_calls_match_the_unfused_kernels[False-float32]", 30),
+        ("tests/sampling/test_epilogues.py::test_fused_cudnn_calls_match_the_unfused_kernels[False-float32]", 30),
     "cuDNN fused conv+bias+add+ReLU":
-        ("tests/test_epilogues.py::test_fused_cudnn_calls_match_the_unfused_kernels[True-float32]", 30),
+        ("tests/sampling/test_epilogues.py::test_fused_cudnn_calls_match_the_unfused_kernels[True-float32]", 30),
     "CUDA graph capture and replay":
-        ("tests/test_graphs.py::test_replay_scores_what_is_in_the_input_buffer_like_eager[float32]", 30),
+        ("tests/sampling/test_graphs.py::test_replay_scores_what_is_in_the_input_buffer_like_eager[float32]", 30),
     "compiled f_R (compile=None after the threshold)":
-        ("tests/test_compiled.py::test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager"
+        ("tests/sampling/test_compiled.py::test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager"
          "[None]", 90),
     "fused noise + 2x2 pool, Triton":
-        ("tests/test_kernels_noise_votes.py::test_pooled_draw_is_the_unfused_draw_max_pooled"
+        ("tests/kernels/test_kernels_noise_votes.py::test_pooled_draw_is_the_unfused_draw_max_pooled"
          "[triton-cuda-dtype0-shape0-5-1099511627779-11]", 30),
-    "noise, Triton": ("tests/test_kernels_noise_votes.py::test_every_backend_draws_the_reference_stream"
+    "noise, Triton": ("tests/kernels/test_kernels_noise_votes.py::test_every_backend_draws_the_reference_stream"
                       "[triton-cuda-0-shape0-False]", 30),
-    "votes, Triton": ("tests/test_kernels_noise_votes.py::test_count_votes_matches_argmax_bincount"
+    "votes, Triton": ("tests/kernels/test_kernels_noise_votes.py::test_count_votes_matches_argmax_bincount"
                       "[triton-cuda-count_dtype0-dtype0-3-37]", 30),
-    "noise, native CUDA": ("tests/test_native_cuda.py::test_cuda_noise_matches_triton_and_reference_on_engine_shapes"
+    "noise, native CUDA": ("tests/kernels/test_native_cuda.py::test_cuda_noise_matches_triton_and_reference_on_engine_shapes"
                            "[dtype0-shape0-True]", 90),
-    "votes, native CUDA": ("tests/test_native_cuda.py::test_cuda_votes_on_large_batches_and_many_classes"
+    "votes, native CUDA": ("tests/kernels/test_native_cuda.py::test_cuda_votes_on_large_batches_and_many_classes"
                            "[300000-10]", 30),
     "exact bound on CUDA (squaring certificate) vs the CPU certificate":
-        ("tests/test_lipschitz.py::test_exact_bound_on_cuda_matches_the_cpu_certificate[0-auto]", 20),
+        ("tests/bounds/test_lipschitz.py::test_exact_bound_on_cuda_matches_the_cpu_certificate[0-auto]", 20),
     "certify_many on CUDA, radius searches overlapped on a side stream":
-        ("tests/test_engine.py::test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding", 60),
+        ("tests/certify/test_host_syncs.py::test_certify_many_on_cuda_matches_one_by_one_up_to_batch_rounding", 60),
     "host synchronisations of certify_many": (
-        "tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches", 60),
+        "tests/certify/test_host_syncs.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches", 60),
     "f_L in IEEE float32 on CUDA":
-        ("tests/test_model_as_run.py::test_the_latent_on_cuda_is_ieee_float32_even_with_tf32_enabled", 20),
+        ("tests/certify/test_model_as_run.py::test_the_latent_on_cuda_is_ieee_float32_even_with_tf32_enabled", 20),
 }
 _OUT_ENV, _CHECKS_ENV, _STACKS_ENV = "SPLITZ_SMOKE_OUT", "SPLITZ_SMOKE_CHECKS", "SPLITZ_SMOKE_STACKS"
 

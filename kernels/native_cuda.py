@@ -18,7 +18,7 @@ Triton on CUDA until a GPU measurement (benchmarks/test_bench_kernels.py) shows 
 (``AUTO_CUDA_NATIVE_OPS`` in :mod:`splitz_fast.kernels`).
 
 CI has nvcc but no GPU: :func:`nvcc_compile_command` is the compile-only command for ``noise_votes_cuda.cu`` (the same
-nvcc flags as the JIT build), which tests/test_native_cuda.py runs so that the CUDA sources cannot rot;
+nvcc flags as the JIT build), which tests/kernels/test_native_cuda.py runs so that the CUDA sources cannot rot;
 :func:`binding_syntax_command` checks the binding with the host compiler (slow suite: it parses torch's headers).
 """
 from __future__ import annotations

@@ -59,9 +59,9 @@
 #      epochs each (default 40), then certified on the GPU (every SKIPth test image, n = N, α = 0.001), until the
 #      budget ends; runs killed at their limit resume (`--resume`) in the next call on the same warm machine.
 #   5. the correctness checks, whose timings do not matter (each its own limit; alongside stage 4 when it runs): the
-#      CUDA graph and fusion tests (tests/test_graphs.py, tests/test_epilogues.py, tests/test_kernels_conv_relu_pool.py,
+#      CUDA graph and fusion tests (tests/sampling/test_graphs.py, tests/sampling/test_epilogues.py, tests/kernels/test_kernels_conv_relu_pool.py,
 #      the host-sync count with the default graphs, and the default compile's event timing and its compile on CUDA:
-#      tests/test_compiled.py's gpu tests), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
+#      tests/sampling/test_compiled.py's gpu tests), the CUDA kernels' tests, the `gpu`-marked kernel and backend tests (compiled Triton vs the float64 references; under
 #      pytest-timeout with a traceback of every thread where it is installed, so a test that hangs is named with its
 #      frame instead of stalling the stage), a one-epoch `torchrun --nproc_per_node=1` training (NCCL).
 #   6. waiting for the results runs, then packing.
@@ -211,19 +211,22 @@ if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share th
     if [ "${QUICK:-0}" = 1 ]; then PYTEST="$PYTEST -m gpu"; fi
     # a hanging test is stopped after 90 s with every thread's traceback (the frame that hangs), not the whole stage
     if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=90 --timeout-method=thread"; fi
-    stage "5 CUDA graph, fusion and compile tests" 210 $PYTEST tests/test_graphs.py tests/test_epilogues.py \
-        tests/test_kernels_conv_relu_pool.py \
-        tests/test_engine.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches \
-        tests/test_compiled.py::test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync \
-        tests/test_compiled.py::test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager
+    stage "5 CUDA graph, fusion and compile tests" 210 $PYTEST tests/sampling/test_graphs.py tests/sampling/test_epilogues.py \
+        tests/kernels/test_kernels_conv_relu_pool.py \
+        tests/certify/test_host_syncs.py::test_host_syncs_per_image_do_not_grow_with_the_model_or_the_batches \
+        tests/sampling/test_compiled.py::test_eager_sampling_time_on_cuda_is_counted_from_events_without_a_sync \
+        tests/sampling/test_compiled.py::test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_eager
     stage "5a CUDA kernel build" 120 env MAX_JOBS=2 $PY -m splitz_fast.kernels.native_cuda
-    stage "5b CUDA kernel tests" 90 $PYTEST tests/test_native_cuda.py
-    stage "5c noise/votes tests, native CUDA" 90 $PYTEST tests/test_kernels_noise_votes.py -k "native-cuda or philox"
-    stage "5d gpu kernel and backend tests" 240 $PYTEST tests/test_kernels_noise_votes.py \
-        tests/test_kernels_bounds.py tests/test_kernels_first_layer.py tests/test_kernels_masked_conv2d.py \
-        tests/test_backend_integration.py tests/test_kernel_dispatch.py \
-        tests/test_lipschitz.py::test_exact_bound_on_cuda_matches_the_cpu_certificate tests/test_thresholds.py \
-        tests/test_engine.py
+    stage "5b CUDA kernel tests" 90 $PYTEST tests/kernels/test_native_cuda.py
+    stage "5c noise/votes tests, native CUDA" 90 $PYTEST tests/kernels/test_kernels_noise_votes.py -k "native-cuda or philox"
+    stage "5d gpu kernel and backend tests" 240 $PYTEST tests/kernels/test_kernels_noise_votes.py \
+        tests/kernels/test_kernels_bounds.py tests/kernels/test_kernels_first_layer.py tests/kernels/test_kernels_masked_conv2d.py \
+        tests/kernels/test_backend_integration.py tests/kernels/test_kernel_dispatch.py \
+        tests/bounds/test_lipschitz.py::test_exact_bound_on_cuda_matches_the_cpu_certificate tests/kernels/test_thresholds.py \
+        tests/sampling/test_noise_stream.py tests/sampling/test_folding.py tests/sampling/test_prepared.py \
+        tests/sampling/test_batch_size.py tests/sampling/test_precisions.py tests/certify/test_certify_many.py \
+        tests/certify/test_stale_caches.py tests/certify/test_host_syncs.py tests/bounds/test_gamma_search.py \
+        tests/bounds/test_radius_search.py
     stage "5e torchrun, one process" 90 $PY -m torch.distributed.run --nproc_per_node=1 -m splitz_fast train mnist lenet \
         /tmp/torchrun-splitz --recipe paper --sigma 0.75 --epochs 1 --max-batches 40 --batch 256 --lr-schedule none
     grep -oE '"epoch_seconds": [0-9.]+|"val_clean_acc": [0-9.]+' /tmp/torchrun-splitz/train.log 2>/dev/null \

@@ -108,3 +108,15 @@ def small_splitz(seed: int = 0):
         right[1].running_var.uniform_(0.5, 2.0)
     xs = torch.rand(7, 1, 6, 6, generator=torch.Generator().manual_seed(seed + 100))
     return sz.SplitModel(left, right, 5), xs
+
+
+#: ``splitz train`` options of a tiny, fast training run (the command-line tests).
+TINY_TRAIN_OPTIONS = ["--sigma", "0.5", "--epochs", "2", "--batch", "8", "--val-fraction", "0.25", "--lr-schedule",
+                      "none"]
+
+
+def one_line_error(capsys) -> str:
+    """What a command printed on stderr, checked to be one ``error: ...`` line without a traceback."""
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err

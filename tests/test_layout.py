@@ -184,3 +184,21 @@ def test_an_old_name_of_a_module_that_became_a_folder_still_resolves_with_a_warn
         assert sampling.DEFAULT_MAX_BATCH is DEFAULT_MAX_BATCH
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         sampling.no_such_name
+
+
+# The checks at the top of tests/ concern the whole repository, not one stage.
+REPOSITORY_CHECKS = {"test_cifar_script", "test_cuda_math", "test_deprecations", "test_docs_site", "test_gpu_checks",
+                     "test_gpu_stage_runner", "test_layout", "test_lint", "test_readme", "test_scripts", "test_smoke"}
+
+
+def test_tests_mirror_the_stages():
+    """Each test file sits in the folder of the stage it tests (tests/bounds/ for splitz_fast/bounds/, …), or at the
+    top of tests/ when it checks the whole repository; no folder of tests names a stage that does not exist."""
+    tests = ROOT / "tests"
+    stages = {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    stages.add("kernels")
+    folders = {path.name for path in tests.iterdir() if path.is_dir() and any(path.glob("test_*.py"))}
+    assert folders <= stages, sorted(folders - stages)
+    top = {path.stem for path in tests.glob("test_*.py")}
+    assert top == REPOSITORY_CHECKS, (sorted(top - REPOSITORY_CHECKS), sorted(REPOSITORY_CHECKS - top))
+    assert not list(tests.glob("*/*/test_*.py")), "one folder level per stage"

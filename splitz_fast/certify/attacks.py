@@ -18,7 +18,7 @@ prediction at the clean and at the attacked point with Cohen's PREDICT (two-side
 each with its own seed (``seed``, ``seed + ADV_PREDICT_SEED_OFFSET``; the attack's noise uses
 ``seed + ATTACK_SEED_OFFSET``), so a dataset run (``splitz attack``, :func:`splitz_fast.runs.loop.run_over_dataset` of
 an :class:`~splitz_fast.runs.tasks.AttackRun`) is resumable and reproducible row by row. :func:`falsify_certificates` attacks certified inputs
-inside (a multiple of) their certified radius: the attack-based check of our certificates (tests/test_attacks.py).
+inside (a multiple of) their certified radius: the attack-based check of our certificates (tests/certify/test_attacks.py).
 
 Why our own code and not a package: torchattacks 3.5.1 is on the package index and would install, but it attacks
 a plain ``nn.Module`` on inputs it clamps to [0, 1], so the smoothed attacks (noise between ``f_L`` and ``f_R``,

@@ -2,7 +2,7 @@
 
 Cohen's CERTIFY fixes ``n`` in advance and applies a Clopper–Pearson bound once. Looking at that bound after every
 batch and stopping when it is good enough ("optional stopping") voids its guarantee: the chance that *some* look
-overstates ``p_A`` grows with the number of looks (``tests/test_sequential.py`` measures it). This module replaces it
+overstates ``p_A`` grows with the number of looks (``tests/certify/test_sequential.py`` measures it). This module replaces it
 with a **confidence sequence** — bounds that hold at every sample size simultaneously — so a driver may stop as soon
 as the question asked is decided, with the same per-input error ``α``.
 

@@ -1,7 +1,7 @@
 """The names the ``splitz`` parser offers as choices (datasets, models, recipes, bounds, protocols, precisions, ...),
 written out here so that building the parser imports neither torch nor scipy: ``splitz --help`` and argument errors
 cost a fraction of a second. Each list is the key set of the registry that defines it (named beside it);
-``tests/test_cli_startup.py`` holds the two equal."""
+``tests/cli/test_cli_startup.py`` holds the two equal."""
 from __future__ import annotations
 
 #: splitz_fast.data.datasets.DATASETS

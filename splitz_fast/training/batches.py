@@ -29,7 +29,7 @@ def epoch_order(size: int, generator: torch.Generator) -> torch.Tensor:
     """The order in which ``DataLoader(data, shuffle=True, generator=generator)`` visits ``size`` items, drawn as the
     loader draws it: one int64 (its iterator's base seed for the workers), then ``torch.randperm(size,
     generator=generator)`` (its ``RandomSampler``); so runs and checkpoints from before the device-resident data keep
-    their order. (``tests/test_data_parallel.py`` checks the equality against ``DataLoader`` itself.)"""
+    their order. (``tests/training/test_data_parallel.py`` checks the equality against ``DataLoader`` itself.)"""
     torch.empty((), dtype=torch.int64).random_(generator=generator)
     return torch.randperm(size, generator=generator)
 

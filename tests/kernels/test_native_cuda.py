@@ -1,6 +1,6 @@
 """The CUDA kernels of csrc/noise_votes_cuda.cu: they compile wherever nvcc exists (CI has nvcc but no GPU, so the
 compile-only check keeps the sources from rotting), the ``native`` backend reaches them on CUDA tensors, and on a GPU
-they match the references beyond the shapes of tests/test_kernels_noise_votes.py (where every noise and vote test also
+they match the references beyond the shapes of tests/kernels/test_kernels_noise_votes.py (where every noise and vote test also
 runs on them, ``native-cuda``).
 """
 from __future__ import annotations

@@ -18,9 +18,7 @@ from splitz_fast.data.datasets import DATASETS
 import splitz_fast.certify.outcomes as outcomes
 import splitz_fast.certify.windows as windows
 from splitz_fast.checkpoints.splitz import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
-
-
-TRAIN = ["--sigma", "0.5", "--epochs", "2", "--batch", "8", "--val-fraction", "0.25", "--lr-schedule", "none"]
+from _helpers import TINY_TRAIN_OPTIONS as TRAIN, one_line_error as _one_line_error
 
 
 def _train(run, *extra):
@@ -31,12 +29,6 @@ def _train(run, *extra):
 def _certify_args(ckpt, out, *extra):
     return ["certify", "tiny", str(ckpt), "0.5", str(out), "--skip", "10", "--N0", "10", "--N", "50", "--batch", "25",
             *extra]
-
-
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 def _last_line(capsys) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import splitz_fast as sz
 
 _spec = importlib.util.spec_from_file_location(
-    "splitz_wins_example", Path(__file__).resolve().parents[1] / "scripts" / "splitz_wins_example.py")
+    "splitz_wins_example", Path(__file__).resolve().parents[2] / "scripts" / "splitz_wins_example.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 

@@ -1,6 +1,6 @@
 """The native (C++) kernels of csrc/: they build where a compiler exists, do not depend on the thread count, and
 their absence degrades to the reference path with one clear warning — never a crash. Their values are checked
-against the references in tests/test_kernels_noise_votes.py (every noise test runs on the native kernel too)."""
+against the references in tests/kernels/test_kernels_noise_votes.py (every noise test runs on the native kernel too)."""
 from __future__ import annotations
 
 import os

@@ -221,7 +221,7 @@ RADII = [0, 0.25, 0.5]
 
 def test_markdown_table_cells_and_bold(table_a, table_b):
     """A and B hold different inputs: nothing is ranked across them (bold among runs over the same inputs:
-    tests/test_envelope_inputs.py), and a line says which runs hold which inputs."""
+    tests/analysis/test_envelope_inputs.py), and a line says which runs hold which inputs."""
     text = an.markdown_table({"A": table_a, "B": table_b}, RADII)
     assert text.splitlines() == [
         "| run | r=0 | r=0.25 | r=0.5 | ACR |",

@@ -1,7 +1,7 @@
 """The rows every run kind writes, pinned: certify (sound, an estimate protocol, sequential),
 predict, certify-margin and attack on fixed checkpoints and seeds must write the same TSV bytes — every column but
 the timing one — whatever the run pipeline looks like inside. The checkpoints and the expected rows live in
-tests/data/run_rows/; `SPLITZ_REGENERATE_RUN_ROWS=1` rewrites the expected rows (only after a deliberate change of
+tests/runs/run_rows/; `SPLITZ_REGENERATE_RUN_ROWS=1` rewrites the expected rows (only after a deliberate change of
 what a row contains, never to make this test pass)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from splitz_fast.cli.main import main
 
-DATA = Path(__file__).parent / "data" / "run_rows"
+DATA = Path(__file__).parent / "run_rows"
 SPLIT1, WHOLE = DATA / "mlp-split1.pt", DATA / "mlp-split3.pt"
 SAMPLING = ["--skip", "4", "--N", "200", "--batch", "64", "--seed", "3"]
 RUNS = {

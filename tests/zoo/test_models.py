@@ -121,7 +121,7 @@ def test_lenet_splitz_variant_has_no_first_pool_and_64x14x14_features_into_fc1()
 
 
 def test_lenet_splits_through_its_pools_and_rejects_bad_arguments():
-    # The 2×2 max-pools between affine layers go into f_L (non-overlapping; tests/test_pooling.py has the bounds).
+    # The 2×2 max-pools between affine layers go into f_L (non-overlapping; tests/kernels/test_pooling.py has the bounds).
     assert M.lenet(2, variant="advertorch").left.pool(0) is not None
     assert M.lenet(3, variant="splitz").left.pool(1) is not None
     assert M.lenet(3, variant="splitz").left(torch.rand(1, 1, 28, 28)).shape == (1, 200)

@@ -15,7 +15,7 @@ from splitz_fast.analysis.headroom import face_distances, headroom, headroom_rep
 from splitz_fast.certify.stats import clopper_pearson_lower
 from splitz_fast.cli.main import main
 
-from test_cli_errors import TRAIN, _one_line_error
+from _helpers import TINY_TRAIN_OPTIONS as TRAIN, one_line_error as _one_line_error
 
 
 def _linear_left(weight, bias, theta, standardize=None):
