@@ -311,13 +311,13 @@ class SamplingEngine:
             raise ValueError("all jobs of one run must have latents of the same shape")
         channels_last = len(shape) == 3  # image-shaped latents: NHWC batches for the convolutions of f_R
         pooled = self.pools_in_noise(shape)
-        layout, latent = (channels_last, pooled), jobs[0].latent
-        self.prepared.probe_once(self.prepared.get(*layout), layout, self._scores, latent, self.sigma, self.dtype)
+        variant, latent = Variant(channels_last=channels_last, pooled=pooled, rows=batch_size), jobs[0].latent
+        layout = variant.layout
+        self.prepared.probe_once(self.prepared.get(*layout), variant, self._scores, latent, self.sigma, self.dtype)
 
         def example() -> torch.Tensor:  # a full batch of noisy rows, for the measured choices
             return noisy_rows(latent, self.sigma, self.dtype, batch_size, *layout)
 
-        variant = Variant(channels_last=channels_last, pooled=pooled, rows=batch_size)
         tolerance = self.prepared.tolerances.lazy(variant, lambda: self.prepared.get(*layout), self._scores, example,
                                                   self.precision)
 

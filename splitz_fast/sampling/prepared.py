@@ -59,7 +59,7 @@ class PreparedClassifier:
         self._fused: dict[Variant, bool] = {}  # a plain variant -> whether its fused copy is used
         # an eager variant -> the compiled copy that samples it, None: decided against it
         self._compiled: dict[Variant, CompiledOrEager | None] = {}
-        self._probed: set[tuple[bool, bool]] = set()  # layouts whose votes were checked batch-independent
+        self._probed: set[Variant] = set()  # plain variants (layouts) whose votes were checked batch-independent
         self.tolerances = MeasuredTolerances()  # what a graph, fused or compiled copy may differ by, per plain Variant
         self._snapshot: ModuleSnapshot | None = None
         self._base: nn.Module | None = None  # the private copy of f_R that every prepared module is made from
@@ -193,13 +193,13 @@ class PreparedClassifier:
         """Whether ``net`` owns its layers (a prepared copy) rather than sharing the user's."""
         return not any(p is q for p in net.parameters() for q in self.source.parameters())
 
-    def probe_once(self, net: nn.Module, layout: tuple[bool, bool], scores: Callable, latent: torch.Tensor,
+    def probe_once(self, net: nn.Module, variant: Variant, scores: Callable, latent: torch.Tensor,
                    sigma: float, dtype: torch.dtype) -> None:
-        """:func:`probe_batch_independence` of the prepared module of ``layout`` (``(channels_last, pooled)``), once
-        per prepared copy."""
-        if layout not in self._probed:
-            probe_batch_independence(net, scores, latent, sigma, dtype, *layout)
-            self._probed.add(layout)
+        """:func:`probe_batch_independence` of the prepared module of ``variant``'s layout, once per prepared copy."""
+        plain = Variant(channels_last=variant.channels_last, pooled=variant.pooled)
+        if plain not in self._probed:
+            probe_batch_independence(net, scores, latent, sigma, dtype, *plain.layout)
+            self._probed.add(plain)
 
 
 def probe_batch_independence(net: nn.Module, scores: Callable, latent: torch.Tensor, sigma: float,
