@@ -127,7 +127,7 @@ def certified_lambda_max(gram: torch.Tensor, terms: int, estimator: str = "auto"
     """A proven upper bound on ``λ_max`` of the *exact* Gram matrix whose float64 rounding is ``gram``.
 
     ``gram`` is a dense ``[d, d]`` tensor or a sparse CSR tensor (a banded convolution Gram,
-    :meth:`~splitz_fast.bounds.operators.MaskedAffine.gram`; its upper triangle defines the symmetric matrix). ``terms``
+    :func:`~splitz_fast.bounds.gram.factor_gram`; its upper triangle defines the symmetric matrix). ``terms``
     bounds the number of products summed into an entry of ``gram`` from float64-exact inputs, plus at most two
     roundings of scale factors per product, so the exact Gram differs from ``gram`` by ``E`` with
     ``|E| ≤ γ_{terms+2}|A|ᵀ|A|`` entrywise and ``‖E‖₂ ≤ γ_{terms+2} tr(|A|ᵀ|A|) ≤ γ_{terms+2}·T/(1 − γ_{terms+2})``,

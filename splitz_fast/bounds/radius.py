@@ -166,7 +166,7 @@ class RadiusSearch:
 
     The search keeps the model, not its left half: replacing ``model.left`` after the search was built changes what it
     bounds (a search holding the old half would bound a network that no longer computes the latents). The global bound
-    is computed once and reused while the same module is there and :class:`~splitz_fast.model.modules.ModuleSnapshot` says
+    is computed once and reused while the same module is there and :class:`~splitz_fast.model.snapshot.ModuleSnapshot` says
     it is unchanged.
     """
 

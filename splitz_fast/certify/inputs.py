@@ -72,7 +72,7 @@ class CallGuard:
     Args:
         model: the model of the call.
         right: a snapshot of ``model.right`` as it is now, to share instead of copying ``f_R`` a second time (the
-            sampling engine's, just verified by :meth:`~splitz_fast.sampling.engine.SamplingEngine.check_current`).
+            sampling engine's, just verified by :meth:`~splitz_fast.sampling.prepared.PreparedClassifier.check_current`).
     """
 
     def __init__(self, model: SplitModel, right: ModuleSnapshot | None = None):

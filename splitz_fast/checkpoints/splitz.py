@@ -1,4 +1,4 @@
-"""Checkpoints written by ``splitz train`` / :func:`splitz_fast.train`: save, load, digest, and the model rebuilt.
+"""Checkpoints written by ``splitz train`` / :func:`splitz_fast.training.loop.train`: save, load, digest, and the model rebuilt.
 
 A checkpoint is a ``torch.save`` archive of one dict holding only tensors and plain Python values, so it loads with
 ``torch.load(..., weights_only=True)`` (nothing in it can run code): ``format`` (:data:`CHECKPOINT_FORMAT`), ``model``

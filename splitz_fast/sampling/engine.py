@@ -572,7 +572,7 @@ class _BatchMemory:
 def _samples_per_second(engine: "SamplingEngine", net, job: SamplingJob, channels_last: bool, pooled: bool, parallel: bool) -> float:
     """Steady-state rate of one batch size: a warm-up pass (allocations, oneDNN/cuDNN algorithm choice), then
     passes until :data:`TUNE_MIN_TIME_S` has elapsed (a single short pass is mostly noise on a busy CPU). A pass
-    is one batch per worker thread (:meth:`_execute`), as a run would use them."""
+    is one batch per worker thread (:meth:`SamplingEngine._execute`), as a run would use them."""
     batches = torch.get_num_threads() if parallel else 1
 
     def one_pass() -> None:

@@ -444,7 +444,7 @@ def tabular_mlp(
 ) -> SplitModel:
     """MLP for tabular data (:func:`mlp_network`) split after ``split_index`` ∈ {0, …, len(hidden)} hidden layers,
     or ``len(hidden) + 1``: the whole classifier in ``f_L`` (the Lipschitz-only model, certified without noise by
-    :class:`~splitz_fast.certify.smoothing.MarginCertifier`). Input ``[B, in_features]``, output ``[B, num_classes]`` logits.
+    :class:`~splitz_fast.certify.margin.MarginCertifier`). Input ``[B, in_features]``, output ``[B, num_classes]`` logits.
 
     Args:
         mean: optional per-feature standardization ``(x − mean)/std``, ``[in_features]`` (give ``std`` too, or
