@@ -202,3 +202,23 @@ def test_tests_mirror_the_stages():
     top = {path.stem for path in tests.glob("test_*.py")}
     assert top == REPOSITORY_CHECKS, (sorted(top - REPOSITORY_CHECKS), sorted(REPOSITORY_CHECKS - top))
     assert not list(tests.glob("*/*/test_*.py")), "one folder level per stage"
+
+
+def test_docs_layout_names_every_module_in_its_folder():
+    """docs/layout.md's tree lists every module of the package under its folder (a new file is placed there too)."""
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    tree = text[text.index("splitz_fast/\n"):]
+    tree = tree[:tree.index("```")]
+    folder, listed = "", set()
+    for line in tree.splitlines()[1:]:
+        name = line.strip().split(" ")[0]
+        if line.startswith("  ") and not line.startswith("    ") and name:
+            folder = name.rstrip("/") if name.endswith("/") else ""
+            if not folder:
+                listed.add(name)
+        elif line.startswith("    ") and name.endswith((".py", "/")) and folder:
+            listed.add(f"{folder}/{name}")
+    modules = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+               if path.name != "__init__.py" and len(path.relative_to(PACKAGE).parts) <= 2}
+    modules |= {f"{path.parent.relative_to(PACKAGE)}/" for path in PACKAGE.glob("*/*/__init__.py")}
+    assert modules <= listed, sorted(modules - listed)
