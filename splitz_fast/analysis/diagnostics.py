@@ -19,12 +19,14 @@ bound; the spectral flatness is left out there (measured against an estimate it 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from tqdm import tqdm
 
 from .._checks import check_output_folder
 from ..kinds import ESTIMATES
@@ -93,8 +95,10 @@ class CertificateDiagnostics:
     constant: str | None = None  # analysis.constant_note of the run: its smoothed classifier is (nearly) constant
 
 
-def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, batch: int = 64) -> CertificateDiagnostics:
-    """Diagnostics of the certified rows of ``table`` (written by ``splitz certify`` for ``model`` on ``dataset``)."""
+def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, batch: int = 64, *,
+             progress: bool = False) -> CertificateDiagnostics:
+    """Diagnostics of the certified rows of ``table`` (written by ``splitz certify`` for ``model`` on ``dataset``);
+    ``progress``: a progress bar on stderr (the command line's)."""
     for column in ("L", "gamma", "pA_lower"):
         if column not in table.extra:
             raise ValueError(f"the certification file has no {column!r} column: it is not a SPLITZ certify TSV")
@@ -107,7 +111,8 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
     lipschitz = np.asarray(table.extra["L"], dtype=np.float64)[keep]
     left = model.left
     parts, frobenius2 = [], []
-    with torch.no_grad():
+    with torch.no_grad(), tqdm(total=int(idx.size), desc="diagnose", unit="img", file=sys.stderr,
+                               disable=not progress) as bar:
         for start in range(0, idx.size, batch):
             chunk = idx[start:start + batch]
             x = torch.stack([dataset[int(i)][0] for i in chunk]).to(device)
@@ -117,6 +122,7 @@ def diagnose(model: SplitModel, dataset: Dataset, table: CertificationTable, bat
             if left.depth == 1:
                 frobenius2.append(masked_frobenius_sq(left.layers[0], bounds.masks[0], bounds.input_scale,
                                                       tuple(x.shape[1:])).double().cpu().numpy())
+            bar.update(len(chunk))
     states = NeuronStates(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("inactive", "saturated",
                                                                                         "varying")),
                           np.logical_or.reduce([p.ever_awake for p in parts]))

@@ -83,7 +83,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
         result = headroom_of_run(model, info.dataset, table, sidecar["sigma"], args.radii)
         print(headroom_report(result, title, out_dir=args.out))
         return 0
-    print(diagnostics_report(diagnose(model, info.dataset, table), title, out_dir=args.out))
+    print(diagnostics_report(diagnose(model, info.dataset, table, progress=True), title, out_dir=args.out))
     return 0
 
 

@@ -129,7 +129,7 @@ def test_training_with_the_flatness_term_records_it_and_resumes_to_the_same_mode
     assert a["config"]["flatness_weight"] == 0.5
 
 
-def test_diagnose_reports_the_flatness_of_the_masked_operator_on_the_certified_ball():
+def test_diagnose_reports_the_flatness_of_the_masked_operator_on_the_certified_ball(capsys):
     """diagnose's flatness is ‖A‖_F² / (n L²) with A the Jacobian-like masked operator on B(x, γ*): checked against a
     dense SVD where γ* = 0 (A is then f_L's Jacobian at x) and the table's L is its exact norm."""
     from splitz_fast.analysis.tables import CertificationTable
@@ -152,3 +152,7 @@ def test_diagnose_reports_the_flatness_of_the_masked_operator_on_the_certified_b
     diag = diagnose(model, data, table)
     np.testing.assert_allclose(diag.flatness, expected, rtol=1e-5)
     assert "spectral flatness" in diagnostics_report(diag, "toy")
+    assert capsys.readouterr().err == ""  # a progress bar only where asked (the command line asks)
+    np.testing.assert_allclose(diagnose(model, data, table, batch=2, progress=True).flatness, expected, rtol=1e-5)
+    bar = capsys.readouterr().err
+    assert "diagnose: 100%" in bar and "3/3" in bar

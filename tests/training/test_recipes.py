@@ -262,6 +262,7 @@ def test_cli_diagnose_reads_the_certified_split_and_refuses_another_checkpoint(t
     text = capsys.readouterr()
     if code == 0:
         assert "| constant neurons (%) |" in text.out and (tmp_path / "d" / "diagnostics.tsv").exists()
+        assert "diagnose: 100%" in text.err  # the command's progress bar, as certify and train have
     else:  # an untrained model may certify nothing; then the message says so
         assert "nothing to diagnose" in text.err
     assert main(["diagnose", str(tmp_path / "b" / "best.pt"), str(out)]) == 2
