@@ -80,9 +80,9 @@
 #
 # Knobs: CHECKS=0 skips stages 1, 2, 3 and 5 and runs the results runs (stage 4) with the whole budget; SPEED=0 skips
 # stages 1–2 alone; ENVELOPE=1/0 forces stage 4 on/off; INSTALL=0 skips the install; QUICK=1 runs stages 1–2 in the
-# quick mode and stage 5 with only its gpu-marked tests (a CPU dry run of the script, not results: `QUICK=1 INSTALL=0
-# PYTHON=.venv/bin/python bash scripts/gpu_checks.sh` on a machine without a GPU, under 4 minutes on the 2-core CPU
-# machine); TARGETS_S, WORKLOAD_S, NATIVE_S, IMAGES, BUILD_NATIVE; WORKLOADS and PRECISIONS (comma-separated, stage 1's
+# quick mode, stages 3 and 5e on 10 batches an epoch and stage 5 with only its gpu-marked tests (a CPU dry run of the script,
+# not results: `QUICK=1 INSTALL=0 PYTHON=.venv/bin/python bash scripts/gpu_checks.sh` on a machine without a GPU);
+# TARGETS_S, WORKLOAD_S, NATIVE_S, IMAGES, BUILD_NATIVE; WORKLOADS and PRECISIONS (comma-separated, stage 1's
 # groups in that order and its f_R precisions); EPOCHS, SKIP, N, RS_SIGMAS, SPLITZ_SIGMAS as before.
 # What comes back ($OUT, 8 files, the device tool's limit): gpu.txt (summary: versions, stage timestamps and rcs, the
 # tables), stages.log (every stage's full output), targets.json (machine-readable: environment, settings and every
@@ -108,6 +108,7 @@ TARGETS_S=${TARGETS_S:-320}; NATIVE_S=${NATIVE_S:-170}; IMAGES=${IMAGES:-3}
 WORKLOADS=${WORKLOADS:-mnist-lenet,cifar10-resnet110,imagenet-resnet50}; PRECISIONS=${PRECISIONS:-bfloat16,tf32}
 WORKLOAD_S=${WORKLOAD_S:-150}  # stage 1's deadline per workload: a model that hangs or crawls costs this, not the stage
 QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
+QUICK_TRAIN=$([ "${QUICK:-0}" = 1 ] && echo "--max-batches 10")  # the dry run only checks that stages 3 and 5e run
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
 
@@ -183,7 +184,7 @@ fi
 rm -rf /tmp/speed-splitz /tmp/torchrun-splitz /tmp/stripped
 if [ "$CHECKS" = 1 ]; then
     stage "3 training speed (quiet $DEVICE)" 90 "$SPLITZ" train mnist lenet /tmp/speed-splitz --recipe paper --sigma 0.75 \
-        --epochs 2 --batch 256 --lr-schedule none --device "$DEVICE"
+        --epochs 2 --batch 256 --lr-schedule none --device "$DEVICE" $QUICK_TRAIN
     { echo "training speed (SPLITZ LeNet, paper recipe, batch 256; epoch 0 includes Triton compilation):"
       grep -oE '"epoch": [0-9]+|"epoch_seconds": [0-9.]+' /tmp/speed-splitz/train.log 2>/dev/null | paste - -; } \
         | tee -a "$SUMMARY"
@@ -228,7 +229,7 @@ if [ "$CHECKS" = 1 ]; then  # timings irrelevant here: the results runs share th
         tests/certify/test_stale_caches.py tests/certify/test_host_syncs.py tests/bounds/test_gamma_search.py \
         tests/bounds/test_radius_search.py
     stage "5e torchrun, one process" 90 $PY -m torch.distributed.run --nproc_per_node=1 -m splitz_fast train mnist lenet \
-        /tmp/torchrun-splitz --recipe paper --sigma 0.75 --epochs 1 --max-batches 40 --batch 256 --lr-schedule none
+        /tmp/torchrun-splitz --recipe paper --sigma 0.75 --epochs 1 ${QUICK_TRAIN:---max-batches 40} --batch 256 --lr-schedule none
     grep -oE '"epoch_seconds": [0-9.]+|"val_clean_acc": [0-9.]+' /tmp/torchrun-splitz/train.log 2>/dev/null \
         | tee -a "$SUMMARY"
     grep -E "passed|failed|rror" "$LOG" | tail -8 | tee -a "$SUMMARY"
