@@ -42,6 +42,7 @@ from ..kernels.noise import (
     noisy_latents_native,
 )
 from ..kernels.votes import count_votes_cuda, count_votes_reference, count_votes_triton
+from .casting import CastChoice
 from .choices import Variant, check_setting, synchronize
 from .compiled import CompileChoice, CompiledOrEager
 from ..cuda_math import cuda_math
@@ -258,6 +259,7 @@ class SamplingEngine:
         self.graphs = GraphChoice(cuda_graphs, self.device)
         self.fusion = FusionChoice(fused_kernels, self.device)
         self.compiling = CompileChoice(compile, self.device)
+        self.casting = CastChoice(self.dtype, self.device, compile)  # bf16/fp16 weights cast once on the CPU
         self.prepared = PreparedClassifier(right, self.device)
         self._count_lock = threading.Lock()
 
@@ -388,6 +390,7 @@ def _sampled_net(engine: SamplingEngine, plain: Variant, example: Callable[[], t
     decides about (fused where the fused copy samples). ``example()`` is a full batch of noisy rows for the measured
     choices."""
     net, variant = engine.prepared.chosen(plain, engine.fusion, engine._scores, example, tolerance)
+    net = engine.prepared.cast_if_chosen(net, variant, engine.casting, engine.dtype, engine._scores, example, tolerance)
 
     def graph_of(module: nn.Module) -> GraphedScores | None:
         return _graph_of(engine, module, variant, example, tolerance)

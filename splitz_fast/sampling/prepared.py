@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import report_fallback
+from .casting import CastChoice, cast_copy
 from .choices import Variant
 from .compiled import CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
@@ -57,6 +58,7 @@ class PreparedClassifier:
         self._prepared: dict[Variant, nn.Module] = {}
         self._graphs: dict[Variant, GraphedScores | None] = {}  # a variant at its rows -> its graph, None: eager
         self._fused: dict[Variant, bool] = {}  # a plain variant -> whether its fused copy is used
+        self._cast: dict[Variant, nn.Module | None] = {}  # a plain variant -> its cast copy, None: autocast
         # an eager variant -> the compiled copy that samples it, None: decided against it
         self._compiled: dict[Variant, CompiledOrEager | None] = {}
         self._probed: set[Variant] = set()  # plain variants (layouts) whose votes were checked batch-independent
@@ -78,6 +80,7 @@ class PreparedClassifier:
             self._prepared.clear()
             self._graphs.clear()
             self._fused.clear()
+            self._cast.clear()
             self._compiled.clear()
             self._probed.clear()
             self.tolerances.clear()
@@ -154,6 +157,21 @@ class PreparedClassifier:
         if self._fused[variant]:
             return self.get(*variant.layout, fused=True), dataclasses.replace(variant, fused=True)
         return plain, variant
+
+    def cast_if_chosen(self, net: nn.Module, variant: Variant, casting: CastChoice, dtype: torch.dtype,
+                       scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
+                       tolerance: Callable[[], float]) -> nn.Module:
+        """``net`` (the plain prepared module of ``variant``) or its copy with the weights cast once to ``dtype``
+        (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant."""
+        if not casting.considered or not self.rewritable or variant.fused:
+            return net
+        if variant not in self._cast:
+            cast = cast_copy(net, dtype)
+            used = casting.choose(variant, lambda batch: scores(net, batch), lambda batch: scores(cast, batch),
+                                  example, tolerance)
+            self._cast[variant] = cast if used else None
+        cast = self._cast[variant]
+        return net if cast is None else cast
 
     def compiled_if_chosen(self, net: nn.Module, variant: Variant, due: bool,
                            decide: Callable[[nn.Module], CompiledOrEager | None]) -> nn.Module:
