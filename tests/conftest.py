@@ -3,14 +3,23 @@ be set before anything imports triton, which is why it lives here (pytest import
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The batch-size tuner remembers its decisions in a user cache folder (splitz_fast.sampling.batch_memory): tests, and
+# the commands they run in subprocesses, use a fresh folder of this session, never the home directory's.
+_CACHE_DIR = os.environ["SPLITZ_CACHE_DIR"] = tempfile.mkdtemp(prefix="splitz-test-cache-")
 
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

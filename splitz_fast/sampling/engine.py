@@ -42,6 +42,7 @@ from ..kernels.noise import (
     noisy_latents_native,
 )
 from ..kernels.votes import count_votes_cuda, count_votes_reference, count_votes_triton
+from .batch_memory import remembered_batch
 from .casting import CastChoice
 from .choices import Variant, check_setting, synchronize
 from .compiled import CompileChoice, CompiledOrEager
@@ -79,8 +80,8 @@ TUNE_MEMORY_FRACTION = 0.25
 # ResNet-110 on an H100 (it stopped at that cap), so it may go further there, within TUNE_MEMORY_FRACTION of the card.
 DEFAULT_MAX_BATCH = 4096
 DEFAULT_MAX_BATCH_CUDA = 32768
-# Measured batch sizes, shared by every engine of the process: (device, f_R's structure, latent shape, cap,
-# precision, compile) -> batch size.
+# Measured batch sizes, shared by every engine of the process: ((device, f_R's structure, latent shape, cap,
+# precision, compile, pooled), threads) -> batch size.
 _TUNED_BATCH: dict[tuple, int] = {}
 
 
@@ -290,13 +291,15 @@ class SamplingEngine:
     # ------------------------------------------------------------------ batch size
     def batch_size(self, latent_shape: torch.Size, cap: int) -> int:
         """The batch size with the most samples/s for latents of this shape, at most ``cap``: measured once per
-        process, ``f_R`` architecture, device, shape and cap (powers of two from 32, stopping when two sizes in a row
-        gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent)."""
+        process, ``f_R`` architecture, device, threads, shape and cap (powers of two from 32, stopping when two sizes in
+        a row gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent), and
+        remembered across processes (:mod:`~splitz_fast.sampling.batch_memory`; ``SPLITZ_BATCH_MEMORY=0``: off)."""
         key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compiling.setting,
                self.pools_in_noise(latent_shape))
-        if key not in _TUNED_BATCH:
-            _TUNED_BATCH[key] = _measure_batch_size(self, tuple(latent_shape), cap)
-        return _TUNED_BATCH[key]
+        if (key, torch.get_num_threads()) not in _TUNED_BATCH:
+            _TUNED_BATCH[key, torch.get_num_threads()] = remembered_batch(
+                key, self.device, lambda: _measure_batch_size(self, tuple(latent_shape), cap))
+        return _TUNED_BATCH[key, torch.get_num_threads()]
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
