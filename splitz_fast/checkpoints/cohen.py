@@ -1,6 +1,6 @@
 """Randomized-smoothing checkpoints in Cohen et al.'s format, read into this library's models at split 0.
 
-Cohen et al. (2019, github.com/locuslab/smoothing) and the code built on it (SmoothAdv, MACER, consistency training,
+Cohen et al. (2019, github.com/locuslab/smoothing) and the code built on it (SmoothAdv, consistency training,
 ...) save ``torch.save({"epoch": epoch + 1, "arch": ARCH, "state_dict": model.state_dict(), "optimizer": ...})`` where
 ``model = Sequential(NormalizeLayer(dataset's mean, std), net)``:
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .files import some_keys, unreadable_reason
+from .files import load_archive, macer_hint, some_keys
 from ..zoo.models import IMAGENET_MEAN, IMAGENET_STD, build_model
 from ..model.modules import SplitModel
 
@@ -76,6 +76,9 @@ COHEN_ARCHS: dict[str, CohenArch] = {
     "resnet50": CohenArch("imagenet_resnet50", "imagenet", 1000, IMAGENET_MEAN, IMAGENET_STD),
 }
 
+#: Whose network a checkpoint format's ``arch`` names, for messages.
+_WHOSE = {COHEN_FORMAT: "Cohen et al.'s", "macer": "MACER's"}
+
 _EXPECTED = ("expected Cohen et al.'s torch.save({'epoch', 'arch', 'state_dict', 'optimizer'}) of "
              "Sequential(NormalizeLayer, net) (locuslab/smoothing train.py and code built on it)")
 
@@ -112,16 +115,11 @@ def read_cohen_checkpoint(path: str | os.PathLike, device: str | torch.device = 
     (``{}``: no training settings, no σ) and ``epoch`` made 0-based (Cohen et al. store ``epoch + 1``).
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        raw = torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # pickle errors, truncated files, foreign objects
-        raise ValueError(f"{path} is not a Cohen et al. checkpoint: {unreadable_reason(path)}; {_EXPECTED}") from None
+    raw = load_archive(path, device, "a Cohen et al. checkpoint", _EXPECTED)
     if not isinstance(raw, dict) or "arch" not in raw or not isinstance(raw.get("state_dict"), dict):
         found = some_keys(raw) if isinstance(raw, dict) else f"a {type(raw).__name__}"
         raise ValueError(f"{path} is not a Cohen et al. checkpoint: it holds {found}, not a dict with 'arch' and "
-                         f"'state_dict'; {_EXPECTED}")
+                         f"'state_dict'; {_EXPECTED}{macer_hint(raw)}")
     name = raw["arch"]
     if name not in COHEN_ARCHS:
         raise ValueError(f"{path}: unknown Cohen et al. arch {name!r}; supported: {', '.join(COHEN_ARCHS)}")
@@ -143,7 +141,8 @@ def read_cohen_checkpoint(path: str | os.PathLike, device: str | torch.device = 
 
 
 def build_cohen_model(ckpt: dict[str, Any]) -> SplitModel:
-    """The split-0 model of a checkpoint read by :func:`read_cohen_checkpoint`, its weights loaded strictly (a
+    """The split-0 model of a checkpoint read by :func:`read_cohen_checkpoint` (or
+    :func:`~splitz_fast.checkpoints.macer.read_macer_checkpoint`), its weights loaded strictly (a
     missing, unexpected or reshaped tensor is a one-line ``ValueError``); on the CPU, in training mode."""
     spec = ckpt["model_spec"]
     model = build_model(spec["name"], **spec["kwargs"])
@@ -157,7 +156,7 @@ def build_cohen_model(ckpt: dict[str, Any]) -> SplitModel:
         first = (missing or unexpected or reshaped)[0]
         what = "missing" if missing else "unexpected" if unexpected else (
             f"{tuple(saved[first].shape)} where {spec['arch']} has {tuple(expected[first].shape)}")
-        raise ValueError(f"its state_dict does not fit Cohen et al.'s {spec['arch']} ({len(missing)} missing, "
+        raise ValueError(f"its state_dict does not fit {_WHOSE[spec['format']]} {spec['arch']} ({len(missing)} missing, "
                          f"{len(unexpected)} unexpected, {len(reshaped)} reshaped tensors, e.g. {first!r} "
                          f"{what}): another architecture or depth than 'arch' says")
     network.load_state_dict(saved, strict=True)
@@ -165,13 +164,14 @@ def build_cohen_model(ckpt: dict[str, Any]) -> SplitModel:
 
 
 def check_cohen_dataset(ckpt: dict[str, Any], dataset: str) -> None:
-    """Refuse certifying a Cohen et al. checkpoint on another dataset than its ``arch`` was trained for."""
-    name = ckpt["model_spec"]["arch"]
-    arch = COHEN_ARCHS[name]
-    if not arch.accepts(dataset):
-        article = "an" if arch.dataset[:1].lower() in "aeiou" else "a"
-        raise ValueError(f"Cohen et al.'s {name} is {article} {arch.dataset} model (normalised with {arch.dataset}'s mean and "
-                         f"std), not one for {dataset!r}; certify it on {arch.dataset} (or {arch.dataset}-samples)")
+    """Refuse certifying a Cohen et al. (or MACER) checkpoint on another dataset than its ``arch`` was trained
+    for."""
+    spec = ckpt["model_spec"]
+    name, trained = spec["arch"], spec.get("dataset") or COHEN_ARCHS[spec["arch"]].dataset
+    if dataset not in (trained, f"{trained}-samples"):
+        article = "an" if trained[:1].lower() in "aeiou" else "a"
+        raise ValueError(f"{_WHOSE[spec.get('format', COHEN_FORMAT)]} {name} is {article} {trained} model, not one "
+                         f"for {dataset!r}; certify it on {trained} (or {trained}-samples)")
 
 
 __all__ = ["COHEN_ARCHS", "COHEN_CIFAR10_MEAN", "COHEN_CIFAR10_STD", "COHEN_FORMAT", "CohenArch", "build_cohen_model",

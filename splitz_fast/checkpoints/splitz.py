@@ -12,8 +12,9 @@ For users, :func:`load_checkpoint` is the one call::
     ckpt = sz.load_checkpoint("runs/mnist-splitz/best.pt")       # device="cpu" by default
     smoother = sz.Smoother(ckpt.model, ckpt.sigma)                # the σ it was trained at
 
-``format="cohen"`` reads the randomized-smoothing checkpoints of Cohen et al.'s code (and SmoothAdv, MACER, ... built
-on it) instead: :mod:`splitz_fast.checkpoints.cohen`.
+``format="cohen"`` reads the randomized-smoothing checkpoints of Cohen et al.'s code (and SmoothAdv, consistency
+training, ... built on it) instead: :mod:`splitz_fast.checkpoints.cohen`; ``format="macer"`` MACER's, with the input
+normalisation stated: :mod:`splitz_fast.checkpoints.macer`.
 """
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ from .._checks import check_device, check_positive
 from ..zoo.models import build_model
 from ..model.modules import SplitModel
 from .cohen import build_cohen_model, read_cohen_checkpoint
+from .macer import InputNormalization, read_macer_checkpoint
 from .files import looks_like, unreadable_reason
 
 CHECKPOINT_FORMAT = 1
 
 #: What ``format=`` of :func:`load_checkpoint` (and ``splitz certify --checkpoint-format``) accepts: ``"splitz"``,
-#: written by ``splitz train``; ``"cohen"``, Cohen et al.'s randomized-smoothing checkpoints (:mod:`splitz_fast.checkpoints.cohen`).
-CHECKPOINT_FORMATS = ("splitz", "cohen")
+#: written by ``splitz train``; ``"cohen"``, Cohen et al.'s randomized-smoothing checkpoints (:mod:`splitz_fast.checkpoints.cohen`);
+#: ``"macer"``, MACER's, behind an input normalisation the caller states (:mod:`splitz_fast.checkpoints.macer`).
+CHECKPOINT_FORMATS = ("splitz", "cohen", "macer")
 
 
 def _check_format(format: str) -> str:
@@ -60,12 +63,19 @@ _EXPECTED_CHECKPOINT = (f"expected a splitz_fast checkpoint (format {CHECKPOINT_
 
 
 def load_checkpoint_file(path: str | os.PathLike, device: str | torch.device = "cpu", *,
-                         format: str = "splitz") -> dict:
+                         format: str = "splitz", input_normalization: str | InputNormalization | None = None) -> dict:
     """Load a checkpoint with ``weights_only=True`` and check its format; one-line errors for anything else.
     ``format="cohen"``: a Cohen et al. checkpoint in this layout (:func:`~splitz_fast.checkpoints.cohen.read_cohen_checkpoint`),
-    so :func:`checkpoint_digest` of it identifies either kind."""
+    so :func:`checkpoint_digest` of it identifies either kind; ``format="macer"``: a MACER checkpoint behind
+    ``input_normalization``, which only that format takes and which it requires
+    (:func:`~splitz_fast.checkpoints.macer.read_macer_checkpoint`)."""
     check_device("device", str(device))  # else torch.load's error reads as a damaged file
-    if _check_format(format) == "cohen":
+    if _check_format(format) == "macer":
+        return read_macer_checkpoint(path, device, normalization=input_normalization)
+    if input_normalization is not None:
+        raise ValueError(f"input_normalization belongs to format='macer'; a {format} checkpoint holds its own "
+                         "normalisation in its model")
+    if format == "cohen":
         return read_cohen_checkpoint(path, device)
     path = Path(path)
     if path.is_dir():
@@ -121,12 +131,13 @@ def load_state_into(model: nn.Module, checkpoint: dict) -> nn.Module:
 
 
 def load_model(checkpoint: str | os.PathLike, device: str | torch.device = "cpu", *,
-               format: str = "splitz") -> tuple[SplitModel, dict]:
+               format: str = "splitz",
+               input_normalization: str | InputNormalization | None = None) -> tuple[SplitModel, dict]:
     """``(model, checkpoint dict)``: the model of a checkpoint written by ``splitz train`` (or, ``format="cohen"``,
-    by Cohen et al.'s code), rebuilt from its ``model_spec``, on ``device`` and in eval mode (loaded with
-    ``weights_only=True``)."""
-    ckpt = load_checkpoint_file(checkpoint, device, format=format)
-    if format == "cohen":
+    by Cohen et al.'s code; ``format="macer"``, by MACER's, behind ``input_normalization``), rebuilt from its
+    ``model_spec``, on ``device`` and in eval mode (loaded with ``weights_only=True``)."""
+    ckpt = load_checkpoint_file(checkpoint, device, format=format, input_normalization=input_normalization)
+    if format in ("cohen", "macer"):
         try:
             return build_cohen_model(ckpt).to(device).eval(), ckpt
         except ValueError as err:
@@ -180,19 +191,25 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu", *,
-                    format: str = "splitz") -> LoadedCheckpoint:
+                    format: str = "splitz",
+                    input_normalization: str | InputNormalization | None = None) -> LoadedCheckpoint:
     """Load a ``splitz train`` checkpoint (``best.pt`` / ``last.pt``) ready to certify: the model on ``device`` in
     eval mode, with its σ and training settings (:class:`LoadedCheckpoint`). Loaded with
     ``torch.load(..., weights_only=True)``; a missing, damaged or foreign file is a one-line ``ValueError`` /
     ``FileNotFoundError``.
 
     ``format="cohen"`` loads a randomized-smoothing checkpoint of Cohen et al.'s code (``checkpoint.pth.tar`` of
-    locuslab/smoothing's train.py and of SmoothAdv, MACER, ... built on it; ``arch`` ``cifar_resnet20``,
+    locuslab/smoothing's train.py and of SmoothAdv, consistency training, ... built on it; ``arch`` ``cifar_resnet20``,
     ``cifar_resnet110`` or ``resnet50``) into ``cifar_resnet20`` / ``cifar_resnet110`` / ``imagenet_resnet50`` at
     split 0, with the normalisation of that code as the model's ``Standardize`` (:mod:`splitz_fast.checkpoints.cohen`).
     ``model_spec`` is ``{"name", "format": "cohen", "arch", "dataset", "kwargs"}``, ``config`` is empty, ``epoch``
     0-based (the file stores epoch + 1), ``data`` the file's dict with its ``state_dict`` under this library's names
     as ``model``, and ``sigma`` is ``None``: these files do not record σ, so give it to the Smoother.
+
+    ``format="macer"`` loads MACER's ``{'net', 'epoch'}`` files of its CIFAR ResNet the same way. They record no input
+    normalisation (MACER trains on raw [0, 1] pixels), so ``input_normalization`` is required: ``"none"``,
+    ``"cohen-cifar10"`` or ``"MEAN,STD"`` (:func:`~splitz_fast.checkpoints.macer.input_normalization`); it becomes
+    the model's ``Standardize`` and ``model_spec["input_normalization"]``, covered by the digest.
 
     Example::
 
@@ -201,8 +218,10 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
 
         rs = sz.load_checkpoint("models/cifar10/resnet110/noise_0.25/checkpoint.pth.tar", format="cohen")
         r = sz.Smoother(rs.model, 0.25).certify(x, n0=100, n=100_000, alpha=0.001, seed=0)
+
+        macer = sz.load_checkpoint("ckpt/440.pth", format="macer", input_normalization="none")
     """
-    model, ckpt = load_model(path, device, format=format)
+    model, ckpt = load_model(path, device, format=format, input_normalization=input_normalization)
     spec, config = dict(ckpt.get("model_spec") or {}), dict(ckpt.get("config") or {})
     sigma = config.get("sigma")
     if sigma is not None:

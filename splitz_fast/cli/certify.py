@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from .choices import (ATTACK_NAMES, BOUND_METHODS, BOUNDS, GAMMA_SEARCHES, HELD_OUT_SPLIT, PRECISION_NAMES,
                       PROTOCOL_NAMES)
 from .options import (_AUTO_ON_OFF, _HelpFormatter, _add_checkpoint_format_option, _add_max_option,
-                      _add_sharding_options, _add_threads_option, _bound_options, _dataset_help)
+                      _add_sharding_options, _add_threads_option, _bound_options, _checked_input_normalization,
+                      _dataset_help)
 
 if TYPE_CHECKING:  # the parser imports neither torch nor scipy: the commands import what they run
     from ..certify.protocols import CertificationProtocol
@@ -60,10 +61,12 @@ def _open_run(args: argparse.Namespace) -> DatasetRun:
     ``args.device`` to the device this process uses (under torchrun: its local rank's GPU)."""
     from ..runs.dataset_run import DatasetRun
 
+    _checked_input_normalization(args)
     run = DatasetRun.open(args.dataset, args.checkpoint, args.outfile, split=args.split, root=args.root,
                           skip=args.skip, max_count=args.max, seed=args.seed, resume=args.resume, device=args.device,
                           shard=args.shard, checkpoint_format=getattr(args, "checkpoint_format", "splitz"),
-                          sigma=getattr(args, "sigma", None))
+                          sigma=getattr(args, "sigma", None),
+                          input_normalization=getattr(args, "input_normalization", None))
     args.device = run.device
     return run
 

@@ -14,7 +14,9 @@ RECIPE_NAMES = ("rs", "paper", "published-code", "warm-start", "rs-init", "const
 #: splitz_fast.training.config.LIP_OBJECTIVES
 LIP_OBJECTIVE_NAMES = ("per-sample-hinge", "batch-mean-hinge", "lagrangian")
 #: splitz_fast.checkpoints.splitz.CHECKPOINT_FORMATS
-CHECKPOINT_FORMATS = ("splitz", "cohen")
+CHECKPOINT_FORMATS = ("splitz", "cohen", "macer")
+#: splitz_fast.checkpoints.macer.NAMED_NORMALIZATIONS
+INPUT_NORMALIZATION_NAMES = ("none", "cohen-cifar10")
 #: splitz_fast.checkpoints.cohen.COHEN_ARCHS: arch -> its dataset
 COHEN_ARCH_DATASETS = {"cifar_resnet20": "cifar10", "cifar_resnet110": "cifar10", "resnet50": "imagenet"}
 #: splitz_fast.bounds.radius.BOUNDS, BOUND_METHODS, GAMMA_SEARCHES

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from .choices import CHECKPOINT_FORMATS, COHEN_ARCH_DATASETS, DATASET_NAMES
+from .choices import CHECKPOINT_FORMATS, COHEN_ARCH_DATASETS, DATASET_NAMES, INPUT_NORMALIZATION_NAMES
 
 if TYPE_CHECKING:
     from ..bounds.radius import BoundOptions
@@ -54,7 +54,35 @@ def _add_checkpoint_format_option(parser: argparse.ArgumentParser) -> None:
                         help="splitz: CHECKPOINT was written by `splitz train`. cohen: a checkpoint.pth.tar of "
                              "Cohen et al.'s randomized smoothing code (locuslab/smoothing; SmoothAdv, MACER, ... "
                              f"built on it), arch {archs}, certified at split 0 behind that code's normalisation; it "
-                             "does not record σ, so SIGMA must be the σ it was trained at, and DATASET its dataset")
+                             "does not record σ, so SIGMA must be the σ it was trained at, and DATASET its dataset. "
+                             "macer: a {'net', 'epoch'} file of MACER's code (RuntianZ/macer), its CIFAR ResNet "
+                             "certified at split 0 on cifar10 behind --input-normalization")
+    names = " | ".join(INPUT_NORMALIZATION_NAMES)
+    parser.add_argument("--input-normalization", default=None, metavar="NAME|MEAN,STD",
+                        help=f"with --checkpoint-format macer (required there: the file does not record it): the "
+                             f"(x - mean)/std the network was trained behind, {names} or MEAN,STD (2 numbers for "
+                             "every channel, or 6: three means then three stds). MACER's own CIFAR-10 training uses "
+                             "none (raw [0, 1] pixels). Part of the model: recorded in the sidecar and the digest")
+
+
+def _checked_input_normalization(args: argparse.Namespace) -> None:
+    """Refuse ``--checkpoint-format macer`` without ``--input-normalization``, and the option with another format
+    (where the checkpoint's model holds its own), before the checkpoint and the data load."""
+    given, format = getattr(args, "input_normalization", None), getattr(args, "checkpoint_format", "splitz")
+    if format == "macer" and given is None:
+        raise ValueError("MACER checkpoints store no normalisation: pass --input-normalization none (MACER's own "
+                         f"CIFAR-10 training: raw [0, 1] pixels), {' or '.join(INPUT_NORMALIZATION_NAMES[1:])}, or "
+                         "MEAN,STD")
+    if format != "macer" and given is not None:
+        raise ValueError(f"--input-normalization belongs to --checkpoint-format macer; a {format} checkpoint's model "
+                         "holds its own normalisation: drop the option")
+    if given is not None:
+        from ..checkpoints.macer import input_normalization
+
+        try:
+            input_normalization(given)
+        except ValueError as err:  # its message names the setting "input normalisation": name the option
+            raise ValueError(f"--input-normalization: {err}") from None
 
 
 def _add_sharding_options(parser: argparse.ArgumentParser) -> None:

@@ -55,7 +55,8 @@ def _held_out_dataset(dataset: str, ckpt: dict, root: str | None):
 
 def load_model_and_dataset(checkpoint: str | os.PathLike, dataset: str, split: str, *, device: str = "cpu",
                            root: str | None = None, checkpoint_format: str = "splitz",
-                           sigma: float | None = None) -> tuple[SplitModel, dict, DatasetInfo]:
+                           sigma: float | None = None,
+                           input_normalization: str | None = None) -> tuple[SplitModel, dict, DatasetInfo]:
     """The checkpoint's model and the dataset split, refused with a clear message when they do not fit together.
 
     ``(model, checkpoint dict, dataset info)``; ``split`` may be :data:`HELD_OUT_SPLIT`, the validation images the
@@ -64,8 +65,8 @@ def load_model_and_dataset(checkpoint: str | os.PathLike, dataset: str, split: s
     # Looked up at the call, as the commands always did (a test puts its own dataset in data.datasets.get_dataset).
     from ..data.datasets import class_names_of, get_dataset
 
-    model, ckpt = load_model(checkpoint, device, format=checkpoint_format)
-    if checkpoint_format == "cohen":
+    model, ckpt = load_model(checkpoint, device, format=checkpoint_format, input_normalization=input_normalization)
+    if checkpoint_format in ("cohen", "macer"):
         from ..checkpoints.cohen import check_cohen_dataset
 
         check_cohen_dataset(ckpt, dataset)
@@ -135,21 +136,25 @@ class DatasetRun:
     def open(cls, dataset: str, checkpoint: str | os.PathLike, outfile: str | os.PathLike, *, split: str = "test",
              root: str | None = None, skip: int = 1, max_count: int = -1, seed: int = 0, resume: bool = False,
              device: str | None = None, shard: str | ShardSpec | None = None, checkpoint_format: str = "splitz",
-             sigma: float | None = None) -> "DatasetRun":
+             sigma: float | None = None, input_normalization: str | None = None) -> "DatasetRun":
         """The run of ``checkpoint``'s model over every ``skip``-th input of ``dataset``'s ``split`` (at most
         ``max_count``, -1 = all) into ``outfile``: input ``i`` draws its noise from seed ``seed + i``; ``resume``
         continues an interrupted ``outfile``. ``shard`` (``"K/N"`` or a :class:`~splitz_fast.runs.shards.ShardSpec`)
         runs only that shard into ``outfile.shard-K-of-N``; under torchrun the ranks are the shards and ``shard``
         is refused. ``device``: unset, the CPU (under torchrun: each rank's ``cuda:LOCAL_RANK`` where CUDA is
-        available). ``sigma``: the σ the run smooths at, for the note of :func:`load_model_and_dataset`."""
+        available). ``sigma``: the σ the run smooths at, for the note of :func:`load_model_and_dataset`.
+        ``input_normalization``: a MACER checkpoint's (``checkpoint_format="macer"``), recorded in the sidecar."""
         check_count("--seed", seed, 0)
         check_output_file("OUTFILE", outfile)
         env, shard, device = _sharding(shard, device, outfile, resume)
         model, ckpt, info = load_model_and_dataset(checkpoint, dataset, split, device=device, root=root,
-                                                   checkpoint_format=checkpoint_format, sigma=sigma)
+                                                   checkpoint_format=checkpoint_format, sigma=sigma,
+                                                   input_normalization=input_normalization)
         indices = select_indices(len(info.dataset), skip, max_count)
         settings = {"dataset": dataset, "split": split, "skip": skip, "max": max_count,
                     "model_spec": ckpt.get("model_spec")}
+        if checkpoint_format == "macer":
+            settings["input_normalization"] = ckpt["model_spec"]["input_normalization"]
         return cls(model, info, indices, outfile, checkpoint, device, seed, resume, checkpoint_format, env, shard,
                    settings)
 
@@ -166,6 +171,7 @@ class DatasetRun:
             return run_over_dataset(task, self.info.dataset, outfile, settings=settings, indices=indices,
                                     seed=self.seed, resume=self.resume, checkpoint=self.checkpoint, shard=shard_spec,
                                     progress=progress, checkpoint_format=self.checkpoint_format,
+                                    input_normalization=self.settings.get("input_normalization"),
                                     on_row=lambda idx, _: computed.append(idx))
 
         what = "inputs" if task.kind == "certify-margin" else "images"
@@ -180,7 +186,8 @@ class DatasetRun:
             # Every rank reads the merged OUTFILE first: without --resume it is refused before any shard starts, and
             # with --resume a finished one (same settings, every row) leaves nothing to do.
             whole = run_settings(task, settings, seed=self.seed, indices=indices, checkpoint=self.checkpoint,
-                                 checkpoint_format=self.checkpoint_format)
+                                 checkpoint_format=self.checkpoint_format,
+                                 input_normalization=self.settings.get("input_normalization"))
             if finished_output(task, outfile, whole, indices, self.resume):
                 if env.rank == 0:
                     print(f"{task.kind}: {outfile} already holds all {len(indices)} {what}; nothing to do")

@@ -46,10 +46,13 @@ def select_indices(n_items: int, skip: int, max_count: int) -> list[int]:
 
 
 def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices: Sequence[int],
-                 checkpoint: str | os.PathLike | None = None, checkpoint_format: str = "splitz") -> dict[str, Any]:
+                 checkpoint: str | os.PathLike | None = None, checkpoint_format: str = "splitz",
+                 input_normalization: str | None = None) -> dict[str, Any]:
     """What :func:`run_over_dataset` records in the sidecar of a whole run's TSV (a shard's adds its ``shard``):
     ``settings``, the task's own settings, the seed, the indices and the checkpoint's digest, under the sidecar
-    schema (:mod:`splitz_fast.runs.schema`)."""
+    schema (:mod:`splitz_fast.runs.schema`); a MACER checkpoint's ``input_normalization`` too (canonical, as
+    :func:`~splitz_fast.checkpoints.macer.input_normalization` writes it), so that a resume behind another one is
+    refused by name."""
     check_count("seed", seed, 0)
     settings = dict(settings, **task.settings(), seed=seed,
                     indices=[indices[0], indices[-1], len(indices)] if indices else [], schema=SIDECAR_SCHEMA)
@@ -62,9 +65,12 @@ def run_settings(task: RunTask, settings: dict[str, Any], *, seed: int, indices:
         # another split of it) is refused rather than mixed into the file.
         settings["model_digest"] = checkpoint_digest({"model": task.model.state_dict()})
     if checkpoint is not None:
-        settings["checkpoint_digest"] = checkpoint_digest(load_checkpoint_file(checkpoint, format=checkpoint_format))
+        ckpt = load_checkpoint_file(checkpoint, format=checkpoint_format, input_normalization=input_normalization)
+        settings["checkpoint_digest"] = checkpoint_digest(ckpt)
         settings["checkpoint_digest_covers"] = CHECKPOINT_DIGEST_COVERS
         settings["checkpoint_format"] = checkpoint_format
+        if checkpoint_format == "macer":
+            settings["input_normalization"] = ckpt["model_spec"]["input_normalization"]
     return settings
 
 
@@ -92,6 +98,7 @@ def run_over_dataset(
     resume: bool = False,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_format: str = "splitz",
+    input_normalization: str | None = None,
     progress: bool = True,
     stop_after: int | None = None,
     on_row: Callable[[int, Any], None] | None = None,
@@ -104,7 +111,8 @@ def run_over_dataset(
     ``settings`` (what else determines the rows: dataset, split, model, bound options…) is stored in the sidecar
     together with the task's own settings, the seed, the indices and the checkpoint's digest (``checkpoint_digest``,
     described by ``checkpoint_digest_covers``; ``checkpoint_format`` says how ``checkpoint`` is read, see
-    :func:`~splitz_fast.checkpoints.splitz.load_checkpoint`; without a checkpoint, the digest
+    :func:`~splitz_fast.checkpoints.splitz.load_checkpoint`, ``input_normalization`` that of a MACER checkpoint,
+    recorded too; without a checkpoint, the digest
     of the task's model's weights, ``model_digest``); ``stop_after`` stops after that
     many new rows (as an interruption would). The inputs stream through the task (shared ``f_R`` batches, one host
     sync per group of inputs); each row is written as soon as its input is done. The ``f_R`` batch size does not
@@ -130,7 +138,7 @@ def run_over_dataset(
                          f"{indices.count(repeated[0])} times")
     out_path = check_output_file("output file", out_path)
     settings = run_settings(task, settings, seed=seed, indices=indices, checkpoint=checkpoint,
-                            checkpoint_format=checkpoint_format)
+                            checkpoint_format=checkpoint_format, input_normalization=input_normalization)
     if shard is not None:
         settings["shard"] = shard.record(indices)
         out_path, indices = shard.path(out_path), shard.select(indices)

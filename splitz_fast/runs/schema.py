@@ -29,6 +29,8 @@ VERSION_1_DEFAULTS: dict[str, dict[str, Any]] = {
 #: Left out of a version-1 sidecar of a run from a checkpoint (one with ``checkpoint_digest``) when it was read as
 #: a splitz_fast checkpoint.
 VERSION_1_CHECKPOINT_DEFAULTS = {"checkpoint_format": "splitz"}
+#: ``input_normalization`` is written with ``checkpoint_format`` ``"macer"`` only, which has no default (MACER's files
+#: do not record it) and which no version-1 sidecar can hold (that format came after schema 2): nothing to fill in.
 
 #: How margin runs were recorded before the run tasks (up to a9ddd72): as CERTIFY runs with placeholder sampling
 #: settings. Their rows are those of today's margin runs.

@@ -287,21 +287,6 @@ def test_the_dataset_refusal_reads_as_english():
         check_cohen_dataset({"model_spec": {"arch": "resnet50"}}, "cifar10")
 
 
-@pytest.fixture
-def fake_cifar10(monkeypatch):
-    """Four random CIFAR-shaped images under any dataset name (this process only)."""
-    from torch.utils.data import TensorDataset
-
-    import splitz_fast.data.datasets as datasets
-    from splitz_fast.data.datasets import DatasetInfo
-
-    gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.rand(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen))
-    info = DatasetInfo(data, (3, 32, 32), 10, None, None, "fake CIFAR-10")
-    monkeypatch.setattr(datasets, "get_dataset", lambda name, split, root=None, **options: info)
-    return info
-
-
 def test_cli_certifies_a_cohen_checkpoint_and_resumes(tmp_path, capsys, fake_cifar10):
     path = tmp_path / "checkpoint.pth.tar"
     save_cohen(cohen_model("cifar_resnet20"), "cifar_resnet20", path)
@@ -343,4 +328,5 @@ def test_help_names_the_option():
     for command in ("certify", "predict", "attack"):
         parser = cli.build_parser()
         text = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-        assert "--checkpoint-format {splitz,cohen}" in text.format_help()
+        assert "--checkpoint-format {splitz,cohen,macer}" in text.format_help()
+        assert "--input-normalization NAME|MEAN,STD" in text.format_help()
