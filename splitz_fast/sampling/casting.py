@@ -24,13 +24,18 @@ from .choices import Option
 from .epilogues import FusionChoice
 
 
+# Modules whose computation autocast keeps in float32 on the CPU (normalizations, softmax): cast to bf16 they would
+# compute another function than under autocast, so an f_R holding one keeps autocast.
+AUTOCAST_FLOAT32_MODULES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.Softmax, nn.LogSoftmax)
+
+
 class CastChoice(FusionChoice):
     """A sampling engine's use of the cast copy of ``f_R`` (:func:`cast_copy`) instead of autocast, one decision per
     :class:`~splitz_fast.sampling.choices.Variant` (layout and batch of rows): decided on the CPU only, where the
     precision is reduced, by the same check and timing as the fused copy's (:meth:`FusionChoice.choose`: the cast
     copy must score a real batch like autocast within the copy tolerance, then the faster is used). A cast copy that
     fails or scores differently warns once (an error under ``SPLITZ_STRICT=1``) and autocast samples; one measured
-    slower is not used. ``considered``: a reduced ``precision`` on a CPU ``device``, unless ``f_R`` runs compiled
+    slower is not used; an ``f_R`` with a layer it does not :meth:`take <takes>` keeps autocast. ``considered``: a reduced ``precision`` on a CPU ``device``, unless ``f_R`` runs compiled
     (``compile=True``: the compiled copy is made from the autocast one)."""
 
     OPTION = Option("cast_weights", "autocast", "cast")
@@ -39,6 +44,13 @@ class CastChoice(FusionChoice):
 
     def __init__(self, dtype: torch.dtype, device: torch.device, compile: bool | None):
         super().__init__(False if dtype == torch.float32 or compile else None, device)
+
+    @staticmethod
+    def takes(module: nn.Module) -> bool:
+        """Whether a layer of the prepared copy computes in the cast copy what it does under autocast: not one of
+        :data:`AUTOCAST_FLOAT32_MODULES` (the caller also keeps autocast for modules not PyTorch's or this library's,
+        whose forward may depend on its tensors' dtype)."""
+        return not isinstance(module, AUTOCAST_FLOAT32_MODULES)
 
     def fallback_message(self, variant, reason: str) -> str:
         return f"f_R's weights are not cast once ({reason}); sampling casts them under autocast at each batch"

@@ -162,8 +162,10 @@ class PreparedClassifier:
                        scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
                        tolerance: Callable[[], float]) -> nn.Module:
         """``net`` (the plain prepared module of ``variant``) or its copy with the weights cast once to ``dtype``
-        (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant."""
-        if not casting.considered or not self.rewritable or variant.fused:
+        (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant; only where every
+        layer is PyTorch's or this library's and cast computes what autocast does (:meth:`CastChoice.takes`)."""
+        if not casting.considered or not self.rewritable or variant.fused or not all(
+                _library_module(m) and casting.takes(m) for m in net.modules()):
             return net
         if variant not in self._cast:
             cast = cast_copy(net, dtype)

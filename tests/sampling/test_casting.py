@@ -126,3 +126,14 @@ def test_compile_true_keeps_the_autocast_copy():
     assert not CastChoice(torch.bfloat16, torch.device("cpu"), compile=True).considered
     assert CastChoice(torch.bfloat16, torch.device("cpu"), compile=None).considered
     assert not CastChoice(torch.float32, torch.device("cpu"), compile=None).considered
+
+
+@pytest.mark.parametrize("layer", [nn.LayerNorm([8, 4, 4]), nn.GroupNorm(2, 8)])
+def test_an_f_r_with_a_layer_autocast_keeps_in_float32_keeps_autocast(layer):
+    """Autocast runs normalizations in float32 on the CPU: cast to bf16 they would be another base classifier."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.MaxPool2d(4), layer, nn.Flatten(), nn.Linear(128, 3))
+    smoother = sz.Smoother(sz.split_sequential(net, 0, num_classes=3, input_shape=(1, 16, 16)), 0.5,
+                           precision="bfloat16")
+    smoother.certify(X, 10, 100, 0.01, batch_size=32, seed=2)
+    assert smoother.engine().casting.decisions == {} and not smoother.engine().prepared._cast
