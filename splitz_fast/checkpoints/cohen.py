@@ -156,8 +156,8 @@ def build_cohen_model(ckpt: dict[str, Any]) -> SplitModel:
         first = (missing or unexpected or reshaped)[0]
         what = "missing" if missing else "unexpected" if unexpected else (
             f"{tuple(saved[first].shape)} where {spec['arch']} has {tuple(expected[first].shape)}")
-        raise ValueError(f"its state_dict does not fit {_WHOSE[spec['format']]} {spec['arch']} ({len(missing)} missing, "
-                         f"{len(unexpected)} unexpected, {len(reshaped)} reshaped tensors, e.g. {first!r} "
+        raise ValueError(f"its state_dict does not fit {_WHOSE[spec['format']]} {spec['arch']} ({len(missing)} "
+                         f"missing, {len(unexpected)} unexpected, {len(reshaped)} reshaped tensors, e.g. {first!r} "
                          f"{what}): another architecture or depth than 'arch' says")
     network.load_state_dict(saved, strict=True)
     return model

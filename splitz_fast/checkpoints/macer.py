@@ -109,7 +109,8 @@ def _depth(weights: dict[str, torch.Tensor], path: Path) -> int:
                          f"{some_keys(weights)}); {_EXPECTED}")
     depth = 6 * len(blocks) + 2
     if depth not in _DEPTHS:
-        raise ValueError(f"{path}: its CIFAR ResNet has depth {depth}; supported depths: {', '.join(map(str, _DEPTHS))}")
+        raise ValueError(f"{path}: its CIFAR ResNet has depth {depth}; supported depths: "
+                         f"{', '.join(map(str, _DEPTHS))}")
     return depth
 
 

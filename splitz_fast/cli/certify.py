@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from .choices import (ATTACK_NAMES, BOUND_METHODS, BOUNDS, GAMMA_SEARCHES, HELD_OUT_SPLIT, PRECISION_NAMES,
                       PROTOCOL_NAMES)
-from .options import (_AUTO_ON_OFF, _HelpFormatter, _add_checkpoint_format_option, _add_max_option,
-                      _add_sharding_options, _add_threads_option, _bound_options, _checked_input_normalization,
-                      _dataset_help)
+from .options import (_AUTO_ON_OFF, _HelpFormatter, _add_check_images_option, _add_checkpoint_format_option,
+                      _add_max_option, _add_sharding_options, _add_threads_option, _bound_options,
+                      _checked_input_normalization, _dataset_help)
 
 if TYPE_CHECKING:  # the parser imports neither torch nor scipy: the commands import what they run
     from ..certify.protocols import CertificationProtocol
@@ -68,6 +68,7 @@ def _open_run(args: argparse.Namespace) -> DatasetRun:
                           sigma=getattr(args, "sigma", None),
                           input_normalization=getattr(args, "input_normalization", None))
     args.device = run.device
+    run.check_images = args.check_images
     return run
 
 
@@ -288,6 +289,7 @@ def _add_certify_predict_parser(sub) -> None:
         c.add_argument("--resume", action="store_true", help=_RESUME_HELP)
         _add_checkpoint_format_option(c)
         _add_sharding_options(c)
+        _add_check_images_option(c)
         _add_threads_option(c)
         c.set_defaults(func=func)
 
@@ -325,6 +327,7 @@ def _add_certify_margin_parser(sub) -> None:
     m.add_argument("--seed", type=int, default=0, help="seeds probabilistic bounds only")
     m.add_argument("--resume", action="store_true", help=_RESUME_HELP)
     _add_sharding_options(m)
+    _add_check_images_option(m)
     _add_threads_option(m)
     m.set_defaults(func=certify_margin_command)
 
@@ -364,5 +367,6 @@ def _add_attack_parser(sub) -> None:
     k.add_argument("--resume", action="store_true", help=_RESUME_HELP)
     _add_checkpoint_format_option(k)
     _add_sharding_options(k)
+    _add_check_images_option(k)
     _add_threads_option(k)
     k.set_defaults(func=attack_command)

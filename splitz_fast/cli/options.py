@@ -96,6 +96,15 @@ def _add_sharding_options(parser: argparse.ArgumentParser) -> None:
                              "Under torchrun the ranks are the shards and rank 0 merges")
 
 
+def _add_check_images_option(parser: argparse.ArgumentParser) -> None:
+    """``--check-images`` of the commands that run over a dataset: a damaged image found before the first row."""
+    parser.add_argument("--check-images", action=argparse.BooleanOptionalAction, default=True,
+                        help="before the first row, open and decode every image file of a folder dataset (ImageNet, "
+                             "an ImageFolder --root) that the run will read (--skip/--max, --shard, the rows a "
+                             "--resume still lacks), so a damaged file is refused at once, named, not when reached; "
+                             "about 4 ms per 512x512 JPEG on one core, far less than one certification")
+
+
 def _dataset_help() -> str:
     return f"dataset name: {', '.join(DATASET_NAMES)}"
 

@@ -131,6 +131,8 @@ class DatasetRun:
     env: TorchrunEnv | None = None
     shard: ShardSpec | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    #: Decode each image file the run reads before the first row (:func:`~splitz_fast.data.images.check_images`).
+    check_images: bool = True
 
     @classmethod
     def open(cls, dataset: str, checkpoint: str | os.PathLike, outfile: str | os.PathLike, *, split: str = "test",
@@ -171,6 +173,7 @@ class DatasetRun:
             return run_over_dataset(task, self.info.dataset, outfile, settings=settings, indices=indices,
                                     seed=self.seed, resume=self.resume, checkpoint=self.checkpoint, shard=shard_spec,
                                     progress=progress, checkpoint_format=self.checkpoint_format,
+                                    check_images=self.check_images,
                                     input_normalization=self.settings.get("input_normalization"),
                                     on_row=lambda idx, _: computed.append(idx))
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from .._checks import check_count, check_output_file, dataset_pair
 from ..certify.inputs import model_device
+from ..data.images import check_images as decode_images
 from ..checkpoints.splitz import CHECKPOINT_DIGEST_COVERS, checkpoint_digest, load_checkpoint_file
 from ..sampling.engine import NoiseStream
 from .files import _lock_sidecar, _prepare_output, _put_in_selection_order, _sidecar
@@ -100,6 +101,7 @@ def run_over_dataset(
     checkpoint_format: str = "splitz",
     input_normalization: str | None = None,
     progress: bool = True,
+    check_images: bool = True,
     stop_after: int | None = None,
     on_row: Callable[[int, Any], None] | None = None,
     shard: ShardSpec | None = None,
@@ -114,7 +116,9 @@ def run_over_dataset(
     :func:`~splitz_fast.checkpoints.splitz.load_checkpoint`, ``input_normalization`` that of a MACER checkpoint,
     recorded too; without a checkpoint, the digest
     of the task's model's weights, ``model_digest``); ``stop_after`` stops after that
-    many new rows (as an interruption would). The inputs stream through the task (shared ``f_R`` batches, one host
+    many new rows (as an interruption would). ``check_images``: before the first row, decode every image file this
+    call will read (a folder dataset's, :func:`~splitz_fast.data.images.check_images`), so that a damaged one is
+    refused at once, not when the run reaches it. The inputs stream through the task (shared ``f_R`` batches, one host
     sync per group of inputs); each row is written as soon as its input is done. The ``f_R`` batch size does not
     change the rows — the noise of an input depends only on its seed — so it is not part of the settings a resume
     must match.
@@ -152,6 +156,8 @@ def run_over_dataset(
         todo = [i for i in indices if i not in done]
         if stop_after is not None:
             todo = todo[:stop_after]
+        if check_images:
+            decode_images(dataset, todo, progress=progress)
         labels: dict[int, int] = {}
         classes = None if task.model is None else task.model.num_classes
 
