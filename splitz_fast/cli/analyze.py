@@ -71,12 +71,16 @@ def diagnose_command(args: argparse.Namespace) -> int:
                          "`splitz certify` run")
     args.dataset, args.split = sidecar["dataset"], sidecar["split"]
     args.checkpoint_format = sidecar.get("checkpoint_format", "splitz")
+    # A MACER checkpoint is read behind the input normalisation its run recorded (the file itself records none).
+    normalization = sidecar.get("input_normalization")
     model, ckpt, info = load_model_and_dataset(args.checkpoint, args.dataset, args.split, device=args.device,
-                                               root=args.root, checkpoint_format=args.checkpoint_format)
+                                               root=args.root, checkpoint_format=args.checkpoint_format,
+                                               input_normalization=normalization)
     if checkpoint_digest(ckpt) != sidecar.get("checkpoint_digest"):
         raise ValueError(f"{args.certification} was certified with another model than {args.checkpoint} "
                          "(checkpoint digests differ); give the checkpoint that was certified")
-    title = f"{Path(args.certification).stem} (σ = {sidecar['sigma']:g})"
+    behind = "" if normalization is None else f", input normalisation {normalization}"
+    title = f"{Path(args.certification).stem} (σ = {sidecar['sigma']:g}{behind})"
     if args.headroom:
         from ..analysis.headroom import headroom_of_run, headroom_report
 

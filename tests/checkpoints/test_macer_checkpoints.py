@@ -142,3 +142,17 @@ def test_cli_refuses_the_option_with_another_format_and_hints_the_format(tmp_pat
     assert cli.main(["predict", "imagenet", *base[2:], "--checkpoint-format", "macer",
                      "--input-normalization", "none"]) == 2
     assert "MACER's resnet20 is a cifar10 model, not one for 'imagenet'" in one_line_error(capsys)
+
+
+def test_diagnose_reads_the_checkpoint_behind_the_recorded_normalisation(tmp_path, capsys, fake_cifar10):
+    path = tmp_path / "200.pth"
+    save_macer(our_network(20), path)
+    out = tmp_path / "out.tsv"
+    assert cli.main(["certify", "cifar10", str(path), "0.25", str(out), "--checkpoint-format", "macer",
+                     "--input-normalization", "0.5,0.25", "--max", "2", "--N0", "4", "--N", "16", "--batch",
+                     "16"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    code = cli.main(["diagnose", str(path), str(out), "--headroom"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "input normalisation 0.5,0.5,0.5,0.25,0.25,0.25" in captured.out
