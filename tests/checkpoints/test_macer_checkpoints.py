@@ -45,7 +45,6 @@ def save_macer(network: nn.Module, path, epoch: int = 440) -> None:
     torch.save({"net": net, "epoch": epoch}, path)
 
 
-@pytest.mark.slow
 def test_a_macer_resnet110_computes_the_logits_of_the_network_it_came_from(tmp_path):
     network = our_network(110)
     path = tmp_path / "440.pth"
