@@ -57,6 +57,7 @@ def test_the_parser_choices_are_the_registries_names():
     from splitz_fast.certify.attacks import ATTACKS
     from splitz_fast.certify.protocols import PROTOCOLS
     from splitz_fast.checkpoints.cohen import COHEN_ARCHS
+    from splitz_fast.checkpoints.macer import NAMED_NORMALIZATIONS
     from splitz_fast.checkpoints.splitz import CHECKPOINT_FORMATS
     from splitz_fast.data.datasets import DATASETS
     from splitz_fast.runs.dataset_run import HELD_OUT_SPLIT
@@ -68,6 +69,7 @@ def test_the_parser_choices_are_the_registries_names():
     assert choices.DATASET_NAMES == tuple(DATASETS) and choices.MODEL_NAMES == tuple(MODELS)
     assert choices.RECIPE_NAMES == tuple(RECIPES) and choices.LIP_OBJECTIVE_NAMES == tuple(LIP_OBJECTIVES)
     assert choices.CHECKPOINT_FORMATS == tuple(CHECKPOINT_FORMATS)
+    assert choices.INPUT_NORMALIZATION_NAMES == tuple(NAMED_NORMALIZATIONS)
     assert choices.COHEN_ARCH_DATASETS == {name: arch.dataset for name, arch in COHEN_ARCHS.items()}
     assert (choices.BOUNDS, choices.BOUND_METHODS, choices.GAMMA_SEARCHES) == (
         tuple(radius.BOUNDS), tuple(radius.BOUND_METHODS), tuple(radius.GAMMA_SEARCHES))
