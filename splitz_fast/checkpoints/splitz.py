@@ -161,8 +161,8 @@ class LoadedCheckpoint:
     Attributes:
         model: the :class:`~splitz_fast.model.modules.SplitModel`, weights loaded, on the requested device, in eval mode.
         sigma: the training noise σ (``config["sigma"]``): certify at this σ (the paper trains at the test σ).
-            ``None`` for Cohen et al.'s checkpoints, which do not record σ: give the Smoother the σ it was trained
-            at yourself.
+            ``None`` for Cohen et al.'s and MACER's checkpoints, which do not record σ: give the Smoother the σ it
+            was trained at yourself.
         dataset: the dataset name it was trained on (``model_spec["dataset"]``; ``None`` if not recorded).
         epoch: the 0-based epoch after which it was saved (``best.pt``: the best validation epoch so far).
         digest: :func:`checkpoint_digest` (what certification sidecars record as ``checkpoint_digest``).

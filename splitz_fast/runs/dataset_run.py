@@ -72,7 +72,7 @@ def load_model_and_dataset(checkpoint: str | os.PathLike, dataset: str, split: s
         check_cohen_dataset(ckpt, dataset)
         if split == HELD_OUT_SPLIT:
             raise ValueError(f"--split {HELD_OUT_SPLIT} reads the images a `splitz train` run held out; Cohen et al.'s "
-                             "checkpoints do not record theirs: choose a split of the dataset")
+                             "and MACER's checkpoints do not record theirs: choose a split of the dataset")
     if split == HELD_OUT_SPLIT:
         info = _held_out_dataset(dataset, ckpt, root)
     else:
