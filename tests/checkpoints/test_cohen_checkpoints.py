@@ -320,7 +320,7 @@ def test_cli_refuses_another_dataset_or_the_held_out_split(tmp_path, capsys, fak
     assert err.count("\n") == 1
     assert "Cohen et al.'s cifar_resnet20 is a cifar10 model" in err and "not one for 'imagenet'" in err
     assert cli.main(["certify", "cifar10", *base, "--N0", "4", "--split", "heldout"]) == 2
-    assert "Cohen et al.'s checkpoints do not record theirs" in capsys.readouterr().err
+    assert "Cohen et al.'s and MACER's checkpoints do not record theirs" in capsys.readouterr().err
     assert not (tmp_path / "out.tsv").exists()
 
 

@@ -137,7 +137,7 @@ def test_cli_refuses_the_option_with_another_format_and_hints_the_format(tmp_pat
     assert "--checkpoint-format macer --input-normalization" in one_line_error(capsys)
     assert cli.main(base + ["--checkpoint-format", "macer", "--input-normalization", "none", "--split",
                             "heldout"]) == 2
-    one_line_error(capsys)
+    assert "MACER's checkpoints do not record theirs" in one_line_error(capsys)
     assert cli.main(["predict", "imagenet", *base[2:], "--checkpoint-format", "macer",
                      "--input-normalization", "none"]) == 2
     assert "MACER's resnet20 is a cifar10 model, not one for 'imagenet'" in one_line_error(capsys)
