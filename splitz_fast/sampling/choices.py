@@ -69,7 +69,8 @@ class Decision:
     """Whether the engine scores one :class:`Variant` through its ``option``'s candidate (``used``) and why: the
     setting (``cuda_graphs=True``, ...), a failure (the candidate is not used), or the measurement.
     ``baseline_s`` / ``candidate_s``: seconds per batch of each side where measured; ``setup_s``: the option's
-    one-off cost (the first compiled call) where measured."""
+    one-off cost (the first compiled call) where measured. ``sites``: where the candidate is decided part by part
+    (fused kernels, layer by layer), each part's decision by its name, the same fields for that part."""
 
     option: Option
     used: bool
@@ -77,17 +78,25 @@ class Decision:
     baseline_s: float | None = None
     candidate_s: float | None = None
     setup_s: float | None = None
+    sites: tuple[tuple[str, "Decision"], ...] = ()
 
     def record(self, variant: Variant) -> dict:
         """The decision as a run record: the variant's fields (``rows`` as ``batch``), ``used``, ``reason`` and each
-        measured time under its side's name (``eager_s``, ``graph_s``, ...; ``None`` where not measured)."""
+        measured time under its side's name (``eager_s``, ``graph_s``, ...; ``None`` where not measured), and ``sites``
+        (each part's :meth:`part_record`) where decided part by part."""
         record = {f.name: getattr(variant, f.name) for f in fields(variant)}
         record["batch"] = record.pop("rows")
-        record.update(used=self.used, reason=self.reason, **{f"{self.option.baseline}_s": self.baseline_s,
-                                                             f"{self.option.candidate}_s": self.candidate_s})
+        record.update(self.part_record())
         if self.option.setup is not None:
             record[f"{self.option.setup}_s"] = self.setup_s
+        if self.sites:
+            record["sites"] = {name: site.part_record() for name, site in self.sites}
         return record
+
+    def part_record(self) -> dict:
+        """The decision of one part (:attr:`sites`) as a record: ``used``, ``reason`` and each measured time."""
+        return {"used": self.used, "reason": self.reason, f"{self.option.baseline}_s": self.baseline_s,
+                f"{self.option.candidate}_s": self.candidate_s}
 
 
 class CandidateFailed(RuntimeError):
@@ -180,6 +189,32 @@ class MeasuredChoice:
         return [decision.record(variant) for variant, decision in self.decisions.items()]
 
 
+class CopyChoice(MeasuredChoice):
+    """A measured choice between two scorers of the same ``f_R`` as a whole (a cast copy against autocast, ...)."""
+
+    def choose(self, variant: Variant, baseline: Callable[[torch.Tensor], torch.Tensor],
+               candidate: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
+               tolerance: Callable[[], float]) -> bool:
+        """Whether to sample through ``candidate`` rather than ``baseline`` at the batch of ``example()``: both score
+        it first (outside any timing), the candidate's scores must lie within ``tolerance()`` × (largest non-constant
+        score + 1) of the baseline's (:func:`score_mismatch`), then (by default) the faster wins. A candidate that
+        fails or scores differently is reported once. Records the decision under ``variant``."""
+        def trial() -> Trial:
+            batch = example()
+            try:
+                want, got = baseline(batch), candidate(batch)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # noqa: BLE001 — a copy that cannot run here: the baseline is always correct
+                raise CandidateFailed(f"failed: {type(err).__name__}: {str(err).strip()[:160]}") from err
+            mismatch = score_mismatch(got, want, tolerance(), self.OPTION.baseline)
+            if mismatch is not None:
+                raise CandidateFailed(mismatch)
+            return Trial(lambda: baseline(batch), lambda: candidate(batch))
+
+        return self.decide(variant, trial) is not None
+
+
 def check_setting(option: str, setting: object) -> None:
     """Refuse an ``option`` setting other than ``None`` (measure), ``True`` or ``False``."""
     if not isinstance(setting, (bool, type(None))):
@@ -197,12 +232,12 @@ def score_mismatch(got: torch.Tensor, want: torch.Tensor, tolerance: float, base
     return f"its scores differ from the {baseline} f_R's by {gap:.3g} (allowed {allowed:.3g})"
 
 
-def seconds_per_call(call: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call of ``call`` on ``device``: the better of up to :data:`TIMING_ROUNDS` rounds of at least
+def seconds_per_call(call: Callable[[], object], device: torch.device, rounds: int = TIMING_ROUNDS) -> float:
+    """Seconds per call of ``call`` on ``device``: the better of up to ``rounds`` rounds of at least
     :data:`TIMING_MIN_S` (calls queued back to back, as the engine issues them: on CUDA the time is the host's or the
     GPU's, whichever is slower; a round of :data:`TIMING_LONG_S` or more is the last)."""
     best = float("inf")
-    for _ in range(TIMING_ROUNDS):
+    for _ in range(rounds):
         synchronize(device)
         calls, start = 0, time.perf_counter()
         while calls < 2 or time.perf_counter() - start < TIMING_MIN_S:
@@ -222,5 +257,5 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["CandidateFailed", "Decision", "MeasuredChoice", "Option", "Trial", "Variant", "check_setting",
+__all__ = ["CandidateFailed", "CopyChoice", "Decision", "MeasuredChoice", "Option", "Trial", "Variant", "check_setting",
            "score_mismatch", "seconds_per_call", "synchronize"]

@@ -23,15 +23,18 @@ A convolution followed by its ReLU and a 2x2 max pool (LeNet's layers) goes furt
 all three as one Triton kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`;
 the prepared chain's rewrite, :func:`~splitz_fast.sampling.prepared.fused_conv_pools`).
 
-Whether the sampling engine uses the fused copy of ``f_R`` is decided by measurement, at run time
-(:class:`FusionChoice`, the engine's ``fused_kernels`` setting): on CUDA, per layout and batch, the fused copy must
-score a noisy batch like the plain copy (within the plain copy's own rounding,
-:func:`~splitz_fast.sampling.score_checks.copy_tolerance`) and take less time.
+Each fused module is a *site* that runs either its fused form or the unfused operations it replaces (``fused``).
+Which sites the sampling engine runs fused is decided by measurement, at run time, site by site (:class:`FusionChoice`,
+the engine's ``fused_kernels`` setting): on CUDA, per layout and batch, a site's fused form must compute what its
+unfused operations compute on the activation it sees (within the plain copy's own rounding,
+:func:`~splitz_fast.sampling.score_checks.copy_tolerance`) and take less time, and the copy with the chosen sites fused
+must score a noisy batch like the plain copy. One slow or failing site leaves the others fused.
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import operator
-import warnings
 from typing import Callable
 
 import torch
@@ -39,24 +42,48 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .choices import CandidateFailed, MeasuredChoice, Option, Trial, Variant, score_mismatch
+from . import choices
+from .choices import CandidateFailed, Decision, MeasuredChoice, Option, Variant, score_mismatch
 from .folding import free_submodule_name, has_forward_hooks
+from .score_checks import score_gap
 from ..cuda_math import convolutions_use_tf32
 from ..kernels import conv_relu_pool
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _RELU_METHODS = ("relu", "relu_")
 _ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+# Timing rounds of each side of one site (choices.seconds_per_call): a model has tens of sites, decided per batch
+# size, so each side gets one round of at least TIMING_MIN_S rather than the best of three.
+SITE_ROUNDS = 1
 
 
-class _FusedConv(nn.Module):
-    """Shared parts of the fused modules: the convolution (its parameters shared, never copied) and the fallback
-    switch, set (with one warning) the first time cuDNN refuses the fused call."""
+class _FusedSite(nn.Module):
+    """One fused site of a prepared ``f_R``: the convolution (its parameters shared, never copied) and ``fused``,
+    whether the site runs its fused form (:meth:`fused_forward`) or the unfused operations it replaces
+    (:meth:`unfused_forward`, the same function). The sampling engine sets ``fused`` per site, by measurement
+    (:class:`FusionChoice`); a fused form that fails raises (the engine's measurement catches it and keeps that site
+    unfused, reported once)."""
 
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
         self.conv = conv
         self.fused = True
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fused_forward(*args) if self.fused else self.unfused_forward(*args)
+
+    def fused_forward(self, *args: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unfused_forward(self, *args: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"fused={self.fused}"
+
+
+class _CudnnEpilogue(_FusedSite):
+    """A site whose fused form is one cuDNN call on CUDA (elsewhere it runs the unfused operations)."""
 
     def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # torch.cudnn_convolution_* are not on autocast's lists: cast as autocast would cast a convolution.
@@ -64,53 +91,42 @@ class _FusedConv(nn.Module):
         bias = self.conv.bias
         return x.to(dtype), self.conv.weight.to(dtype), None if bias is None else bias.to(dtype)
 
-    def _uses_cudnn(self, x: torch.Tensor) -> bool:
-        return self.fused and x.is_cuda and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
-
-    def _refused(self, err: RuntimeError) -> None:
-        self.fused = False
-        warnings.warn(f"cuDNN refused a fused convolution epilogue ({str(err).strip().splitlines()[0][:160]}); "
-                      "that layer runs its convolution, bias, addition and ReLU unfused", stacklevel=3)
-
-    def extra_repr(self) -> str:
-        return f"fused={self.fused}"
+    @staticmethod
+    def _uses_cudnn(x: torch.Tensor) -> bool:
+        return x.is_cuda and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
 
 
-class ConvReLU(_FusedConv):
+class ConvReLU(_CudnnEpilogue):
     """``relu(conv(x))`` (the convolution's bias included): one ``torch.cudnn_convolution_relu`` call on CUDA."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._uses_cudnn(x):
-            x, weight, bias = self._operands(x)
-            c = self.conv
-            try:
-                return torch.cudnn_convolution_relu(x, weight, bias, c.stride, c.padding, c.dilation, c.groups)
-            except torch.OutOfMemoryError:
-                raise  # not a refusal: the batch is too large (the batch tuner stops there)
-            except RuntimeError as err:
-                self._refused(err)
+    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._uses_cudnn(x):
+            return self.unfused_forward(x)
+        x, weight, bias = self._operands(x)
+        c = self.conv
+        return torch.cudnn_convolution_relu(x, weight, bias, c.stride, c.padding, c.dilation, c.groups)
+
+    def unfused_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.conv(x))
 
 
-class ConvAddReLU(_FusedConv):
+class ConvAddReLU(_CudnnEpilogue):
     """``relu(conv(x) + z)`` (the convolution's bias included; ``z`` of the output's shape, e.g. a residual
     shortcut): one ``torch.cudnn_convolution_add_relu`` call on CUDA."""
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if self._uses_cudnn(x):
-            x, weight, bias = self._operands(x)
-            c = self.conv
-            try:
-                return torch.cudnn_convolution_add_relu(x, weight, z.to(x.dtype), 1.0, bias, c.stride, c.padding,
-                                                       c.dilation, c.groups)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as err:
-                self._refused(err)
+    def fused_forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if not self._uses_cudnn(x):
+            return self.unfused_forward(x, z)
+        x, weight, bias = self._operands(x)
+        c = self.conv
+        return torch.cudnn_convolution_add_relu(x, weight, z.to(x.dtype), 1.0, bias, c.stride, c.padding,
+                                               c.dilation, c.groups)
+
+    def unfused_forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return F.relu(self.conv(x) + z)
 
 
-class ConvReLUMaxPool2(nn.Module):
+class ConvReLUMaxPool2(_FusedSite):
     """``MaxPool2d(2)(relu(conv(x)))`` of a stride-1 ``Conv2d`` (its parameters shared) as one op,
     :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2`: on CUDA one Triton kernel that writes only the
     pooled activation. Under autocast the operands are cast as autocast casts a convolution; float32 multiplies as
@@ -118,9 +134,8 @@ class ConvReLUMaxPool2(nn.Module):
     sampling engine sets from its precision)."""
 
     def __init__(self, conv: nn.Conv2d):
-        super().__init__()
         conv_relu_pool.check_geometry(conv.weight, conv.stride, conv.padding, conv.dilation, conv.groups)
-        self.conv = conv
+        super().__init__(conv)
 
     @staticmethod
     def takes(conv: nn.Module) -> bool:
@@ -128,12 +143,16 @@ class ConvReLUMaxPool2(nn.Module):
         groups 1 and numeric zero padding, without hooks."""
         return (_fusable_conv(conv) and conv.stride == (1, 1) and conv.dilation == (1, 1) and conv.groups == 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
         if torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))
         tf32 = x.is_cuda and convolutions_use_tf32()
         return conv_relu_pool.conv_relu_maxpool2(x, self.conv.weight, self.conv.bias, self.conv.padding, tf32)
+
+    def unfused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # max pool and ReLU commute (prepared._cheaper_chain): the pool first touches 4x fewer values with the ReLU
+        return F.relu(F.max_pool2d(self.conv(x), 2))
 
 
 FUSED_MODULES = (ConvReLU, ConvAddReLU, ConvReLUMaxPool2)
@@ -144,39 +163,153 @@ def has_fused_modules(module: nn.Module) -> bool:
     return any(isinstance(m, FUSED_MODULES) for m in module.modules())
 
 
+def fused_sites(module: nn.Module) -> dict[str, _FusedSite]:
+    """Every fused site of ``module`` by its qualified name, in the order of ``named_modules``."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, _FusedSite)}
+
+
+def sharing_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s modules that shares its parameters and buffers (no tensor copied): a fused copy whose
+    sites may be switched apart from ``module``'s."""
+    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def with_sites_as(module: nn.Module, like: nn.Module) -> nn.Module:
+    """A :func:`sharing_copy` of ``module`` (a fused copy of the same ``f_R`` as ``like``) whose sites run fused
+    exactly where ``like``'s of the same name do (e.g. the copy that ``torch.compile`` compiles, for a batch whose
+    sites :class:`FusionChoice` decided)."""
+    copied, decided = sharing_copy(module), fused_sites(like)
+    for name, site in fused_sites(copied).items():
+        site.fused = decided[name].fused
+    return copied
+
+
 class FusionChoice(MeasuredChoice):
-    """A sampling engine's use of the fused copy of ``f_R`` (its ``fused_kernels`` setting), one decision per
-    :class:`~splitz_fast.sampling.choices.Variant` of the plain copy (layout and batch of rows). Off CUDA it is not
-    considered: the CPU's convolutions add their bias already, and the fused modules would run their unfused
-    reference there."""
+    """A sampling engine's use of ``f_R``'s fused sites (its ``fused_kernels`` setting), one decision per
+    :class:`~splitz_fast.sampling.choices.Variant` of the plain copy (layout and batch of rows), made site by site:
+    one slow, failing or differing site stays unfused while the others run fused. Off CUDA it is not considered: the
+    CPU's convolutions add their bias already, and the fused modules would run their unfused reference there."""
 
     OPTION = Option("fused_kernels", "plain", "fused")
 
-    def choose(self, variant: Variant, plain: Callable[[torch.Tensor], torch.Tensor],
-               fused: Callable[[torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
-               tolerance: Callable[[], float]) -> bool:
-        """Whether to sample through ``fused`` rather than ``plain`` (two scorers of the same ``f_R``) at the batch
-        of ``example()``: both score it first (compiling and autotuning outside any timing), the fused scores must
-        lie within ``tolerance()`` × (largest non-constant score + 1) of the plain ones
-        (:func:`~splitz_fast.sampling.choices.score_mismatch`), then (by default) the faster wins. A fused copy that
-        fails or scores differently is reported once. Records the decision under ``variant``."""
-        def trial() -> Trial:
-            batch = example()
-            try:
-                want, got = plain(batch), fused(batch)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the plain f_R is always correct
-                raise CandidateFailed(f"failed: {type(err).__name__}: {str(err).strip()[:160]}") from err
-            mismatch = score_mismatch(got, want, tolerance(), "plain")
-            if mismatch is not None:
-                raise CandidateFailed(mismatch)
-            return Trial(lambda: plain(batch), lambda: fused(batch))
+    def choose(self, variant: Variant, plain: Callable[[torch.Tensor], torch.Tensor], fused: nn.Module,
+               scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
+               tolerance: Callable[[], float]) -> nn.Module | None:
+        """The module to sample ``variant`` through instead of ``plain`` (the plain copy's scorer): a
+        :func:`sharing_copy` of ``fused`` (the fused copy of the same ``f_R``) with each site fused or not, or
+        ``None`` (no site fused, or the copy failed). One pass of ``scores(copy, example())`` with every site unfused
+        decides each site on the activation it sees there, inside the engine's precision: its fused form must run and
+        lie within ``tolerance()`` × (largest non-constant value + 1) of the unfused one
+        (:func:`~splitz_fast.sampling.score_checks.score_gap`), then (by default) the faster form of that site is used
+        (:func:`~splitz_fast.sampling.choices.seconds_per_call`). The copy so switched must then score the batch like
+        the plain copy (:func:`~splitz_fast.sampling.choices.score_mismatch`). A site or copy that fails or differs
+        is reported once; each site's decision is kept in the variant's (:attr:`Decision.sites`)."""
+        batch, allowed = example(), tolerance()  # the tolerance first: it scores batches of its own
+        net = sharing_copy(fused)
+        sites = fused_sites(net)
+        try:
+            decided, failures = self._decide_sites(net, sites, scores, batch, allowed)
+        except CandidateFailed as err:
+            self.fail(variant, str(err))
+            return None
+        if failures:
+            first = next(iter(failures.values()))
+            self.report_once(f"f_R's fused kernels are not used at {', '.join(failures)} ({first}); those layers run "
+                             "unfused")
+        used = [name for name, decision in decided.items() if decision.used]
+        plain_s = sum(d.baseline_s for d in decided.values() if d.baseline_s is not None)
+        chosen_s = sum(min(d.baseline_s, d.candidate_s) for d in decided.values() if d.candidate_s is not None)
+        timed = plain_s > 0 or chosen_s > 0
+        summary = f"{len(used)} of {len(sites)} sites fused"
+        if timed:
+            summary += f" at batch {variant.rows}: plain {plain_s * 1e3:.3f} ms, chosen {chosen_s * 1e3:.3f} ms"
+        site_decisions = tuple(decided.items())
+        if not used:
+            self.decisions[variant] = Decision(self.OPTION, False, summary, plain_s if timed else None,
+                                               chosen_s if timed else None, sites=site_decisions)
+            return None
+        for name, site in sites.items():
+            site.fused = name in used
+        try:
+            mismatch = score_mismatch(scores(net, batch), plain(batch), allowed, "plain")
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 — sites that ran alone failing together: the plain f_R is correct
+            mismatch = _failure(err)
+        if mismatch is not None:
+            self.fail(variant, mismatch)
+            return None
+        reason = f"{self.OPTION.setting}=True" if self.setting else summary
+        self.decisions[variant] = Decision(self.OPTION, True, reason, plain_s if timed else None,
+                                           chosen_s if timed else None, sites=site_decisions)
+        return net
 
-        return self.decide(variant, trial) is not None
+    def _decide_sites(self, net: nn.Module, sites: dict[str, _FusedSite], scores, batch: torch.Tensor,
+                      allowed: float) -> tuple[dict[str, Decision], dict[str, str]]:
+        """Each site's decision from one pass of ``scores(net, batch)`` that runs every site unfused (so each sees
+        the plain activations), and the reasons of the sites whose fused form failed or differed; raises
+        :class:`~splitz_fast.sampling.choices.CandidateFailed` where the pass itself fails."""
+        decided: dict[str, Decision] = {}
+        failures: dict[str, str] = {}
+
+        def hook_of(name: str):
+            def decide_site(site: _FusedSite, args: tuple, output: torch.Tensor) -> None:
+                try:
+                    decided[name] = self._site_decision(site, args, output, allowed)
+                except CandidateFailed as err:
+                    decided[name] = Decision(self.OPTION, False, str(err))
+                    failures[name] = str(err)
+            return decide_site
+
+        handles = [site.register_forward_hook(hook_of(name)) for name, site in sites.items()]
+        for site in sites.values():
+            site.fused = False
+        try:
+            scores(net, batch)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 — the copy fails with every site unfused: the plain f_R is correct
+            raise CandidateFailed(_failure(err)) from err
+        finally:
+            for handle in handles:
+                handle.remove()
+        for name in sites.keys() - decided.keys():
+            decided[name] = Decision(self.OPTION, False, "not run by f_R's forward")
+        return {name: decided[name] for name in sites}, failures
+
+    def _site_decision(self, site: _FusedSite, args: tuple, unfused: torch.Tensor, allowed: float) -> Decision:
+        """Whether ``site`` runs fused, from its input ``args`` and ``unfused`` output in the pass; raises
+        :class:`~splitz_fast.sampling.choices.CandidateFailed` where its fused form fails or differs."""
+        try:
+            got = site.fused_forward(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 — a kernel that cannot run here: the unfused ops are always correct
+            raise CandidateFailed(_failure(err)) from err
+        gap, scale = score_gap(got.flatten(1), unfused.flatten(1))
+        if gap > allowed * scale:
+            raise CandidateFailed(f"its output differs from the unfused layer's by {gap:.3g} (allowed "
+                                  f"{allowed * scale:.3g})")
+        if self.setting:
+            return Decision(self.OPTION, True, f"{self.OPTION.setting}=True")
+        shape, device = "x".join(map(str, args[0].shape)), args[0].device  # where the site's work is queued
+        plain_s = choices.seconds_per_call(lambda: site.unfused_forward(*args), device, rounds=SITE_ROUNDS)
+        try:
+            fused_s = choices.seconds_per_call(lambda: site.fused_forward(*args), device, rounds=SITE_ROUNDS)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 — as above, where it fails only when repeated
+            raise CandidateFailed(_failure(err)) from err
+        return Decision(self.OPTION, fused_s < plain_s, f"measured on {shape}: plain {plain_s * 1e3:.3f} ms, fused "
+                        f"{fused_s * 1e3:.3f} ms", plain_s, fused_s)
 
     def fallback_message(self, variant: Variant, reason: str) -> str:
         return f"f_R's fused kernels are not used ({reason}); sampling runs the plain f_R"
+
+
+def _failure(err: Exception) -> str:
+    return f"failed: {type(err).__name__}: {str(err).strip()[:160]}"
 
 
 def fuse_conv_epilogues(module: nn.Module) -> nn.Module:
@@ -276,4 +409,4 @@ def _conv_add(node: torch.fx.Node, modules) -> tuple[torch.fx.Node, torch.fx.Nod
 
 
 __all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSED_MODULES", "FusionChoice", "fuse_conv_epilogues",
-           "has_fused_modules"]
+           "fused_sites", "has_fused_modules", "sharing_copy", "with_sites_as"]

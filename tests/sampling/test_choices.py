@@ -14,7 +14,7 @@ import splitz_fast as sz
 from splitz_fast.sampling import choices, graphs
 from splitz_fast.sampling.choices import Variant
 from splitz_fast.sampling.compiled import CompileChoice
-from splitz_fast.sampling.epilogues import FusionChoice
+from splitz_fast.sampling.epilogues import ConvReLU, FusionChoice
 from splitz_fast.sampling.graphs import GraphCaptureError, GraphChoice
 from _helpers import small_splitz
 
@@ -37,7 +37,7 @@ def strict(monkeypatch):
 def _scripted_timings(monkeypatch, *seconds: float) -> None:
     """seconds_per_call answers ``seconds`` in turn (baseline, then candidate, per decision)."""
     answers = iter(seconds)
-    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device: next(answers))
+    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device, rounds=None: next(answers))
 
 
 def test_a_variant_is_a_named_frozen_key():
@@ -122,17 +122,41 @@ def test_a_graph_measured_slower_is_not_used_and_not_a_fallback(monkeypatch, str
 
 
 # ---------------------------------------------------------------------------------------------------- fused kernels
-def _broken(batch):
-    raise RuntimeError("no kernel image is available for execution on the device")
+class _After(torch.nn.Module):
+    """What a fused copy does after its one site: adds 1 to the scores, or fails as a kernel without an image."""
+
+    def __init__(self, broken: bool):
+        super().__init__()
+        self.broken = broken
+
+    def forward(self, h):
+        if self.broken:
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return h.flatten(1) + 1.0
 
 
-@pytest.mark.parametrize("fused, why", [(lambda b: b + 1.0, "its scores differ from the plain f_R's"),
-                                        (_broken, "failed: RuntimeError: no kernel image")])
-def test_a_fused_copy_that_fails_or_differs_raises_under_splitz_strict(strict, fused, why):
-    choice = FusionChoice(None, CUDA)
-    batch = torch.randn(8, 5)
+def _one_site(after: torch.nn.Module | None = None):
+    """A plain conv + ReLU f_R, its fused copy (one ConvReLU site, then ``after`` or a Flatten) and a batch."""
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1).eval()
+    plain = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Flatten())
+    return plain, torch.nn.Sequential(ConvReLU(conv), after or torch.nn.Flatten()), torch.randn(8, 2, 4, 4)
+
+
+def _choose_fused(choice, plain, fused, batch):
+    def scores(net, b):
+        with torch.no_grad():
+            return net(b)
+    return choice.choose(AT_64, lambda b: scores(plain, b), fused, scores, lambda: batch, lambda: 1e-3)
+
+
+@pytest.mark.parametrize("broken, why", [(False, "its scores differ from the plain f_R's"),
+                                         (True, "failed: RuntimeError: no kernel image")])
+def test_a_fused_copy_that_fails_or_differs_raises_under_splitz_strict(strict, broken, why):
+    """Each site computes alike here; the copy as a whole must too (the check of the whole copy stays)."""
+    choice = FusionChoice(True, CUDA)
     with pytest.raises(RuntimeError, match=f"fused kernels are not used \\({why}.*{STRICT}"):
-        choice.choose(AT_64, lambda b: b, fused, lambda: batch, lambda: 1e-3)
+        _choose_fused(choice, *_one_site(_After(broken)))
     assert not choice.decisions[AT_64].used
 
 
@@ -141,10 +165,11 @@ def test_a_fused_copy_measured_slower_is_not_a_fallback(monkeypatch, strict):
     choice = FusionChoice(None, CUDA)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not choice.choose(AT_64, lambda b: b, lambda b: b, lambda: torch.randn(8, 5), lambda: 1e-3)
+        assert _choose_fused(choice, *_one_site()) is None
+    site = dict(used=False, reason="measured on 8x2x4x4: plain 1.000 ms, fused 3.000 ms", plain_s=1e-3, fused_s=3e-3)
     assert choice.records() == [dict(channels_last=True, pooled=False, fused=False, compiled=False, batch=64,
-                                     used=False, reason="measured at batch 64: plain 1.000 ms, fused 3.000 ms",
-                                     plain_s=1e-3, fused_s=3e-3)]
+                                     used=False, reason="0 of 1 sites fused at batch 64: plain 1.000 ms, chosen 1.000 ms",
+                                     plain_s=1e-3, fused_s=1e-3, sites={"0": site})]
 
 
 # ---------------------------------------------------------------------------------------------------- torch.compile

@@ -1,12 +1,13 @@
 """Fused convolution epilogues (splitz_fast/sampling/epilogues.py): which patterns the rewrite fuses and which it leaves, that
-the rewritten ResNets compute the same function (bitwise where the fused modules run unfused: the CPU), that a cuDNN
-refusal falls back with one warning, that the engine's fused copy of f_R is used only where it scores like the plain
-copy and measures faster (once per layout and batch), and, on a GPU, that the fused cuDNN calls agree with the
+the rewritten ResNets compute the same function (bitwise where the fused modules run unfused: the CPU), that each
+fused site runs fused only where its fused form computes alike and measures faster (one slow, failing or differing
+site leaves the others fused; once per layout and batch), and, on a GPU, that the fused cuDNN calls agree with the
 unfused kernels in every precision and through the engine."""
 from __future__ import annotations
 
 import copy
 import itertools
+import time
 import warnings
 
 import pytest
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 import splitz_fast as sz
 from splitz_fast.sampling import choices, epilogues
 from splitz_fast.sampling.choices import Variant
-from splitz_fast.sampling.epilogues import (ConvAddReLU, ConvReLU, FusionChoice, fuse_conv_epilogues, has_fused_modules)
+from splitz_fast.sampling.epilogues import (ConvAddReLU, ConvReLU, ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues,
+                                            fused_sites, has_fused_modules)
 from splitz_fast.sampling.folding import folded_copy
 from splitz_fast.sampling.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, score_gap
 from splitz_fast.sampling.engine import SamplingEngine
@@ -151,20 +153,18 @@ def test_graph_rewrite_fuses_exactly_the_patterns_it_can_prove_equal():
         assert torch.equal(gm(x), reference(x))
 
 
-def test_a_cudnn_refusal_falls_back_once_with_a_warning(monkeypatch):
-    """Where cuDNN refuses the fused call (here: CPU tensors, which the cuDNN op does not take), the module warns once,
-    remembers, and computes the unfused result."""
-    monkeypatch.setattr(epilogues._FusedConv, "_uses_cudnn", lambda self, x: self.fused)
+def test_a_site_runs_its_fused_form_or_the_unfused_operations_it_replaces():
+    """Each fused module is a site switched by ``fused``: both forms are the same function (off CUDA, bitwise), and
+    the pool's unfused form is the conv + ReLU + 2x2 max pool it replaces."""
     conv = nn.Conv2d(2, 3, 3, padding=1).eval()
-    x, z = torch.randn(2, 2, 5, 5, generator=_gen(5)), torch.randn(2, 3, 5, 5, generator=_gen(6))
-    cases = ((ConvReLU(conv), (x,), F.relu(conv(x))), (ConvAddReLU(conv), (x, z), F.relu(conv(x) + z)))
-    for module, args, want in cases:
-        with pytest.warns(UserWarning, match="cuDNN refused a fused convolution epilogue"):
-            got = module(*args)
-        assert not module.fused and torch.equal(got, want.detach())
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert torch.equal(module(*args), want.detach())
+    x, z = torch.randn(2, 2, 6, 6, generator=_gen(5)), torch.randn(2, 3, 6, 6, generator=_gen(6))
+    cases = ((ConvReLU(conv), (x,), F.relu(conv(x))), (ConvAddReLU(conv), (x, z), F.relu(conv(x) + z)),
+             (ConvReLUMaxPool2(conv), (x,), F.max_pool2d(F.relu(conv(x)), 2)))
+    with torch.no_grad():
+        for module, args, want in cases:
+            assert module.fused and torch.equal(module(*args), want)
+            module.fused = False
+            assert torch.equal(module(*args), want) and "fused=False" in repr(module)
 
 
 def test_the_fused_copy_is_a_separate_prepared_copy(monkeypatch):
@@ -179,6 +179,12 @@ def test_the_fused_copy_is_a_separate_prepared_copy(monkeypatch):
     assert not has_fused_modules(plain) and _count(fused, ConvAddReLU) == 9 and _count(fused, ConvReLU) == 9
     assert engine.prepared.get(channels_last=True, fused=True) is fused  # kept, like the plain copy
     assert [type(m) for m in model.right.modules()] == user_types
+
+
+@pytest.fixture
+def lenient(monkeypatch):
+    """Fallbacks warn (whatever the environment of the test run says)."""
+    monkeypatch.delenv("SPLITZ_STRICT", raising=False)
 
 
 def _choice(setting=None):
@@ -200,33 +206,105 @@ def _at(rows: int) -> Variant:
     return Variant(channels_last=True, pooled=False, rows=rows)
 
 
-def test_the_fused_copy_is_used_only_where_it_scores_alike_and_measures_faster(monkeypatch):
-    """The default keeps the faster of the two (timings scripted here); scores that differ beyond the tolerance, or a
-    fused copy that fails, keep the plain copy with one warning; fused_kernels=True still checks the scores."""
-    batch = torch.randn(4, 3)
-    plain = lambda b: b * 2  # noqa: E731
-    timings = iter([2e-3, 1e-3, 1e-3, 2e-3])  # plain then fused, twice
-    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device: next(timings))
+class _StandInSite(ConvReLU):
+    """A fused site whose forms a test controls: the unfused form slowed by 2 ms (so a healthy fused form measures
+    faster), the fused one slowed by ``delay`` s, off by ``offset`` or raising as a kernel without an image would."""
+
+    def __init__(self, conv: nn.Conv2d, delay: float = 0.0, offset: float = 0.0, broken: bool = False):
+        super().__init__(conv)
+        self.delay, self.offset, self.broken = delay, offset, broken
+
+    def fused_forward(self, x):
+        if self.broken:
+            raise RuntimeError("no kernel image is available for execution on the device")
+        time.sleep(self.delay)
+        return F.relu(self.conv(x)) + self.offset  # what the fused form computes off CUDA, without the 2 ms
+
+    def unfused_forward(self, x):
+        time.sleep(2e-3)
+        return super().unfused_forward(x)
+
+
+def _three_sites(**middle):
+    """A plain conv chain of three conv + ReLU sites and its fused copy of stand-in sites ("0", "1", "2"), the
+    middle one made with ``middle``."""
+    torch.manual_seed(4)
+    convs = [nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1), nn.Conv2d(6, 4, 3, padding=1)]
+    head = [nn.Flatten(), nn.Linear(4 * 6 * 6, 5)]
+    plain = nn.Sequential(*itertools.chain.from_iterable((c, nn.ReLU()) for c in convs), *head).eval()
+    fused = nn.Sequential(_StandInSite(convs[0]), _StandInSite(convs[1], **middle), _StandInSite(convs[2]),
+                          *head).eval()
+    return plain, fused
+
+
+def _scores(net, batch):
+    with torch.no_grad():
+        return net(batch)
+
+
+def _choose_sites(choice: FusionChoice, plain: nn.Module, fused: nn.Module, rows: int = 8):
+    batch = torch.randn(rows, 3, 6, 6, generator=_gen(7))
+    return choice.choose(_at(rows), lambda b: _scores(plain, b), fused, _scores, lambda: batch, lambda: 1e-3)
+
+
+def _fused_names(net: nn.Module) -> list[str]:
+    return [name for name, site in fused_sites(net).items() if site.fused]
+
+
+def test_one_slow_site_stays_unfused_and_the_others_run_fused(lenient):
+    """The decision is per site, on the activation each sees: the middle site's fused form measured slower keeps
+    it unfused (no warning: the measurement working), the two others run fused; the copy returned shares the fused
+    copy's parameters and leaves its switches alone; every site's timing is in the variant's record."""
+    plain, fused = _three_sites(delay=0.02)
     choice = _choice()
-    assert choice.choose(_at(64), plain, lambda b: b * 2 + 1e-6, lambda: batch, lambda: 1e-2)
-    assert not choice.choose(_at(128), plain, lambda b: b * 2, lambda: batch, lambda: 1e-2)
-    assert [d.used for d in choice.decisions.values()] == [True, False]
-    assert choice.decisions[_at(64)].candidate_s == 1e-3 and "measured at batch 64" in choice.decisions[
-        _at(64)].reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = _choose_sites(choice, plain, fused)
+    assert _fused_names(net) == ["0", "2"] and _fused_names(fused) == ["0", "1", "2"]
+    assert all(p is q for p, q in zip(net.parameters(), fused.parameters()))
+    decision = choice.decisions[_at(8)]
+    assert decision.used and decision.reason.startswith("2 of 3 sites fused at batch 8: plain ")
+    sites = choice.records()[0]["sites"]
+    assert [sites[name]["used"] for name in "012"] == [True, False, True]
+    assert sites["1"]["fused_s"] > 0.02 > sites["1"]["plain_s"] and sites["1"]["reason"].startswith(
+        "measured on 8x6x6x6: plain ")
+    torch.testing.assert_close(_scores(net, torch.ones(2, 3, 6, 6)), _scores(plain, torch.ones(2, 3, 6, 6)))
 
-    def broken(b):
-        raise RuntimeError("no kernel image for this device")
 
-    with pytest.warns(UserWarning, match="fused kernels are not used .*differ from the plain"):
-        assert not choice.choose(_at(256), plain, lambda b: b * 3, lambda: batch, lambda: 1e-2)
+@pytest.mark.parametrize("middle, why", [(dict(broken=True), r"failed: RuntimeError: no kernel image"),
+                                         (dict(offset=0.5), r"its output differs from the unfused layer's by 0\.5")])
+def test_one_failing_or_differing_site_stays_unfused_with_one_warning(lenient, middle, why):
+    plain, fused = _three_sites(**middle)
+    choice = _choice()
+    with pytest.warns(UserWarning, match=rf"fused kernels are not used at 1 \({why}.*\); those layers run unfused"):
+        net = _choose_sites(choice, plain, fused)
+    assert _fused_names(net) == ["0", "2"] and choice.decisions[_at(8)].used
+    assert not dict(choice.decisions[_at(8)].sites)["1"].used
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per engine
-        assert not choice.choose(_at(512), plain, broken, lambda: batch, lambda: 1e-2)
-    assert choice.decisions[_at(512)].reason.startswith("failed: RuntimeError: no kernel image")
+        assert _fused_names(_choose_sites(choice, plain, fused, rows=16)) == ["0", "2"]
+
+
+def test_a_failing_site_raises_under_splitz_strict(monkeypatch):
+    monkeypatch.setenv("SPLITZ_STRICT", "1")
+    plain, fused = _three_sites(broken=True)
+    with pytest.raises(RuntimeError, match=r"not used at 1 \(failed: RuntimeError.*SPLITZ_STRICT=1"):
+        _choose_sites(_choice(), plain, fused)
+
+
+def test_forced_fusion_checks_every_site_and_times_none(lenient, monkeypatch):
+    """fused_kernels=True fuses every site that runs and computes alike, without timing; a differing site stays
+    unfused, reported; with no site fused the plain copy samples."""
+    monkeypatch.setattr(choices, "seconds_per_call", lambda *args, **kwargs: pytest.fail("timed"))
+    plain, fused = _three_sites(delay=0.01)
     forced = _choice(True)
-    assert forced.choose(_at(64), plain, lambda b: b * 2, lambda: batch, lambda: 1e-2)
-    with pytest.warns(UserWarning, match="differ"):
-        assert not forced.choose(_at(128), plain, lambda b: b + 5, lambda: batch, lambda: 1e-2)
+    assert _fused_names(_choose_sites(forced, plain, fused)) == ["0", "1", "2"]
+    assert forced.decisions[_at(8)].reason == "fused_kernels=True"
+    torch.manual_seed(4)
+    lone = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten()).eval()
+    with pytest.warns(UserWarning, match="not used at 0"):
+        assert _choose_sites(forced, lone, nn.Sequential(_StandInSite(lone[0], offset=1.0), nn.Flatten())) is None
+    assert not forced.decisions[_at(8)].used
 
 
 def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(monkeypatch):
@@ -239,13 +317,13 @@ def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(mo
     asked = []
     original = FusionChoice.choose
 
-    def choose(self, key, plain, fused, example, tolerance):
+    def choose(self, key, *args):
         asked.append(key)
-        return original(self, key, plain, fused, example, tolerance)
+        return original(self, key, *args)
 
     monkeypatch.setattr(FusionChoice, "choose", choose)
-    timings = itertools.cycle([1.0, 0.5])  # plain, then fused: the fused copy measures faster
-    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device: next(timings))
+    timings = itertools.cycle([1.0, 0.5])  # plain, then fused: every fused site measures faster
+    monkeypatch.setattr(choices, "seconds_per_call", lambda call, device, rounds: next(timings))
     latent = model.left(torch.rand(2, 3, 32, 32, generator=_gen(3)))[0]
     example = lambda: latent.expand(8, *latent.shape).contiguous(memory_format=torch.channels_last)  # noqa: E731
 
@@ -256,7 +334,9 @@ def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(mo
     first = engine.prepared.chosen(_at(8), engine.fusion, scores, example, lambda: 1e-2)
     again = engine.prepared.chosen(_at(8), engine.fusion, scores, example, lambda: 1e-2)
     assert first == again and len(asked) == 1 and first[1].fused and engine.fusion.decisions[_at(8)].used
-    assert first[0] is engine.prepared.get(True, False, fused=True) and has_fused_modules(first[0])
+    shared = engine.prepared.get(True, False, fused=True)
+    assert has_fused_modules(first[0]) and _fused_names(first[0]) == list(fused_sites(shared))
+    assert all(p is q for p, q in zip(first[0].parameters(), shared.parameters()))
     engine.prepared.chosen(_at(16), engine.fusion, scores, example, lambda: 1e-2)
     assert len(asked) == 2
     with torch.no_grad():
