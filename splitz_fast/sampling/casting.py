@@ -20,8 +20,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from .choices import Option
-from .epilogues import FusionChoice
+from .choices import CopyChoice, Option
 
 
 # Modules whose computation autocast keeps in float32 on the CPU (normalizations, softmax): cast to bf16 they would
@@ -29,10 +28,11 @@ from .epilogues import FusionChoice
 AUTOCAST_FLOAT32_MODULES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.Softmax, nn.LogSoftmax)
 
 
-class CastChoice(FusionChoice):
+class CastChoice(CopyChoice):
     """A sampling engine's use of the cast copy of ``f_R`` (:func:`cast_copy`) instead of autocast, one decision per
     :class:`~splitz_fast.sampling.choices.Variant` (layout and batch of rows): decided on the CPU only, where the
-    precision is reduced, by the same check and timing as the fused copy's (:meth:`FusionChoice.choose`: the cast
+    precision is reduced, by the check and timing of a whole copy
+    (:meth:`~splitz_fast.sampling.choices.CopyChoice.choose`: the cast
     copy must score a real batch like autocast within the copy tolerance, then the faster is used). A cast copy that
     fails or scores differently warns once (an error under ``SPLITZ_STRICT=1``) and autocast samples; one measured
     slower is not used; an ``f_R`` with a layer it does not :meth:`take <takes>` keeps autocast. ``considered``: a reduced ``precision`` on a CPU ``device``, unless ``f_R`` runs compiled

@@ -28,7 +28,7 @@ from .._checks import report_fallback
 from .casting import CastChoice, cast_copy
 from .choices import Variant
 from .compiled import CompiledOrEager
-from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules
+from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules, with_sites_as
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores
 from .score_checks import MeasuredTolerances, score_gap
@@ -57,7 +57,7 @@ class PreparedClassifier:
         # a variant without rows (compiled: the copy to compile) -> the prepared module
         self._prepared: dict[Variant, nn.Module] = {}
         self._graphs: dict[Variant, GraphedScores | None] = {}  # a variant at its rows -> its graph, None: eager
-        self._fused: dict[Variant, bool] = {}  # a plain variant -> whether its fused copy is used
+        self._fused: dict[Variant, nn.Module | None] = {}  # a plain variant -> its fused copy (sites decided), or None
         self._cast: dict[Variant, nn.Module | None] = {}  # a plain variant -> its cast copy, None: autocast
         # an eager variant -> the compiled copy that samples it, None: decided against it
         self._compiled: dict[Variant, CompiledOrEager | None] = {}
@@ -144,18 +144,18 @@ class PreparedClassifier:
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
                tolerance: Callable[[], float]) -> tuple[nn.Module, Variant]:
         """The prepared module that samples ``variant`` (a plain eager variant at its rows), and the variant it
-        samples as (``fused`` where it is the fused copy): decided by ``fusion``
-        (:meth:`~splitz_fast.sampling.epilogues.FusionChoice.choose`, scoring ``example()`` through ``scores``) once
-        per variant; the plain copy where fusing is not considered or would change nothing."""
+        samples as (``fused`` where it is the fused copy, with the sites that ``fusion`` decided fused): decided by
+        ``fusion`` (:meth:`~splitz_fast.sampling.epilogues.FusionChoice.choose`, scoring ``example()`` through
+        ``scores``) once per variant; the plain copy where fusing is not considered or would change nothing."""
         plain = self.get(*variant.layout)
         if not fusion.considered or not self.rewritable:
             return plain, variant
         if variant not in self._fused:  # decided once: the sampling loop asks again for every window
             fused = self.get(*variant.layout, fused=True)
-            self._fused[variant] = has_fused_modules(fused) and fusion.choose(
-                variant, lambda batch: scores(plain, batch), lambda batch: scores(fused, batch), example, tolerance)
-        if self._fused[variant]:
-            return self.get(*variant.layout, fused=True), dataclasses.replace(variant, fused=True)
+            self._fused[variant] = fusion.choose(variant, lambda batch: scores(plain, batch), fused, scores, example,
+                                                 tolerance) if has_fused_modules(fused) else None
+        if self._fused[variant] is not None:
+            return self._fused[variant], dataclasses.replace(variant, fused=True)
         return plain, variant
 
     def cast_if_chosen(self, net: nn.Module, variant: Variant, casting: CastChoice, dtype: torch.dtype,
@@ -185,7 +185,10 @@ class PreparedClassifier:
         if variant not in self._compiled:
             if not due or not self.rewritable:
                 return net
-            self._compiled[variant] = decide(self.get(*variant.layout, fused=variant.fused, for_compile=True))
+            to_compile = self.get(*variant.layout, fused=variant.fused, for_compile=True)
+            if variant.fused:  # the sites fused as decided for this batch (FusionChoice)
+                to_compile = with_sites_as(to_compile, self._fused[dataclasses.replace(variant, fused=False)])
+            self._compiled[variant] = decide(to_compile)
             used = self._compiled[variant] is not None
             self._graphs.pop(variant if used else dataclasses.replace(variant, compiled=True), None)
             shared = dataclasses.replace(variant, rows=None)

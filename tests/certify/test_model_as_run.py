@@ -18,7 +18,8 @@ from torch.nn.modules import module as torch_module
 import splitz_fast as sz
 from splitz_fast import cuda_math as cuda_math_module
 from splitz_fast.cuda_math import convolutions_use_tf32, matmuls_use_tf32
-from splitz_fast.sampling.epilogues import FusionChoice
+from splitz_fast.sampling.choices import Variant
+from splitz_fast.sampling.epilogues import ConvReLU, FusionChoice
 from splitz_fast.bounds.radius import BoundOptions
 from splitz_fast.sampling.engine import SamplingEngine
 from splitz_fast.sampling.score_checks import ACCEPT_FACTOR, ROUNDING_UNIT, copy_tolerance, score_gap
@@ -353,10 +354,21 @@ def test_a_copy_off_by_a_fraction_of_a_percent_is_refused_in_float32():
     reordered = scores(net.double(), batch.double()).float()  # the same function, rounded another way
     gap, scale = score_gap(reordered, want)
     assert gap <= tolerance * scale
-    choice = FusionChoice(None, torch.device("cpu"))
+    choice = FusionChoice(True, torch.device("cuda"))  # a device object only: the check needs no GPU
+    net, _, _ = _conv_scorer()  # float32 again (the reordered scores above made it float64)
+    fused = nn.Sequential(ConvReLU(net[0]), net[2], net[3], _Scaled(1.009))  # its one site alike, the copy 0.9 % off
     with pytest.warns(UserWarning, match="differ from the plain"):
-        assert not choice.choose((True, False, 32), lambda b: want, lambda b: shifted, lambda: batch,
-                                 lambda: tolerance)
+        assert choice.choose(Variant(channels_last=False, pooled=False, rows=32), lambda b: want, fused, scores,
+                             lambda: batch, lambda: tolerance) is None
+
+
+class _Scaled(nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, h):
+        return h * self.factor
 
 
 def test_the_tolerance_follows_the_precision():
