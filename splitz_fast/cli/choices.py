@@ -10,7 +10,7 @@ DATASET_NAMES = ("mnist", "cifar10", "imagenet", "cifar10-samples", "imagenet-sa
 MODEL_NAMES = ("lenet", "lenet-splitz", "lenet-rs-init", "lenet-5x5", "cifar_resnet20", "cifar_resnet56",
                "cifar_resnet110", "imagenet_resnet50", "mlp")
 #: splitz_fast.training.recipes.RECIPES
-RECIPE_NAMES = ("rs", "paper", "published-code", "warm-start", "rs-init", "constrained", "stable")
+RECIPE_NAMES = ("rs", "paper", "published-code", "warm-start", "rs-init", "constrained", "stable", "consistency")
 #: splitz_fast.training.config.LIP_OBJECTIVES
 LIP_OBJECTIVE_NAMES = ("per-sample-hinge", "batch-mean-hinge", "lagrangian")
 #: splitz_fast.checkpoints.splitz.CHECKPOINT_FORMATS

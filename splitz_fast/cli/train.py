@@ -54,6 +54,7 @@ _TRAIN_OPTIONS = {
     "stability_weight": "--stability-weight", "stability_scale": "--stability-scale",
     "flatness_weight": "--flatness-weight", "radius_weight": "--radius-weight", "radius_target": "--radius-target",
     "radius_beta": "--radius-beta", "radius_ramp_fraction": "--radius-ramp-fraction",
+    "consistency_lambda": "--consistency-lambda", "consistency_eta": "--consistency-eta",
 }
 
 
@@ -152,7 +153,8 @@ def _add_train_parser(sub) -> None:
                    help="training epochs, numbered from 0 to EPOCHS-1 (messages, train.log, a checkpoint's epoch)")
     t.add_argument("--batch", type=int, default=512,
                    help="training batch size (under torchrun: the global batch, shared out over the ranks)")
-    t.add_argument("--noise-samples", type=int, default=1, help="Q noise draws per input")
+    t.add_argument("--noise-samples", type=int, default=None,
+                   help="Q noise draws per input (unset: the recipe's, else 1; >= 2 with the consistency terms)")
     t.add_argument("--lambda-start", type=float, default=None,
                    help="λ at the first epoch (unset: the recipe's, else 0.8)")
     t.add_argument("--lambda-end", type=float, default=None, help="λ at the last epoch (unset: the recipe's, else 0.4)")
@@ -188,6 +190,11 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--radius-ramp-fraction", type=float, default=None,
                    help="ramp the radius term's weight from 0 over this share of training steps; 0 = no ramp "
                         "(unset: the recipe's, else 0.5)")
+    t.add_argument("--consistency-lambda", type=float, default=None,
+                   help="weight λ of the consistency term mean_j KL(p̂ ‖ p_j), p_j the predictions of an input's "
+                        "--noise-samples draws and p̂ their mean (Jeong & Shin 2020; unset: the recipe's, else 0)")
+    t.add_argument("--consistency-eta", type=float, default=None,
+                   help="weight η of the entropy H(p̂) of the draws' mean prediction (unset: the recipe's, else 0)")
     t.add_argument("--power-iters", type=int, default=None,
                    help="power steps per training step (unset: the recipe's, else 5)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer (sgd: momentum 0.9)")

@@ -60,6 +60,10 @@ class TrainConfig:
         radius_weight, radius_target, radius_beta, radius_ramp_fraction: the radius term
             (:func:`~splitz_fast.training.loss.radius_penalty`, off at weight 0, the default): its weight, target
             radius (raw input units), β and the share of steps it ramps over.
+        consistency_lambda, consistency_eta: the weights λ and η of Jeong & Shin's consistency regularization
+            (:func:`~splitz_fast.training.loss.consistency_penalty`): ``λ · mean KL(p̂ ‖ p_j) + η · H(p̂)`` over the
+            ``noise_samples`` ≥ 2 draws of each input, added to the noisy cross-entropy; 0 and 0 (default) leave it
+            out. Their MNIST settings: 2 draws, λ = 20, η = 0.5 (recipe ``consistency``).
     """
 
     sigma: float = 0.25
@@ -96,6 +100,8 @@ class TrainConfig:
     radius_target: float = 2.0
     radius_beta: float = 16.0
     radius_ramp_fraction: float = 0.5
+    consistency_lambda: float = 0.0
+    consistency_eta: float = 0.0
 
     def validate(self) -> "TrainConfig":
         check_positive("sigma", self.sigma)
@@ -173,7 +179,7 @@ class TrainConfig:
 
 
 def _check_extra_terms(config: TrainConfig) -> None:
-    """Validate the fields of the optional loss terms (stability, flatness, radius)."""
+    """Validate the fields of the optional loss terms (stability, flatness, radius, consistency)."""
     check_nonnegative("stability_weight", config.stability_weight)
     check_positive("stability_scale", config.stability_scale)
     check_nonnegative("flatness_weight", config.flatness_weight)
@@ -182,6 +188,11 @@ def _check_extra_terms(config: TrainConfig) -> None:
     check_positive("radius_beta", config.radius_beta)
     if not 0.0 <= config.radius_ramp_fraction <= 1.0:
         raise ValueError(f"radius_ramp_fraction must lie in [0, 1], got {config.radius_ramp_fraction}")
+    check_nonnegative("consistency_lambda", config.consistency_lambda)
+    check_nonnegative("consistency_eta", config.consistency_eta)
+    if (config.consistency_lambda > 0 or config.consistency_eta > 0) and config.noise_samples < 2:
+        raise ValueError(f"noise_samples must be >= 2 where the consistency terms are on (they pull the predictions "
+                         f"of an input's noise draws together), got {config.noise_samples}")
 
 
 def radius_weight_at(config: TrainConfig, epoch: int, step: int = 0, steps: int = 1) -> float:

@@ -180,7 +180,7 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
     noise_gen = torch.Generator(device=device).manual_seed(config.seed * 100_019 + epoch)
     model.train()
     sums = {"loss": 0.0, "ce": 0.0, "lip": 0.0, "stability": 0.0, "varying": 0.0, "flatness": 0.0, "radius": 0.0,
-            "soft_radius": 0.0}
+            "soft_radius": 0.0, "consistency_kl": 0.0, "consistency_entropy": 0.0}
     gamma = config.gamma_at(epoch)
     progress = tqdm(zip(train_part.batches(positions, torch.Generator().manual_seed(order_seed)), rows),
                     total=len(positions), desc=f"epoch {epoch} of 0-{config.epochs - 1}", leave=False,
@@ -200,6 +200,8 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
         sums["flatness"] += parts.get("flatness", 0.0)
         sums["radius"] += parts.get("radius", 0.0)
         sums["soft_radius"] += parts.get("soft_radius", 0.0)
+        sums["consistency_kl"] += parts.get("consistency_kl", 0.0)
+        sums["consistency_entropy"] += parts.get("consistency_entropy", 0.0)
         progress.set_postfix(loss=f"{sums['loss'] / batch:.4f}")
     progress.close()
     totals = group.sum_(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
@@ -214,6 +216,8 @@ def _train_epoch(model: SplitModel, train_part: "_DatasetPart", config: TrainCon
     if config.radius_weight > 0:  # the radius hinge (unweighted), the mean soft radius r̃ and the last step's weight
         record.update(train_radius=totals[6] / batches, train_soft_radius=totals[7] / batches,
                       radius_weight=radius_weight_at(config, epoch, batches - 1, batches))
+    if config.consistency_lambda > 0 or config.consistency_eta > 0:  # the two consistency terms, unweighted
+        record.update(train_consistency_kl=totals[8] / batches, train_consistency_entropy=totals[9] / batches)
     return record, multiplier
 
 

@@ -101,6 +101,16 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
                "stability_weight": 0.5, "stability_scale": 1.0},
         model={**_PAPER_MODEL, "learnable_threshold": True, "threshold_per_element": True},
     ),
+    Recipe(
+        "consistency",
+        "Jeong & Shin (NeurIPS 2020), Gaussian augmentation + consistency regularization: split 0, 2 noise draws per "
+        "input, the cross-entropy of each plus λ = 20 times the mean KL(p̂ ‖ p_j) of the draws' predictions p_j to "
+        "their mean p̂ plus η = 0.5 times the entropy H(p̂) (their MNIST settings). For SPLITZ with it, add "
+        "--noise-samples 2 --consistency-lambda 20 --consistency-eta 0.5 to another recipe",
+        train={"lambda_start": 0.0, "lambda_end": 0.0, "noise_samples": 2, "consistency_lambda": 20.0,
+               "consistency_eta": 0.5},
+        model={"split_index": 0},
+    ),
 )}
 
 
