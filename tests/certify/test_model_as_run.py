@@ -362,15 +362,6 @@ def test_a_copy_off_by_a_fraction_of_a_percent_is_refused_in_float32():
                              lambda: batch, lambda: tolerance) is None
 
 
-class _Scaled(nn.Module):
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, h):
-        return h * self.factor
-
-
 def test_the_tolerance_follows_the_precision():
     net, batch, scores = _conv_scorer()
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import splitz_fast as sz
-from splitz_fast.sampling import choices, epilogues
+from splitz_fast.sampling import choices
 from splitz_fast.sampling.choices import Variant
 from splitz_fast.sampling.epilogues import (ConvAddReLU, ConvReLU, ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues,
                                             fused_sites, has_fused_modules)
