@@ -164,14 +164,15 @@ class PreparedClassifier:
         """``net`` (the plain prepared module of ``variant``) or its copy with the weights cast once to ``dtype``
         (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant; only where every
         layer is PyTorch's or this library's and cast computes what autocast does (:meth:`CastChoice.takes`)."""
-        if not casting.considered or not self.rewritable or variant.fused or not all(
-                _library_module(m) and casting.takes(m) for m in net.modules()):
+        if not casting.considered or not self.rewritable or variant.fused:
             return net
-        if variant not in self._cast:
-            cast = cast_copy(net, dtype)
-            used = casting.choose(variant, lambda batch: scores(net, batch), lambda batch: scores(cast, batch),
-                                  example, tolerance)
-            self._cast[variant] = cast if used else None
+        if variant not in self._cast:  # decided once per variant (the module walk too: the loop asks every window)
+            self._cast[variant] = None
+            if all(_library_module(m) and casting.takes(m) for m in net.modules()):
+                cast = cast_copy(net, dtype)
+                used = casting.choose(variant, lambda batch: scores(net, batch), lambda batch: scores(cast, batch),
+                                      example, tolerance)
+                self._cast[variant] = cast if used else None
         cast = self._cast[variant]
         return net if cast is None else cast
 
