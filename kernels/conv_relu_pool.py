@@ -17,7 +17,10 @@ tap-major and channel-minor (the reduction index ``k = (ky·KW + kx)·C_in + c``
 multiple of the reduction step and the channels are contiguous (channels_last), each step reads one tap's consecutive
 channels: row-vector loads that the compiler turns into asynchronous copies into shared memory, pipelined over three
 stages (LeNet's second layer; checked in the PTX for sm_90). Otherwise (thin inputs, such as a first layer with one or
-three channels, or NCHW strides) a step gathers across taps element by element; the output is ``[B, C_out, H_p, W_p]``
+three channels, or NCHW strides) a step gathers across taps element by element. The reduction step is 32, or 16
+where that pads the reduction less (``tl.dot``'s smallest: LeNet's first layer, ``K = 9`` taps, pads to 16, not 32,
+and a 16-channel input takes the tap-aligned loop). Addresses are 32-bit where every offset the kernel forms fits
+(thin inputs, sampling batches of small images), 64-bit otherwise. The output is ``[B, C_out, H_p, W_p]``
 channels_last in ``x``'s dtype (``H_p = H_out // 2``: floor mode, as ``MaxPool2d(2)``). Precision: bf16/fp16 inputs
 multiply in that type with float32 accumulation (as cuDNN does); float32 inputs multiply as IEEE float32, or as TF32
 where ``tf32`` is asked (the engine's ``tf32`` precision, which turns on cuDNN's TF32 for the eager path).
@@ -35,10 +38,13 @@ import torch.nn.functional as F
 from . import interpreting
 
 __all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxpool2_triton", "check_geometry",
-           "tuned_configs"]
+           "needs_int64", "reduction_step", "tuned_configs"]
 
 OP_NAME = "conv_relu_maxpool2"
-_BLOCK_K = 32  # reduction step: one tap of 32 channels, or several taps of a thin input
+BLOCK_KS = (32, 16)  # reduction steps: one tap of 32 (or 16) channels, or several taps of a thin input
+_INT32_LIMIT = 2 ** 31  # offsets at or beyond it need 64-bit address arithmetic
+#: The batch changes with the last, shorter batch of a window: never a new specialisation inside a timed run.
+UNSPECIALIZED_ARGS = ("rows",)
 # (BLOCK_M pooled output pixels per program, num_warps): the launch configurations the autotuner times on a GPU, once
 # per layer shape and dtype. Each holds four BLOCK_M x BLOCK_N float32 accumulators. By ``ptxas -v`` for sm_90a at
 # BLOCK_N 64 (bf16 and TF32, Triton 3.6 and 3.8; table in benchmarks/RESULTS.md): the tap-aligned loop, whose
@@ -128,9 +134,13 @@ def _kernel():
         X, WK, BIAS, OUT,
         rows, C_IN, H, W, HP, WP, C_OUT, K_TOTAL, KW, PH, PW, sx_b, sx_c, sx_h, sx_w,
         HAS_BIAS: tl.constexpr, IS_FP32: tl.constexpr, TF32: tl.constexpr, WIDEN: tl.constexpr,
-        TAP_ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        TAP_ALIGNED: tl.constexpr, INDEX64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
-        m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # pooled pixels (b, py, px)
+        if INDEX64:  # pooled pixels (b, py, px), and every address formed from them, in 64 bits
+            m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        else:  # every offset fits 32 bits (the caller checked): half the integer registers and instructions
+            m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output channels
         m_in = m < rows
         n_in = n < C_OUT
@@ -181,8 +191,7 @@ def _kernel():
         tl.store(OUT + m[:, None] * C_OUT + n[None, :], pooled.to(OUT.dtype.element_ty),
                  mask=m_in[:, None] & n_in[None, :])
 
-    # The batch changes with the last, shorter batch of a window: never a new specialisation inside a timed run.
-    return triton.jit(conv_relu_pool_kernel, do_not_specialize=["rows"])
+    return triton.jit(conv_relu_pool_kernel, do_not_specialize=UNSPECIALIZED_ARGS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,6 +227,24 @@ def _block_n(c_out: int) -> int:
     return max(16, min(64, 1 << (c_out - 1).bit_length()))
 
 
+def reduction_step(c_in: int, k_total: int, unit_channel_stride: bool) -> tuple[int, bool]:
+    """``(BLOCK_K, tap_aligned)`` for a layer: the tap-aligned loop with the largest step of :data:`BLOCK_KS` that
+    divides ``C_in`` (channels contiguous), else the general gather with the step that pads ``K_total`` least (ties:
+    the larger step, fewer iterations)."""
+    for step in BLOCK_KS:
+        if unit_channel_stride and c_in % step == 0:
+            return step, True
+    padded = {step: -(-k_total // step) * step for step in BLOCK_KS}
+    return min(BLOCK_KS, key=lambda step: (padded[step], -step)), False
+
+
+def needs_int64(x: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
+    """Whether an offset the kernel forms can reach 2³¹: the farthest element of ``x`` its strides address, or the
+    output's end plus one tile of rows past it (the rows of the last program, masked but still computed)."""
+    x_span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
+    return max(x_span, out.numel() + block_m * out.shape[1]) >= _INT32_LIMIT
+
+
 def conv_relu_maxpool2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               padding: tuple[int, int], tf32: bool = False) -> torch.Tensor:
     """The Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
@@ -238,10 +265,12 @@ def conv_relu_maxpool2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch
     if rows == 0:
         return out
     block_n = _block_n(c_out)
+    block_k, tap_aligned = reduction_step(c_in, kh * kw * c_in, x.stride(1) == 1)
     args = (x, packed, bias_f32 if bias_f32 is not None else packed, out, rows, c_in, x.shape[2], x.shape[3], hp, wp,
             c_out, kh * kw * c_in, kw, padding[0], padding[1], *x.stride())
     flags = dict(HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, TF32=tf32, BLOCK_N=block_n,
-                 BLOCK_K=_BLOCK_K, TAP_ALIGNED=c_in % _BLOCK_K == 0 and x.stride(1) == 1)
+                 BLOCK_K=block_k, TAP_ALIGNED=tap_aligned,
+                 INDEX64=needs_int64(x, out, max(block_m for block_m, _ in CONFIGS)))
     if interpreting():
         # Triton's interpreter multiplies bf16 tiles wrongly (raw bits): widen to float32 there
         block_m, warps = CONFIGS[0]

@@ -207,6 +207,12 @@ def _noisy_maxpool2_kernel(
     _store_sample(out_ptr + (k.to(tl.int64)[:, None] * pooled + q[None, :]), _max_nan(top, bottom), mask, BF16)
 
 
+#: The kernels' integer and float arguments never specialised on: the stream's values change every launch, and the
+#: sample count with the last, shorter batch of a window; neither may compile a new variant inside a timed run
+#: (Triton specialises integers on ``== 1`` and on divisibility by 16).
+UNSPECIALIZED_ARGS = ("num", "sigma", "seed_lo", "seed_hi", "base_lo", "base_hi")
+
+
 class _Kernels(NamedTuple):
     triton: object
     noise: object
@@ -229,10 +235,9 @@ def _kernels() -> _Kernels:
     global _philox_normals, _store_sample, _stream_base, _max_nan, _noisy_row_pair_max
     _philox_normals, _store_sample, _stream_base = map(triton.jit, (_philox_normals, _store_sample, _stream_base))
     _max_nan, _noisy_row_pair_max = triton.jit(_max_nan), triton.jit(_noisy_row_pair_max)
-    stream_args = ["sigma", "seed_lo", "seed_hi", "base_lo", "base_hi"]
-    noise = triton.jit(_noisy_latents_kernel, do_not_specialize=stream_args)
-    pairs = triton.jit(_noisy_latent_pairs_kernel, do_not_specialize=stream_args)
-    pooled = triton.jit(_noisy_maxpool2_kernel, do_not_specialize=stream_args)
+    noise = triton.jit(_noisy_latents_kernel, do_not_specialize=UNSPECIALIZED_ARGS)
+    pairs = triton.jit(_noisy_latent_pairs_kernel, do_not_specialize=UNSPECIALIZED_ARGS)
+    pooled = triton.jit(_noisy_maxpool2_kernel, do_not_specialize=UNSPECIALIZED_ARGS)
     return _Kernels(triton, noise, pairs, pooled)
 
 

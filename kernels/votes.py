@@ -69,6 +69,11 @@ def _count_votes_kernel(
         tl.atomic_add(counts_ptr + vote, ones, mask=rmask, sem="relaxed")
 
 
+#: The row count changes with the last, shorter batch of a window: never a new specialisation inside a timed run
+#: (Triton specialises integers on ``== 1`` and on divisibility by 16).
+UNSPECIALIZED_ARGS = ("rows",)
+
+
 class _Kernels(NamedTuple):
     triton: object
     votes: object
@@ -85,7 +90,7 @@ def _kernels() -> _Kernels:
         raise RuntimeError("the Triton kernels of splitz_fast.kernels.votes need the `triton` package; use "
                            "count_votes_reference (SPLITZ_BACKEND=reference)") from exc
     tl = language
-    return _Kernels(triton, triton.jit(_count_votes_kernel))
+    return _Kernels(triton, triton.jit(_count_votes_kernel, do_not_specialize=UNSPECIALIZED_ARGS))
 
 
 def _check_votes_args(logits, counts) -> None:

@@ -17,15 +17,17 @@ from splitz_fast.sampling.choices import Variant
 from splitz_fast.sampling.epilogues import ConvReLUMaxPool2
 from splitz_fast.kernels.conv_relu_pool import (CONFIGS, GATHER_MAX_BLOCK_M, OP_NAME, _timed_configs,
                                                 conv_relu_maxpool2, conv_relu_maxpool2_reference,
-                                                conv_relu_maxpool2_triton)
+                                                conv_relu_maxpool2_triton, needs_int64, reduction_step)
 from _helpers import kernel_devices
 
 # (batch, C_in, H, W, C_out, kernel, padding): LeNet's two layers (advertorch: 3x3 padded; 5x5 without and with
 # padding), an odd image (floor mode drops the last row/column), C_out that no channel tile divides, a 1x1
 # convolution, several reduction steps with a remainder (C_in·KH·KW = 108). C_in = 32 and 64 (channels_last) run the
-# tap-aligned loop, 64 with two steps per tap and an odd image; the others the general gather.
+# tap-aligned loop, 64 with two steps per tap and an odd image, and C_in = 16 with the 16-wide step; the others the
+# general gather, the 3x3 first layer (K = 9) and the 1x1 one with the 16-wide step.
 SHAPES = [(3, 1, 12, 12, 32, 5, 0), (2, 1, 10, 10, 32, 5, 2), (2, 32, 8, 8, 64, 5, 0), (2, 5, 9, 11, 20, 3, 1),
-          (4, 3, 6, 6, 7, 1, 0), (2, 12, 7, 7, 40, 3, 1), (2, 32, 6, 6, 64, 3, 1), (2, 64, 5, 7, 24, 3, 1)]
+          (4, 3, 6, 6, 7, 1, 0), (2, 12, 7, 7, 40, 3, 1), (2, 32, 6, 6, 64, 3, 1), (2, 64, 5, 7, 24, 3, 1),
+          (3, 1, 10, 10, 32, 3, 1), (2, 16, 6, 7, 32, 3, 1)]
 # Largest error allowed relative to the output's scale: float32 products and float32 accumulation; bf16 / fp16 round
 # the stored value once (2^-8 / 2^-11 relative), and the multiplication is in the inputs' own type.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
@@ -73,6 +75,46 @@ def test_kernel_reads_any_input_strides_and_runs_without_a_bias(shape, device, p
     taller = torch.cat([x[:, :, :1], x], 2).contiguous(memory_format=torch.channels_last)
     got = conv_relu_maxpool2_triton(taller[:, :, 1:], weight, None, padding)  # a view that starts one row in
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_the_reduction_step_pads_least_and_aligns_to_taps_where_it_can():
+    """LeNet's 3x3 first layer (K = 9) pads to 16, not 32; 5x5 (K = 25) to 32 either way (the larger step: fewer
+    iterations); K = 75 (5x5x3) to 80 with 16, not 96; channels that 32 or 16 divide take the tap-aligned loop where
+    they are contiguous, the gather where not."""
+    assert reduction_step(1, 9, True) == (16, False)
+    assert reduction_step(1, 25, True) == (32, False)
+    assert reduction_step(3, 75, True) == (16, False)
+    assert reduction_step(64, 576, True) == (32, True)
+    assert reduction_step(16, 144, True) == (16, True)
+    assert reduction_step(48, 432, True) == (16, True)
+    assert reduction_step(32, 288, False) == (32, False)  # NCHW: 288 is a multiple of 32
+
+
+def test_64_bit_addresses_only_where_an_offset_can_reach_two_to_the_31():
+    """A sampling batch of LeNet's first layer fits 32 bits; an input whose strides span 2³¹ elements or an output
+    that ends within a tile of rows of 2³¹ does not (meta tensors: shapes and strides, no memory)."""
+    x = torch.empty(10000, 1, 28, 28, device="meta")
+    out = torch.empty(10000, 32, 14, 14, device="meta")
+    assert not needs_int64(x, out, 128)
+    wide = torch.empty_strided((2, 1, 28, 28), (2 ** 31, 784, 28, 1), device="meta")
+    assert needs_int64(wide, torch.empty(2, 32, 14, 14, device="meta"), 128)
+    tall = torch.empty(2 ** 31 // 32 - 64, 32, 1, 1, device="meta")
+    assert not needs_int64(x, tall, 1) and needs_int64(x, tall, 128)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("shape", [(3, 1, 10, 10, 32, 3, 1), (2, 32, 6, 6, 64, 3, 1)])
+def test_the_64_bit_and_32_bit_kernels_agree(shape, device, monkeypatch, poisoned):
+    """The same result with every address in 64 bits (forced by a tiny limit) as in 32 (the gather and the tap-aligned
+    loop)."""
+    import splitz_fast.kernels.conv_relu_pool as conv_pool
+
+    x, weight, bias, padding = _problem(shape, torch.float32, device)
+    narrow = conv_relu_maxpool2_triton(x, weight, bias, padding)
+    monkeypatch.setattr(conv_pool, "_INT32_LIMIT", 1)
+    assert needs_int64(x, narrow, 1)
+    wide = conv_relu_maxpool2_triton(x, weight, bias, padding)
+    assert torch.equal(narrow, wide)
 
 
 def test_unsupported_layers_and_inputs_are_refused_with_the_reason():

@@ -553,3 +553,24 @@ def test_count_votes_validation(votes):
             fn(logits, torch.zeros(20, dtype=torch.int64, device=device)[::2])
         with pytest.raises(TypeError):
             fn(logits.tolist(), counts)
+
+
+def test_batch_dependent_arguments_are_never_specialised_on():
+    """The sampling kernels' sample or row count (shorter in a window's last batch) and the noise stream's values are
+    named to Triton as not to be specialised on, and every name is a parameter of each kernel that uses it (a
+    misspelt name would be ignored; Triton would then compile a variant per batch remainder inside a timed run)."""
+    import inspect
+
+    from splitz_fast.kernels import conv_relu_pool, votes
+
+    cases = ((noise_module, ("_noisy_latents_kernel", "_noisy_latent_pairs_kernel", "_noisy_maxpool2_kernel"), "num"),
+             (votes, ("_count_votes_kernel",), "rows"))
+    for module, names, batch_arg in cases:
+        assert batch_arg in module.UNSPECIALIZED_ARGS
+        for name in names:
+            assert set(module.UNSPECIALIZED_ARGS) <= set(inspect.signature(getattr(module, name)).parameters), name
+    assert conv_relu_pool.UNSPECIALIZED_ARGS == ("rows",)
+    conv_relu_pool._kernel()  # builds it: the kernel function is a closure, its parameters checked through Triton
+    kernel = conv_relu_pool._kernel()
+    parameters = getattr(kernel, "arg_names", None) or list(inspect.signature(kernel.fn).parameters)
+    assert "rows" in parameters
