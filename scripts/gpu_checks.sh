@@ -36,7 +36,9 @@
 #      and naive, the ratio, certified count, mean γ evaluations, engine batch, setup seconds, SPEC target and met;
 #      the table also gives SPLITZ (s = 1) / RS (s = 0) per model and f_R precision (target ≤ 1.2×). No new model
 #      starts after TARGETS_S; a model stopped by its deadline keeps the rows it finished.
-#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all): 2a (only with BUILD_NATIVE=1:
+#   2. CUDA graphs, fused pool, native CUDA vs Triton noise (≤ NATIVE_S = 170 s in all; the batch sizes and the
+#      graph, fusion and compile verdicts stage 1 measured are remembered in SPLITZ_CACHE_DIR, fresh for the run, and
+#      reused here: a setting a row does not compare is not timed again, a fused site measured slower not built): 2a (only with BUILD_NATIVE=1:
 #      the CUDA kernels of csrc/ are opt-in, decided by an earlier run) builds csrc/noise_votes_cuda.cu (`python -m
 #      splitz_fast.kernels.native_cuda`, MAX_JOBS=4, ≤ 2/3 of NATIVE_S), else 2b's last rows build it where time is
 #      left, so the undecided A/B rows get the stage's time; 2b `python -m
@@ -111,6 +113,10 @@ QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick)
 QUICK_TRAIN=$([ "${QUICK:-0}" = 1 ] && echo "--max-batches 10")  # the dry run only checks that stages 3 and 5e run
 PACKING=$([ "$ENVELOPE" = 1 ] && echo 45 || echo 10)  # seconds kept for stripping and packing the checkpoints
 SUMMARY=$OUT/gpu.txt; LOG=$OUT/stages.log; : > "$LOG"
+# The measured decisions (batch sizes; graph, fusion site by site, compile) remembered for this run only
+# (splitz_fast/sampling/memory.py): stage 1's rows measure them, stage 2b and the tests reuse them instead of
+# measuring again on the card; an earlier call's, or the user's own, are neither trusted nor touched.
+SPLITZ_CACHE_DIR=$(mktemp -d /tmp/splitz-cache.XXXXXX); export SPLITZ_CACHE_DIR
 
 stage() {  # stage NAME LIMIT COMMAND...: run COMMAND within LIMIT s (capped by the budget left), record rc and time
     local name=$1 limit=$2 cap t0 rc; shift 2
@@ -259,4 +265,5 @@ EOF
         (cd /tmp/stripped 2>/dev/null && compgen -G "$kind-*" > /dev/null && tar cf - "$kind"-*) > "$OUT/checkpoints-$kind.tar"
     done
 fi
+{ echo "remembered decisions ($SPLITZ_CACHE_DIR):"; cat "$SPLITZ_CACHE_DIR"/*.json 2>/dev/null; } >> "$LOG"
 ls -la "$OUT" >> "$SUMMARY"; echo "done [$(stamp), $((SECONDS - START)) s]" | tee -a "$SUMMARY"

@@ -10,12 +10,20 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The batch-size tuner remembers its decisions in a user cache folder (splitz_fast.sampling.batch_memory): tests, and
-# the commands they run in subprocesses, use a fresh folder of this session, never the home directory's.
+# The engine remembers its measured decisions in a user cache folder (splitz_fast.sampling.memory): tests, and the
+# commands they run in subprocesses, use a folder of this session (one per test: fresh_memory), never the home one.
 _CACHE_DIR = os.environ["SPLITZ_CACHE_DIR"] = tempfile.mkdtemp(prefix="splitz-test-cache-")
 
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_memory(request, monkeypatch):
+    """A remembered-decisions folder of the test's own: a verdict one test measured never replaces another test's
+    measurement."""
+    name = request.node.nodeid.replace("/", "_").replace(":", "_")[-120:]
+    monkeypatch.setenv("SPLITZ_CACHE_DIR", os.path.join(_CACHE_DIR, name))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -244,6 +244,28 @@ def test_count_cost_counts_flops_and_activation_writes_of_each_op():
     assert block.activation_elements == 7 * 32 and block.fused_activation_elements == 2 * 32
 
 
+def test_the_cpu_floor_times_every_heavy_layer_of_f_r_and_counts_its_flops():
+    """benchmarks/cpu_floor.py on LeNet's f_R at s = 0: its four Conv2d / Linear layers in forward order, their
+    FLOPs summing to what FlopCounterMode counts for the whole f_R, both layouts timed for each convolution (the
+    best one taken), and the floor per image = samples × (layer floor + RNG floor)."""
+    import cpu_floor
+
+    import splitz_fast as sz
+
+    right = sz.lenet(split_index=0).right.eval()
+    latent = torch.rand(1, 28, 28)
+    assert [name for name, _, _ in cpu_floor.heavy_layers(right, latent)] == ["0", "3", "7", "9"]
+    result = cpu_floor.cpu_floor(right, latent, batch=8, precision="bfloat16", samples=1000, normal_rate=1e9)
+    layers = result["floor_layers"]
+    assert sum(layer["flops_per_sample"] for layer in layers) == floor.count_cost(right, latent).flops
+    assert [sorted(layer["gflops_by_layout"]) for layer in layers] == [["channels_last", "contiguous"]] * 2 + [
+        ["contiguous"]] * 2
+    assert all(layer["best_layout"] == max(layer["gflops_by_layout"], key=layer["gflops_by_layout"].get)
+               for layer in layers)
+    assert result["rng_floor_s_per_sample"] == 784 / 1e9
+    assert result["floor_s_per_image"] == pytest.approx(1000 * (result["layer_floor_s_per_sample"] + 784 / 1e9))
+
+
 def test_compile_counter_sees_dynamo_compiles_and_triton_compiles_only_inside_its_region(tmp_path, monkeypatch):
     compiled = torch.compile(lambda x: (x * 2).relu(), backend="eager", dynamic=False)
     with compile_watch.CompileCounter() as region:

@@ -26,6 +26,8 @@ def _stand_in_python(tmp_path: Path, slow_workload: str) -> Path:
 case " $* " in
   *" -m benchmarks.targets "*)
     echo "$*" >> {tmp_path / 'calls.log'}
+    echo "$SPLITZ_CACHE_DIR $(ls "$SPLITZ_CACHE_DIR" 2>/dev/null | tr '\\n' ' ')" >> {tmp_path / 'memory.log'}
+    case " $* " in *" --part targets "*) mkdir -p "$SPLITZ_CACHE_DIR"; echo '{{}}' > "$SPLITZ_CACHE_DIR/choices.json";; esac
     case " $* " in *" {slow_workload} "*) sleep 60;; esac
     exit 0;;
   *" -m benchmarks.smoke "*|*" -m pytest "*|*" splitz_fast.kernels.native_cuda"*|*" torch.distributed.run "*) exit 0;;
@@ -59,6 +61,24 @@ def test_stage_one_runs_each_model_by_value_under_its_own_deadline(tmp_path: Pat
     summary = (tmp_path / "out" / "gpu.txt").read_text()
     assert "targets vs the naive loop: cifar10-resnet110: rc 124" in summary
     assert "targets vs the naive loop: imagenet-resnet50: rc 0" in summary
+
+
+def test_stage_2b_reuses_the_decisions_stage_1_measured_and_never_an_earlier_runs(tmp_path: Path):
+    """One remembered-decisions folder for the whole run (splitz_fast/sampling/memory.py), new and empty: what
+    stage 1 measured (a stand-in writes choices.json there) is there for stage 2b; the caller's folder (an earlier
+    run's decisions) is neither read nor touched."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "batch_sizes.json").write_text("{}")
+    done = _run_script(tmp_path, _stand_in_python(tmp_path, "no-such-workload"), WORKLOADS="mnist-lenet",
+                       CHECKS="1", SPLITZ_CACHE_DIR=str(cache))
+    assert done.returncode == 0, done.stderr[-2000:]
+    stage_1, stage_2b = (tmp_path / "memory.log").read_text().splitlines()
+    run_cache = stage_1.split()[0]
+    assert stage_1.split() == [run_cache] and run_cache != str(cache)  # a new, empty folder for stage 1
+    assert stage_2b.split() == [run_cache, "choices.json"]  # stage 1's decisions, kept for stage 2b
+    assert sorted(p.name for p in cache.iterdir()) == ["batch_sizes.json"]
+    assert "remembered decisions" in (tmp_path / "out" / "stages.log").read_text()
 
 
 def test_an_install_that_does_not_import_stops_the_script_with_one_line(tmp_path: Path):

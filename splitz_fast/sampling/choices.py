@@ -9,6 +9,10 @@ the candidate is prepared and run on a batch of real noisy rows, its scores must
 the rounding that copy makes (:func:`score_mismatch`, :func:`~splitz_fast.sampling.score_checks.copy_tolerance`), and
 then, for ``None``, both are timed (:func:`seconds_per_call`) and the faster is used.
 
+A measured verdict is remembered per machine and ``f_R`` structure (:data:`~splitz_fast.sampling.memory.VERDICTS`,
+where the engine gives its :attr:`MeasuredChoice.memory_key`): a later engine with the same key skips the timing — it
+does not prepare a candidate remembered as slower, and prepares and checks one remembered as faster before using it.
+
 A candidate that fails on the way (it cannot be prepared, it fails when run, or its scores differ) is a fallback:
 the engine keeps what it ran, which is always a correct base classifier, and says so once per choice through
 :func:`~splitz_fast._checks.report_fallback` (an error under ``SPLITZ_STRICT=1``). A candidate measured slower is the
@@ -17,12 +21,13 @@ measurement working: recorded, not reported.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, ClassVar
 
 import torch
 
 from .._checks import report_fallback
+from .memory import VERDICTS
 from .score_checks import score_gap
 
 # The timing of the two sides (:func:`seconds_per_call`): calls of each until this much time has elapsed, the better
@@ -139,6 +144,9 @@ class MeasuredChoice:
         self.setting, self.device = setting, device
         self.decisions: dict[Variant, Decision] = {}
         self._reported = False
+        # What the engine's verdicts are remembered under (f_R's structure, the precision), read at each decision;
+        # None: nothing remembered or recalled.
+        self.memory_key: Callable[[], tuple] | None = None
 
     @property
     def considered(self) -> bool:
@@ -149,11 +157,19 @@ class MeasuredChoice:
         """The candidate of ``variant`` where the engine should use it, else ``None``: ``trial()`` prepares it, runs it
         once and checks its scores (raising :class:`CandidateFailed` where it fails); with ``True`` it is used, with
         ``None`` the faster of its two sides (:func:`seconds_per_call`). Records the decision under ``variant``; a
-        failure is reported once (:meth:`report_once`)."""
+        failure is reported once (:meth:`report_once`). With ``None``, a verdict remembered for ``variant``
+        (:meth:`recall`) replaces the timing: remembered slower, ``trial`` is not even called."""
+        key = self.verdict_key(variant)
+        remembered = self.recall(key)
+        if remembered is not None and not remembered.used:
+            self.decisions[variant] = remembered
+            return None
         try:
             tried = trial()
             if self.setting:
                 decision = Decision(self.OPTION, True, f"{self.OPTION.setting}=True", setup_s=tried.setup_s)
+            elif remembered is not None:
+                decision = replace(remembered, setup_s=tried.setup_s)
             else:
                 baseline_s = seconds_per_call(tried.baseline, self.device)
                 candidate_s = seconds_per_call(tried.candidate, self.device)
@@ -161,11 +177,35 @@ class MeasuredChoice:
                                     f"measured at batch {variant.rows}: {self.OPTION.baseline} {baseline_s * 1e3:.3f} "
                                     f"ms, {self.OPTION.candidate} {candidate_s * 1e3:.3f} ms{tried.note}",
                                     baseline_s, candidate_s, tried.setup_s)
+                self.remember(key, decision)
         except CandidateFailed as err:
             self.fail(variant, str(err))
             return None
         self.decisions[variant] = decision
         return tried if decision.used else None
+
+    def verdict_key(self, variant: Variant, *part: object) -> tuple | None:
+        """What a measured verdict on ``variant`` (and ``part`` of it, e.g. a fused site) is remembered under:
+        the option, the engine's :attr:`memory_key` and the variant's fields; ``None`` where nothing is remembered
+        (no key given, or a setting other than ``None``: nothing is measured)."""
+        if self.memory_key is None or self.setting is not None:
+            return None
+        return (self.OPTION.setting, *self.memory_key(), *(getattr(variant, f.name) for f in fields(variant)), *part)
+
+    def recall(self, key: tuple | None) -> Decision | None:
+        """The verdict remembered under ``key`` on this machine, as a decision whose reason says so."""
+        found = None if key is None else VERDICTS.recall(key, self.device)
+        if found is None:
+            return None
+        return Decision(self.OPTION, found["used"], f"remembered ({found['reason']})", found.get("baseline_s"),
+                        found.get("candidate_s"))
+
+    def remember(self, key: tuple | None, decision: Decision) -> None:
+        """Remember a measured ``decision`` under ``key`` (nothing where ``key`` is ``None``)."""
+        if key is not None:
+            VERDICTS.remember(key, self.device, dict(used=decision.used, reason=decision.reason,
+                                                     baseline_s=decision.baseline_s,
+                                                     candidate_s=decision.candidate_s))
 
     def fail(self, variant: Variant, reason: str) -> None:
         """Record that ``variant`` keeps its baseline because its candidate failed (``reason``), and report it once."""

@@ -42,7 +42,7 @@ from ..kernels.noise import (
     noisy_latents_native,
 )
 from ..kernels.votes import count_votes_cuda, count_votes_reference, count_votes_triton
-from .batch_memory import remembered_batch
+from .memory import remembered_batch
 from .casting import CastChoice
 from .choices import Variant, check_setting, synchronize
 from .compiled import CompileChoice, CompiledOrEager
@@ -262,6 +262,8 @@ class SamplingEngine:
         self.compiling = CompileChoice(compile, self.device)
         self.casting = CastChoice(self.dtype, self.device, compile)  # bf16/fp16 weights cast once on the CPU
         self.prepared = PreparedClassifier(right, self.device)
+        for choice in (self.graphs, self.fusion, self.compiling, self.casting):  # verdicts remembered (memory.py)
+            choice.memory_key = lambda: (repr(self.source), self.precision)  # f_R's structure as it is now
         self._count_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the prepared f_R
@@ -293,7 +295,7 @@ class SamplingEngine:
         """The batch size with the most samples/s for latents of this shape, at most ``cap``: measured once per
         process, ``f_R`` architecture, device, threads, shape and cap (powers of two from 32, stopping when two sizes in
         a row gain less than :data:`TUNE_MIN_GAIN` over the best, memory runs out or the time budget is spent), and
-        remembered across processes (:mod:`~splitz_fast.sampling.batch_memory`; ``SPLITZ_BATCH_MEMORY=0``: off)."""
+        remembered across processes (:mod:`~splitz_fast.sampling.memory`; ``SPLITZ_MEMORY=0``: off)."""
         key = (str(self.device), repr(self.source), tuple(latent_shape), cap, self.precision, self.compiling.setting,
                self.pools_in_noise(latent_shape))
         if (key, torch.get_num_threads()) not in _TUNED_BATCH:

@@ -209,7 +209,7 @@ class FusionChoice(MeasuredChoice):
         net = sharing_copy(fused)
         sites = fused_sites(net)
         try:
-            decided, failures = self._decide_sites(net, sites, scores, batch, allowed)
+            decided, failures = self._decide_sites(variant, net, sites, scores, batch, allowed)
         except CandidateFailed as err:
             self.fail(variant, str(err))
             return None
@@ -245,8 +245,8 @@ class FusionChoice(MeasuredChoice):
                                            chosen_s if timed else None, sites=site_decisions)
         return net
 
-    def _decide_sites(self, net: nn.Module, sites: dict[str, _FusedSite], scores, batch: torch.Tensor,
-                      allowed: float) -> tuple[dict[str, Decision], dict[str, str]]:
+    def _decide_sites(self, variant: Variant, net: nn.Module, sites: dict[str, _FusedSite], scores,
+                      batch: torch.Tensor, allowed: float) -> tuple[dict[str, Decision], dict[str, str]]:
         """Each site's decision from one pass of ``scores(net, batch)`` that runs every site unfused (so each sees
         the plain activations), and the reasons of the sites whose fused form failed or differed; raises
         :class:`~splitz_fast.sampling.choices.CandidateFailed` where the pass itself fails."""
@@ -256,7 +256,7 @@ class FusionChoice(MeasuredChoice):
         def hook_of(name: str):
             def decide_site(site: _FusedSite, args: tuple, output: torch.Tensor) -> None:
                 try:
-                    decided[name] = self._site_decision(site, args, output, allowed)
+                    decided[name] = self._site_decision(site, args, output, allowed, self.verdict_key(variant, name))
                 except CandidateFailed as err:
                     decided[name] = Decision(self.OPTION, False, str(err))
                     failures[name] = str(err)
@@ -278,9 +278,14 @@ class FusionChoice(MeasuredChoice):
             decided[name] = Decision(self.OPTION, False, "not run by f_R's forward")
         return {name: decided[name] for name in sites}, failures
 
-    def _site_decision(self, site: _FusedSite, args: tuple, unfused: torch.Tensor, allowed: float) -> Decision:
+    def _site_decision(self, site: _FusedSite, args: tuple, unfused: torch.Tensor, allowed: float,
+                       key: tuple | None) -> Decision:
         """Whether ``site`` runs fused, from its input ``args`` and ``unfused`` output in the pass; raises
-        :class:`~splitz_fast.sampling.choices.CandidateFailed` where its fused form fails or differs."""
+        :class:`~splitz_fast.sampling.choices.CandidateFailed` where its fused form fails or differs. A verdict
+        remembered under ``key`` replaces the timing (remembered slower: the fused form is not even built)."""
+        remembered = self.recall(key)
+        if remembered is not None and not remembered.used:
+            return remembered
         try:
             got = site.fused_forward(*args)
         except torch.OutOfMemoryError:
@@ -293,6 +298,8 @@ class FusionChoice(MeasuredChoice):
                                   f"{allowed * scale:.3g})")
         if self.setting:
             return Decision(self.OPTION, True, f"{self.OPTION.setting}=True")
+        if remembered is not None:
+            return remembered
         shape, device = "x".join(map(str, args[0].shape)), args[0].device  # where the site's work is queued
         plain_s = choices.seconds_per_call(lambda: site.unfused_forward(*args), device, rounds=SITE_ROUNDS)
         try:
@@ -301,8 +308,10 @@ class FusionChoice(MeasuredChoice):
             raise
         except Exception as err:  # noqa: BLE001 — as above, where it fails only when repeated
             raise CandidateFailed(_failure(err)) from err
-        return Decision(self.OPTION, fused_s < plain_s, f"measured on {shape}: plain {plain_s * 1e3:.3f} ms, fused "
-                        f"{fused_s * 1e3:.3f} ms", plain_s, fused_s)
+        decision = Decision(self.OPTION, fused_s < plain_s, f"measured on {shape}: plain {plain_s * 1e3:.3f} ms, "
+                            f"fused {fused_s * 1e3:.3f} ms", plain_s, fused_s)
+        self.remember(key, decision)
+        return decision
 
     def fallback_message(self, variant: Variant, reason: str) -> str:
         return f"f_R's fused kernels are not used ({reason}); sampling runs the plain f_R"

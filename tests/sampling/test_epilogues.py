@@ -285,6 +285,29 @@ def test_one_failing_or_differing_site_stays_unfused_with_one_warning(lenient, m
         assert _fused_names(_choose_sites(choice, plain, fused, rows=16)) == ["0", "2"]
 
 
+def test_a_later_engine_takes_each_sites_verdict_from_memory(lenient, monkeypatch, tmp_path):
+    """Per site, as measured: a later engine (same f_R structure and batch) times no site, never runs the fused
+    form of the site remembered slower, and still checks the fused forms it uses; the sites' reasons say so."""
+    import splitz_fast.sampling.memory as memory
+
+    monkeypatch.setenv(memory.CACHE_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(memory, "machine_key", lambda device: ["stand-in card"])  # no GPU to name here
+    plain, fused = _three_sites(delay=0.02)
+    first = _choice()
+    first.memory_key = lambda: (repr(plain), "bfloat16")
+    assert _fused_names(_choose_sites(first, plain, fused)) == ["0", "2"]
+    monkeypatch.setattr(choices, "seconds_per_call", lambda *args, **kwargs: pytest.fail("timed"))
+    ran = []
+    fused[1].fused_forward = lambda x: pytest.fail("the site remembered slower ran fused")
+    fused[2].fused_forward = lambda x, site=fused[2]: ran.append(2) or F.relu(site.conv(x))
+    second = _choice()
+    second.memory_key = first.memory_key
+    # site 2 ran fused twice: its own check, then the check of the copy with its sites switched
+    assert _fused_names(_choose_sites(second, plain, fused)) == ["0", "2"] and ran == [2, 2]
+    sites = second.records()[0]["sites"]
+    assert all(sites[name]["reason"].startswith("remembered (measured on 8x") for name in "012")
+
+
 def test_a_failing_site_raises_under_splitz_strict(monkeypatch):
     monkeypatch.setenv("SPLITZ_STRICT", "1")
     plain, fused = _three_sites(broken=True)
@@ -312,6 +335,7 @@ def test_the_engine_decides_once_per_layout_and_batch_and_again_after_an_edit(mo
     its decisions when f_R changes (checked without a GPU: moves stubbed, timings scripted)."""
     model = _randomized_resnet("cifar_resnet20", 1)
     monkeypatch.setattr(nn.Module, "to", lambda self, *args, **kwargs: self)
+    monkeypatch.setenv("SPLITZ_MEMORY", "0")  # within one engine (the memory across engines names the card: none here)
     engine = SamplingEngine(model.right, 10, 0.25, torch.device("cuda"))
     engine.prepared.check_current()
     asked = []
