@@ -28,6 +28,7 @@ files to measure again (e.g. after a run under heavy load).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -41,6 +42,7 @@ import torch
 
 CACHE_DIR_VARIABLE = "SPLITZ_CACHE_DIR"
 SWITCH_VARIABLE = "SPLITZ_MEMORY"  # "0": off
+KEY_TEXT_MAX = 200
 _warned: set[str] = set()  # the kinds of trouble already warned of in this process
 
 
@@ -165,10 +167,15 @@ def _warn_once(kind: str, message: str) -> None:
 
 def _plain(part: object) -> object:
     """A key part as JSON has it: tuples (shapes) as lists, other values other than numbers, strings, booleans and
-    None as their ``str``."""
+    None as their ``str``; a string longer than :data:`KEY_TEXT_MAX` (``f_R``'s ``repr``: tens of kB for a ResNet-50)
+    as its SHA-256, so the files stay small and the rest of a key readable."""
     if isinstance(part, (tuple, list)):
         return [_plain(p) for p in part]
-    return part if part is None or isinstance(part, (bool, int, float, str)) else str(part)
+    if not (part is None or isinstance(part, (bool, int, float, str))):
+        part = str(part)
+    if isinstance(part, str) and len(part) > KEY_TEXT_MAX:
+        return "sha256:" + hashlib.sha256(part.encode()).hexdigest()
+    return part
 
 
 def _cpu_model() -> str:

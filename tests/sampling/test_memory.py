@@ -209,3 +209,12 @@ def test_an_engine_gives_its_choices_the_structure_and_precision_as_their_key():
         assert choice.memory_key() == (repr(engine.source), "bfloat16")
     engine.source[1] = nn.Linear(4, 5)  # an edit of f_R: another key from then on
     assert "out_features=5" in engine.casting.memory_key()[0]
+
+
+def test_a_long_structure_is_kept_as_its_hash_and_the_rest_of_the_key_stays_readable(verdicts, tmp_path):
+    long_repr = "Sequential(" + "Conv2d(64, 64), " * 40 + ")"
+    _decide(_StandIn(None, "cpu"), lambda b: b, key=(long_repr, "bfloat16"))
+    (key,) = json.loads((tmp_path / memory.VERDICTS.file_name).read_text())
+    assert long_repr not in key and "sha256:" in key and '"bfloat16"' in key and "stand_in" in key
+    used, again = _decide(_StandIn(None, "cpu"), lambda b: b, key=(long_repr, "bfloat16"))
+    assert again.reason.startswith("remembered") and len(verdicts) == 2
