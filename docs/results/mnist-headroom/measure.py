@@ -10,7 +10,12 @@ retraining and certification of the one MNIST model that is cheap to rebuild):
 (c) `splitz diagnose --headroom`'s table (splitz_fast.analysis.headroom) for the models of docs/results that can be
     rebuilt cheaply: the constructed example of docs/results/splitz-wins (hand-set weights, its committed TSV) and
     the split-1 `lenet-splitz` of the split ablation (4 epochs × 40 batches, retrained and certified here with the
-    ablation's own commands), and the time of the diagnostic on 500 test digits.
+    ablation's own commands), and the time of the diagnostic on 500 test digits;
+(d) 7×7 convolution detectors (unit filter u, threshold t, "same" zero padding): for every 10th test digit (1,000)
+    whether some informative channel (its sign is not the same at all 784 positions) is constant on B(x, γ) at all
+    positions, γ ∈ {1, 1.5, 2}, and the largest step of u·patch between adjacent positions.
+
+`--only detectors` (or geometry, hyperplanes, splitz-wins, lenet) runs one part alone.
 """
 from __future__ import annotations
 
@@ -152,19 +157,105 @@ def lenet_split1(runs: Path) -> str:
             f"({torch.get_num_threads()} thread(s)).\n")
 
 
+def _directions(train_x, count: int = 16) -> tuple[torch.Tensor, list[str]]:
+    """The 37 unit 7×7 directions of (d): the top ``count`` eigenvectors of the training patches' covariance,
+    ``count`` normalised patches cut at high-ink locations of training digits, and five simple filters."""
+    digits = train_x[::60]  # 1,000 training digits
+    patches = torch.nn.functional.unfold(digits.double(), 7, padding=3).transpose(1, 2).reshape(-1, 49)
+    centred = patches - patches.mean(0)
+    eigenvalues, eigenvectors = torch.linalg.eigh(centred.T @ centred / len(patches))
+    eigen = eigenvectors[:, eigenvalues.argsort(descending=True)[:count]].T
+    generator = torch.Generator().manual_seed(0)
+    picked = train_x[torch.randperm(len(train_x), generator=generator)[:count]].double()
+    ink = torch.nn.functional.conv2d(picked, torch.ones(1, 1, 7, 7, dtype=torch.float64), padding=3).flatten(1)
+    per_digit = torch.nn.functional.unfold(picked, 7, padding=3).transpose(1, 2)  # [count, 784, 49]
+    strokes = per_digit[torch.arange(count), ink.argmax(1)]
+    bar = torch.zeros(7, 7, dtype=torch.float64)
+    horizontal, vertical = bar.clone(), bar.clone()
+    horizontal[3], vertical[:, 3] = 1.0, 1.0
+    simple = torch.stack([torch.ones(7, 7, dtype=torch.float64), horizontal, vertical,
+                          torch.eye(7, dtype=torch.float64), torch.eye(7, dtype=torch.float64).flip(1)]).flatten(1)
+    directions = torch.cat([eigen, strokes, simple])
+    names = ([f"eigenvector {k + 1}" for k in range(count)] + [f"stroke {k + 1}" for k in range(count)]
+             + ["uniform blob", "horizontal bar", "vertical bar", "diagonal", "anti-diagonal"])
+    return directions / directions.norm(dim=1, keepdim=True), names
+
+
+def detectors(train_x, test_x, gammas=(1.0, 1.5, 2.0), n_thresholds: int = 49) -> str:
+    """(d): can an informative 7×7 detector channel be constant on B(x, γ) at all 784 positions of a digit?"""
+    conv = torch.nn.functional.conv2d
+    directions, names = _directions(train_x)
+    filters = directions.view(-1, 1, 7, 7)
+    train_values = conv(train_x[::60].double(), filters, padding=3).transpose(0, 1).flatten(1)  # [37, 784,000]
+    levels = torch.linspace(0.01, 0.99, n_thresholds, dtype=torch.float64)
+    low, high = (torch.quantile(train_values[:, ::8], q, dim=1) for q in (0.01, 0.99))
+    thresholds = low[:, None] + (high - low)[:, None] * levels[None, :]  # [37, 49], evenly from q1 % to q99 %
+    x = test_x[::10].double()
+    values = conv(x, filters, padding=3)  # [1000, 37, 28, 28]: every u·patch_p(x)
+    flat = values.flatten(2)
+    found = {g: torch.zeros(len(x), dtype=torch.bool) for g in gammas}
+    coverage = {g: torch.zeros(len(x), dtype=torch.float64) for g in gammas}  # best share of constant positions
+    informative_share = torch.zeros((), dtype=torch.float64)
+    for k in range(n_thresholds):
+        d = flat - thresholds[None, :, k, None]
+        informative = (d > 0).any(2) & (d <= 0).any(2)  # [1000, 37]
+        informative_share += informative.double().mean() / n_thresholds
+        for g in gammas:
+            constant = d.abs() >= g
+            found[g] |= (informative & constant.all(2)).any(1)
+            share = torch.where(informative, constant.double().mean(2), 0.0).max(1).values
+            coverage[g] = torch.maximum(coverage[g], share)
+    steps = torch.maximum((values[..., 1:] - values[..., :-1]).abs().flatten(2).max(2).values,
+                          (values[..., 1:, :] - values[..., :-1, :]).abs().flatten(2).max(2).values)  # [1000, 37]
+    per_direction = steps.max(0).values
+    largest = int(per_direction.argmax())
+    padded = torch.nn.functional.pad(x, (3, 3, 3, 3))
+    box = torch.ones(1, 1, 7, 7, dtype=torch.float64)
+    across = conv((padded[..., :, 1:] - padded[..., :, :-1]).square(), box)  # ‖patch_p − patch_q‖², horizontal
+    down = conv((padded[..., 1:, :] - padded[..., :-1, :]).square(), box)
+    bound = max(float(across.max()), float(down.max())) ** 0.5
+    lines = [f"{len(x)} test digits (every 10th); {len(directions)} unit 7×7 directions × {n_thresholds} thresholds "
+             f"(evenly from the 1 % to the 99 % quantile of u·patch on 1,000 training digits, all positions, zero "
+             f"padding); informative channels: {100 * informative_share:.1f} % of (image, detector) pairs.", "",
+             "| γ | images with an informative channel constant at all 784 positions (%) | "
+             "best share of positions constant, informative channel, median image (%) | "
+             "images with a step ≥ 2γ in some direction (%) |", "|---:|---:|---:|---:|"]
+    for g in gammas:
+        lines.append(f"| {g:g} | {100 * found[g].double().mean():.1f} | {100 * coverage[g].median():.1f} | "
+                     f"{100 * (steps >= 2 * g).any(1).double().mean():.1f} |")
+    families = {"eigenvectors": per_direction[:16], "strokes": per_direction[16:32], "simple": per_direction[32:]}
+    lines += ["", f"Largest step |u·patch_p − u·patch_q| between adjacent positions, over the images and directions: "
+              f"{float(per_direction.max()):.3f} ({names[largest]}); by family: "
+              + ", ".join(f"{name} {float(v.max()):.3f}" for name, v in families.items())
+              + f"; median over images of the largest step, all directions: {float(steps.max(1).values.median()):.3f}.",
+              f"Bound for every unit 7×7 filter (largest ‖patch_p − patch_q‖₂ between adjacent positions): "
+              f"{bound:.3f}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=str(ROOT / "runs" / "mnist-headroom"),
                         help="folder for the retrained checkpoint and its certification (not committed)")
+    parser.add_argument("--only", choices=("all", "geometry", "hyperplanes", "splitz-wins", "lenet", "detectors"),
+                        default="all", help="run one part alone (default: all)")
     args = parser.parse_args()
     runs = Path(args.runs)
-    runs.mkdir(parents=True, exist_ok=True)
     train_x, train_y = load_mnist("train")
     test_x, test_y = load_mnist("test")
-    parts = {"geometry.md": geometry(train_x, train_y, test_x, test_y),
-             "hyperplanes.md": hyperplanes(train_x, train_y, test_x, test_y),
-             "splitz-wins/agreement.md": splitz_wins(),
-             "lenet-splitz-split1/agreement.md": lenet_split1(runs)}
+    jobs = {"geometry": ("geometry.md", lambda: geometry(train_x, train_y, test_x, test_y)),
+            "hyperplanes": ("hyperplanes.md", lambda: hyperplanes(train_x, train_y, test_x, test_y)),
+            "splitz-wins": ("splitz-wins/agreement.md", splitz_wins),
+            "lenet": ("lenet-splitz-split1/agreement.md", lambda: lenet_split1(runs)),
+            "detectors": ("detectors.md", lambda: detectors(train_x, test_x))}
+    if args.only in ("all", "lenet"):
+        runs.mkdir(parents=True, exist_ok=True)
+    parts = {}
+    for key, (name, job) in jobs.items():
+        if args.only in ("all", key):
+            start = time.perf_counter()
+            parts[name] = job()
+            print(f"{key}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     for name, text in parts.items():
         (HERE / name).parent.mkdir(parents=True, exist_ok=True)
         (HERE / name).write_text(text, encoding="utf-8")
