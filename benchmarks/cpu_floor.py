@@ -11,8 +11,12 @@ precision, with torch's kernels, computes those layers faster, whatever it does 
 pools, flattening, the votes (cheap next to the layers, and fusable away), so the floor is a lower bound, not an
 estimate of what eager PyTorch can reach.
 
-**The RNG floor** per sample: the latent's element count over the normals per second torch's CPU generator writes
-(benchmarks/floor.py's ``measure_normal_rate``, float32 — the noise is drawn in float32 at every precision).
+**The RNG floor** per sample: the latent's element count over the normals per second of the faster of torch's CPU
+generator (benchmarks/floor.py's ``measure_normal_rate``) and the library's own C++ noise kernels, which the engine
+samples with where they are built (Philox + Box–Muller, in float32 — the noise is drawn in float32 at every
+precision): the plain one (``noisy_latents_native``, every noisy element written) and the one that max-pools 2×2 as
+it draws (``noisy_latents_maxpool2_native``, a quarter written: the drawing rate with the least writing, what the
+engine reaches on an ``f_R`` that starts with that pool).
 
 **Floor per image** = ``(n0 + n) × (layer floor + RNG floor)``; the benchmark reports its time as a multiple of it.
 Also per layer: its FLOPs per sample (2 per multiply-accumulate), the GFLOP/s of each layout and which layout won —
@@ -85,6 +89,29 @@ def _flops_per_row(layer: nn.Module, input_shape: tuple[int, ...]) -> float:
     return 2.0 * per_output * out[1:].numel()
 
 
+def native_noise_rates(count: int = 1 << 22, rounds: int = ROUNDS) -> dict[str, float]:
+    """Normals per second that the library's C++ noise kernels draw in one call of ``count`` of them (float32, the
+    best of ``rounds`` after a warm-up), by kernel: ``native`` (every noisy element written) and ``native-pooled``
+    (2×2 max-pooled as drawn); empty where the extension is not built."""
+    from splitz_fast.kernels.native import native_available
+    from splitz_fast.kernels.noise import noisy_latents_maxpool2_native, noisy_latents_native
+
+    if not native_available():
+        return {}
+    latent = torch.zeros(16, 32, 32)
+    kernels = {"native": noisy_latents_native, "native-pooled": noisy_latents_maxpool2_native}
+    rates = {}
+    for name, kernel in kernels.items():
+        best = float("inf")
+        for round_ in range(rounds + 1):
+            start = time.perf_counter()
+            kernel(latent, count // latent.numel(), 1.0, 0, round_ * count)
+            if round_:  # the first call loads the extension
+                best = min(best, time.perf_counter() - start)
+        rates[name] = count / best
+    return rates
+
+
 def cpu_floor(right: nn.Module, latent: torch.Tensor, batch: int, precision: str, samples: int,
               normal_rate: float | None = None) -> dict:
     """The floor columns of one row: ``right`` (``f_R``, on the CPU) for ``latent`` (one sample's noisy input
@@ -102,11 +129,16 @@ def cpu_floor(right: nn.Module, latent: torch.Tensor, batch: int, precision: str
             layer_floor += times[best]
             layers.append(dict(name=name, kind=type(layer).__name__, input_shape=list(shape), flops_per_sample=flops,
                                gflops_by_layout={k: flops / t / 1e9 for k, t in times.items()}, best_layout=best))
-    rate = normal_rate or measure_normal_rate(torch.device("cpu"), count=1 << 22)
-    rng = latent.numel() / rate
+    if normal_rate is None:
+        rates = {"torch": measure_normal_rate(torch.device("cpu"), count=1 << 22), **native_noise_rates()}
+        source = max(rates, key=rates.get)
+        normal_rate = rates[source]
+    else:
+        source = "given"
+    rng = latent.numel() / normal_rate
     return dict(floor_precision=precision, floor_batch=batch, floor_threads=torch.get_num_threads(),
-                layer_floor_s_per_sample=layer_floor, rng_floor_s_per_sample=rng, normal_rate=rate,
-                floor_s_per_image=samples * (layer_floor + rng), floor_layers=layers)
+                layer_floor_s_per_sample=layer_floor, rng_floor_s_per_sample=rng, normal_rate=normal_rate,
+                normal_rate_source=source, floor_s_per_image=samples * (layer_floor + rng), floor_layers=layers)
 
 
-__all__ = ["cpu_floor", "heavy_layers", "seconds_per_row"]
+__all__ = ["cpu_floor", "heavy_layers", "native_noise_rates", "seconds_per_row"]

@@ -262,7 +262,12 @@ def test_the_cpu_floor_times_every_heavy_layer_of_f_r_and_counts_its_flops():
         ["contiguous"]] * 2
     assert all(layer["best_layout"] == max(layer["gflops_by_layout"], key=layer["gflops_by_layout"].get)
                for layer in layers)
-    assert result["rng_floor_s_per_sample"] == 784 / 1e9
+    assert result["rng_floor_s_per_sample"] == 784 / 1e9 and result["normal_rate_source"] == "given"
+    from splitz_fast.kernels.native import native_available
+
+    rates = cpu_floor.native_noise_rates(count=1 << 16, rounds=1)
+    assert sorted(rates) == (["native", "native-pooled"] if native_available() else [])
+    assert all(rate > 0 for rate in rates.values())
     assert result["floor_s_per_image"] == pytest.approx(1000 * (result["layer_floor_s_per_sample"] + 784 / 1e9))
 
 
