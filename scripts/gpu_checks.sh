@@ -10,7 +10,9 @@
 #      imports, one line says why and the script stops); whether the LeNet weights and MNIST digits are there; torch /
 #      triton / CUDA versions.
 #   0b. the smoke stage (≤ SMOKE_S = 120 s; SMOKE=0 skips it): every GPU-only path once on small shapes, each the gpu
-#      test that checks it against its reference, with a watchdog of its own (benchmarks/smoke.py): one line per path
+#      test that checks it against its reference, with a watchdog of its own (benchmarks/smoke.py), under
+#      SPLITZ_STRICT=1 (a path that falls back, say a CUDA graph that fails to capture, fails with its cause instead of
+#      passing slowly): one line per path
 #      in gpu.txt, "SMOKE ok / wrong / failed / skipped / timed out", written the moment it ends; a path that hangs
 #      costs its limit (every thread's stack goes to stages.log) and the next path runs.
 #   1. SPEC §5's target table end to end (≤ TARGETS_S = 320 s): `python -m benchmarks.targets --part targets`, one
@@ -163,7 +165,7 @@ echo "device $DEVICE; budget ${BUDGET}s; results runs: $EPOCHS epochs, every ${S
 
 if [ "${SMOKE:-1}" = 1 ]; then  # every GPU-only path once, before anything long: one verdict line each
     stage "0b smoke: every GPU-only path once" "${SMOKE_S:-120}" \
-        $PY -m benchmarks.smoke --out /tmp/smoke --budget $((${SMOKE_S:-120} - 15))
+        env SPLITZ_STRICT=1 $PY -m benchmarks.smoke --out /tmp/smoke --budget $((${SMOKE_S:-120} - 15))
     grep '^SMOKE ' "$LOG" >> "$SUMMARY"
     cat /tmp/smoke/smoke.jsonl >> "$LOG" 2>/dev/null  # the verdicts in full, stacks of a timed-out check included
 fi

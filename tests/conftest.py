@@ -26,6 +26,12 @@ def fresh_memory(request, monkeypatch):
     monkeypatch.setenv("SPLITZ_CACHE_DIR", os.path.join(_CACHE_DIR, name))
 
 
+@pytest.fixture
+def lenient(monkeypatch):
+    """Fallbacks warn, as without ``SPLITZ_STRICT=1`` (which `make test` sets): for the tests of a fallback's warning."""
+    monkeypatch.delenv("SPLITZ_STRICT", raising=False)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 

@@ -175,6 +175,13 @@ def test_gpu_checks_runs_the_smoke_stage_then_the_target_table_first():
 
 
 # ------------------------------------------------------------------------------------------------ the pieces
+def test_the_smoke_stage_and_make_test_run_under_splitz_strict():
+    """A path that falls back fails with its cause in the smoke stage, and so does any fallback in `make test`."""
+    assert "env SPLITZ_STRICT=1 $PY -m benchmarks.smoke" in (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    test_recipe = (ROOT / "Makefile").read_text().split("\ntest: install\n")[1].split("\n\n")[0]
+    assert 'SPLITZ_STRICT=$${SPLITZ_STRICT:-1} $(BIN)/python -m pytest -q -m "not slow" tests' in test_recipe
+
+
 def test_floors_reproduce_spec_figures_on_an_h100():
     """SPEC §5's per-image floors on one H100 (bf16, ≈ 990 TFLOP/s and ≈ 3 TB/s) from its per-sample counts: compute
     0.9 ms / 51 ms / 83 ms and memory (bf16, written and read once) ≈ 12 ms / 0.49 s / 0.43 s."""

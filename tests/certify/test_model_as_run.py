@@ -175,7 +175,7 @@ HOOKS = {
 
 
 @pytest.mark.parametrize("where, hook", HOOKS.values(), ids=HOOKS.keys())
-def test_f_r_is_sampled_with_its_hooks_where_the_user_put_them(where, hook):
+def test_f_r_is_sampled_with_its_hooks_where_the_user_put_them(lenient, where, hook):
     model, x = _image_model(), _x()
     handle = where(model.right).register_forward_hook(hook)
     smoother = Smoother(model, 0.25)
@@ -194,7 +194,7 @@ def test_f_r_is_sampled_with_its_hooks_where_the_user_put_them(where, hook):
     assert unhooked.prediction == int(_user_votes(model, x, 0.25).argmax()) != result.prediction
 
 
-def test_sampling_f_r_as_it_is_warns_once_and_is_an_error_under_strict(monkeypatch):
+def test_sampling_f_r_as_it_is_warns_once_and_is_an_error_under_strict(lenient, monkeypatch):
     """Hooks keep f_R from its rewrites: a slower path, so it says so once per engine (and raises under
     SPLITZ_STRICT=1); an f_R without hooks says nothing."""
     model, x = _image_model(), _x()
@@ -213,7 +213,7 @@ def test_sampling_f_r_as_it_is_warns_once_and_is_an_error_under_strict(monkeypat
         Smoother(model, 0.25).certify(x, **COUNTS, seed=0)
 
 
-def test_a_forward_replaced_on_a_layer_of_f_r_is_sampled():
+def test_a_forward_replaced_on_a_layer_of_f_r_is_sampled(lenient):
     model, x = _image_model(), _x()
     pool = model.right[2]
     pool.forward = types.MethodType(lambda self, h: torch.zeros_like(F.max_pool2d(h, 2)), pool)
@@ -257,7 +257,7 @@ EDITS = {"hook added": _add_hook, "forward replaced": _replace_forward, "plain a
 
 
 @pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
-def test_an_edit_after_a_call_is_sampled_by_the_next_call(edit):
+def test_an_edit_after_a_call_is_sampled_by_the_next_call(lenient, edit):
     model, x = _scaled_model(), _x()
     smoother = Smoother(model, 0.25)
     before = smoother.certify(x, **COUNTS, seed=0)
@@ -343,7 +343,7 @@ def _conv_scorer():
     return net, batch, scores
 
 
-def test_a_copy_off_by_a_fraction_of_a_percent_is_refused_in_float32():
+def test_a_copy_off_by_a_fraction_of_a_percent_is_refused_in_float32(lenient):
     net, batch, scores = _conv_scorer()
     tolerance, how = copy_tolerance(net, scores, batch, "float32")
     assert ROUNDING_UNIT["float32"] * ACCEPT_FACTOR <= tolerance < 1e-4 and "float64" in how
@@ -374,7 +374,7 @@ def test_the_tolerance_follows_the_precision():
     assert bf16 > 100 * fp32 and bf16 >= ACCEPT_FACTOR * ROUNDING_UNIT["bfloat16"]
 
 
-def test_a_net_without_a_float64_form_gets_the_floor():
+def test_a_net_without_a_float64_form_gets_the_floor(lenient):
     class Float32Constant(nn.Module):
         def __init__(self):
             super().__init__()

@@ -24,12 +24,6 @@ AT_64 = Variant(channels_last=True, pooled=False, rows=64)
 
 
 @pytest.fixture
-def lenient(monkeypatch):
-    """Fallbacks warn (whatever the environment of the test run says)."""
-    monkeypatch.delenv("SPLITZ_STRICT", raising=False)
-
-
-@pytest.fixture
 def strict(monkeypatch):
     monkeypatch.setenv("SPLITZ_STRICT", "1")
 

@@ -165,7 +165,7 @@ def test_compile_none_keeps_eager_where_the_compiled_f_r_measures_slower(monkeyp
 
 
 @pytest.mark.parametrize("setting", [None, True])
-def test_a_compiled_f_r_that_scores_differently_is_not_used(monkeypatch, auto_on_cpu, setting):
+def test_a_compiled_f_r_that_scores_differently_is_not_used(lenient, monkeypatch, auto_on_cpu, setting):
     model, xs = small_splitz()
     _stand_in_compiler(monkeypatch, lambda net: (lambda batch: net(batch) + torch.tensor([0.0, 0, 0, 0, 50.0])))
     _due_now(monkeypatch)
@@ -177,7 +177,7 @@ def test_a_compiled_f_r_that_scores_differently_is_not_used(monkeypatch, auto_on
     assert not any(d.used for d in smoother.engine().compiling.decisions.values())
 
 
-def test_a_compiled_f_r_that_fails_at_its_first_call_falls_back_to_eager_with_one_warning(monkeypatch, auto_on_cpu):
+def test_a_compiled_f_r_that_fails_at_its_first_call_falls_back_to_eager_with_one_warning(lenient, monkeypatch, auto_on_cpu):
     model, xs = small_splitz()
 
     def failing(net):
@@ -219,7 +219,7 @@ def test_every_compiled_copy_compiles_its_own_entry_function(monkeypatch):
                for code in codes)
 
 
-def test_one_engine_compiles_a_copy_per_batch_size_and_a_failure_at_one_size_leaves_the_others(monkeypatch):
+def test_one_engine_compiles_a_copy_per_batch_size_and_a_failure_at_one_size_leaves_the_others(lenient, monkeypatch):
     """Past dynamo's recompile limit (8 shapes of one code object) a shared compiled copy would run eagerly without a
     word: each batch size has its own entry function, and its own decision."""
     model, xs = small_splitz()
@@ -274,7 +274,7 @@ def test_share_of_a_timed_block_counts_as_eager_time():
     assert 0.025 <= choice.eager_seconds[KEY] <= elapsed / 2
 
 
-def test_running_out_of_memory_at_the_compiled_first_call_keeps_eager_sampling(monkeypatch, auto_on_cpu):
+def test_running_out_of_memory_at_the_compiled_first_call_keeps_eager_sampling(lenient, monkeypatch, auto_on_cpu):
     model, xs = small_splitz()
 
     def out_of_memory(net):
@@ -293,7 +293,7 @@ def test_running_out_of_memory_at_the_compiled_first_call_keeps_eager_sampling(m
     assert (got.prediction, got.count_top) == (eager.prediction, eager.count_top)
 
 
-def test_out_of_memory_while_checking_the_scores_decides_against_the_compiled_copy_once(monkeypatch, auto_on_cpu):
+def test_out_of_memory_while_checking_the_scores_decides_against_the_compiled_copy_once(lenient, monkeypatch, auto_on_cpu):
     model, xs = small_splitz()
     calls = _stand_in_compiler(monkeypatch, lambda net: net)
 

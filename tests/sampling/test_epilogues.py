@@ -181,12 +181,6 @@ def test_the_fused_copy_is_a_separate_prepared_copy(monkeypatch):
     assert [type(m) for m in model.right.modules()] == user_types
 
 
-@pytest.fixture
-def lenient(monkeypatch):
-    """Fallbacks warn (whatever the environment of the test run says)."""
-    monkeypatch.delenv("SPLITZ_STRICT", raising=False)
-
-
 def _choice(setting=None):
     """A FusionChoice for a CUDA device (its decisions need no GPU when the timings are given)."""
     return FusionChoice(setting, torch.device("cuda"))

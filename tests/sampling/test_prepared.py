@@ -352,7 +352,7 @@ def test_engine_rebuilds_the_prepared_copy_when_f_r_changes():
     assert first.count_top != 200 or first.prediction != 4
 
 
-def test_compile_falls_back_to_eager_with_one_warning(monkeypatch):
+def test_compile_falls_back_to_eager_with_one_warning(lenient, monkeypatch):
     model, xs = _small_splitz()
 
     def broken(*args, **kwargs):
