@@ -18,8 +18,8 @@ multiple of the reduction step and the channels are contiguous (channels_last), 
 channels: row-vector loads that the compiler turns into asynchronous copies into shared memory, pipelined over three
 stages (LeNet's second layer; checked in the PTX for sm_90). Otherwise (thin inputs, such as a first layer with one or
 three channels, or NCHW strides) a step gathers across taps element by element. The reduction step is 32, or 16
-where that pads the reduction less (``tl.dot``'s smallest: LeNet's first layer, ``K = 9`` taps, pads to 16, not 32,
-and a 16-channel input takes the tap-aligned loop). Addresses are 32-bit where every offset the kernel forms fits
+where the general gather pads the reduction less with it (``tl.dot``'s smallest: LeNet's first layer, ``K = 9``
+taps, pads to 16, not 32). Addresses are 32-bit where every offset the kernel forms fits
 (thin inputs, sampling batches of small images), 64-bit otherwise. The output is ``[B, C_out, H_p, W_p]``
 channels_last in ``x``'s dtype (``H_p = H_out // 2``: floor mode, as ``MaxPool2d(2)``). Precision: bf16/fp16 inputs
 multiply in that type with float32 accumulation (as cuDNN does); float32 inputs multiply as IEEE float32, or as TF32
@@ -228,12 +228,12 @@ def _block_n(c_out: int) -> int:
 
 
 def reduction_step(c_in: int, k_total: int, unit_channel_stride: bool) -> tuple[int, bool]:
-    """``(BLOCK_K, tap_aligned)`` for a layer: the tap-aligned loop with the largest step of :data:`BLOCK_KS` that
-    divides ``C_in`` (channels contiguous), else the general gather with the step that pads ``K_total`` least (ties:
-    the larger step, fewer iterations)."""
-    for step in BLOCK_KS:
-        if unit_channel_stride and c_in % step == 0:
-            return step, True
+    """``(BLOCK_K, tap_aligned)`` for a layer: the tap-aligned loop with a step of 32 where 32 divides ``C_in`` (channels
+    contiguous), else the general gather with the step of :data:`BLOCK_KS` that pads ``K_total`` least (ties: the
+    larger step, fewer iterations). Not a 16-wide tap-aligned loop: for sm_90 its bf16 operand rows (32 bytes) are
+    not pipelined as asynchronous copies (the compile test reads that off the kernel's TTGIR)."""
+    if unit_channel_stride and c_in % BLOCK_KS[0] == 0:
+        return BLOCK_KS[0], True
     padded = {step: -(-k_total // step) * step for step in BLOCK_KS}
     return min(BLOCK_KS, key=lambda step: (padded[step], -step)), False
 

@@ -622,13 +622,21 @@ for dt, tf32, has_bias in itertools.product(("fp32", "bf16", "fp16"), BOOL, BOOL
         for (block_m, warps), block_n in tiles:
             if block_m > GATHER_MAX_BLOCK_M and not tap_aligned:
                 continue
-            ttgir = build(fn, types, dict(HAS_BIAS=has_bias, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
-                                          TAP_ALIGNED=tap_aligned, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32),
-                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned16}, num_warps=warps,
-                          num_stages=3)["ttgir"]
-            if tap_aligned:  # after software pipelining only the epilogue's bias is a plain load
-                assert ttgir.count("tt.load ") == has_bias and "ttg.async_copy_global_to_local" in ttgir, \
-                    (dt, tf32, has_bias, block_m, block_n, "operand loads not pipelined as asynchronous copies")
+            # 32-bit addresses and the 32-wide step at every tile; at the first tile also 64-bit addresses, and the
+            # 16-wide step of the gather (a 3x3 first layer: the tap-aligned loop always steps by 32)
+            first = (block_m, warps) == CONFIGS[0]
+            variants = [(False, 32)] + ([(True, 32)] if first else []) + ([(False, 16)] if first and not tap_aligned
+                                                                          else [])
+            for index64, block_k in variants:
+                ttgir = build(fn, types, dict(HAS_BIAS=has_bias, IS_FP32=dt == "fp32", TF32=tf32, WIDEN=False,
+                                              TAP_ALIGNED=tap_aligned, INDEX64=index64, BLOCK_M=block_m,
+                                              BLOCK_N=block_n, BLOCK_K=block_k),
+                              attrs={(i,): [["tt.divisibility", 16]] for i in aligned16}, num_warps=warps,
+                              num_stages=3)["ttgir"]
+                if tap_aligned:  # after software pipelining only the epilogue's bias is a plain load
+                    assert ttgir.count("tt.load ") == has_bias and "ttg.async_copy_global_to_local" in ttgir, \
+                        (dt, tf32, has_bias, block_m, block_n, index64, block_k,
+                         "operand loads not pipelined as asynchronous copies")
 print(f"compiled {built} specialisations with triton {triton.__version__} in {total:.0f} s; slowest {slowest[0]:.2f} s: "
       f"{slowest[1]}")
 """

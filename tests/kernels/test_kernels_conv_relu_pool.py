@@ -23,8 +23,8 @@ from _helpers import kernel_devices
 # (batch, C_in, H, W, C_out, kernel, padding): LeNet's two layers (advertorch: 3x3 padded; 5x5 without and with
 # padding), an odd image (floor mode drops the last row/column), C_out that no channel tile divides, a 1x1
 # convolution, several reduction steps with a remainder (C_in·KH·KW = 108). C_in = 32 and 64 (channels_last) run the
-# tap-aligned loop, 64 with two steps per tap and an odd image, and C_in = 16 with the 16-wide step; the others the
-# general gather, the 3x3 first layer (K = 9) and the 1x1 one with the 16-wide step.
+# tap-aligned loop, 64 with two steps per tap and an odd image; the others the general gather, the 3x3 first layer
+# (K = 9), the 1x1 one and C_in = 16 with the 16-wide step.
 SHAPES = [(3, 1, 12, 12, 32, 5, 0), (2, 1, 10, 10, 32, 5, 2), (2, 32, 8, 8, 64, 5, 0), (2, 5, 9, 11, 20, 3, 1),
           (4, 3, 6, 6, 7, 1, 0), (2, 12, 7, 7, 40, 3, 1), (2, 32, 6, 6, 64, 3, 1), (2, 64, 5, 7, 24, 3, 1),
           (3, 1, 10, 10, 32, 3, 1), (2, 16, 6, 7, 32, 3, 1)]
@@ -79,14 +79,14 @@ def test_kernel_reads_any_input_strides_and_runs_without_a_bias(shape, device, p
 
 def test_the_reduction_step_pads_least_and_aligns_to_taps_where_it_can():
     """LeNet's 3x3 first layer (K = 9) pads to 16, not 32; 5x5 (K = 25) to 32 either way (the larger step: fewer
-    iterations); K = 75 (5x5x3) to 80 with 16, not 96; channels that 32 or 16 divide take the tap-aligned loop where
-    they are contiguous, the gather where not."""
+    iterations); K = 75 (5x5x3) to 80 with 16, not 96; channels that 32 divides take the tap-aligned loop where they
+    are contiguous, the gather where not; 16 or 48 channels the gather (a 16-wide tap-aligned loop is not pipelined)."""
     assert reduction_step(1, 9, True) == (16, False)
     assert reduction_step(1, 25, True) == (32, False)
     assert reduction_step(3, 75, True) == (16, False)
     assert reduction_step(64, 576, True) == (32, True)
-    assert reduction_step(16, 144, True) == (16, True)
-    assert reduction_step(48, 432, True) == (16, True)
+    assert reduction_step(16, 144, True) == (16, False)
+    assert reduction_step(48, 432, True) == (16, False)
     assert reduction_step(32, 288, False) == (32, False)  # NCHW: 288 is a multiple of 32
 
 
