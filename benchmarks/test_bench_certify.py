@@ -119,8 +119,42 @@ def test_certify_dataset_vs_cohen_loop(benchmark, record_env, name, split_index,
 
     results = benchmark.pedantic(ours, rounds=1, iterations=1)
     assert len(results) == IMAGES and all(r.n == samples for r in results)
+    ours_s = benchmark.stats.stats.median
+    floor = _cpu_floor_columns(model, smoother, xs[0], chosen, precision, N0 + samples, ours_s / IMAGES)
     _report(record_env, f"{name} s={split_index}", IMAGES, samples, precision, compile, chosen, setup_s,
-            benchmark.stats.stats.median, baseline_by_batch, model=name, split_index=split_index)
+            ours_s, baseline_by_batch, model=name, split_index=split_index, **floor, **_engine_choices(smoother))
+
+
+def _engine_choices(smoother: sz.Smoother) -> dict:
+    """What the engine chose to sample with (its measured choices' decisions: fused sites, cast copy, compiled copy,
+    graphs), for the row's record and its printed line."""
+    engine = smoother.engine()
+    made = {name: choice.records() for name, choice in (("fused_kernels", engine.fusion),
+                                                         ("cast_weights", engine.casting),
+                                                         ("compiled", engine.compiling)) if choice.decisions}
+    for name, records in made.items():
+        print(f"\n  {name}: " + "; ".join(f"batch {r['batch']}: {r['reason']}" for r in records))
+    return {"engine_choices": made}
+
+
+def _cpu_floor_columns(model: sz.SplitModel, smoother: sz.Smoother, x: torch.Tensor, chosen: int, precision: str,
+                       samples: int, ours_s_per_image: float) -> dict:
+    """On the CPU, the floor of the row (benchmarks/cpu_floor.py: f_R's own layers alone at the engine's batch in
+    their best layout, plus the RNG) and our time as a multiple of it, printed; ``{}`` on a GPU (its floors are
+    benchmarks/targets')."""
+    if DEVICE.type != "cpu":
+        return {}
+    floor = cpu_floor(model.right, smoother.latent(x), chosen, precision, samples)
+    floor["ours_vs_floor"] = ours_s_per_image / floor["floor_s_per_image"]
+    assert floor["ours_vs_floor"] > 0 and floor["floor_layers"]
+    layers = "; ".join(f"{layer['name']} {layer['best_layout']} " + "/".join(
+        f"{g:.0f}" for g in layer["gflops_by_layout"].values()) for layer in floor["floor_layers"][:6])
+    more = len(floor["floor_layers"]) - 6
+    print(f"\n  floor ({precision}, batch {chosen}): layers {floor['layer_floor_s_per_sample'] * 1e6:.1f} us + "
+          f"RNG {floor['rng_floor_s_per_sample'] * 1e6:.1f} us per sample = {floor['floor_s_per_image']:.3f} "
+          f"s/image; ours {floor['ours_vs_floor']:.2f}x it (GFLOP/s contiguous/channels_last: {layers}"
+          f"{f'; {more} more' if more > 0 else ''})")
+    return floor
 
 
 def _prepared_smoother(model: sz.SplitModel, xs: torch.Tensor, precision: str = "float32", compile: bool = False):
@@ -211,20 +245,13 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
     def median(values):
         return sorted(values)[len(values) // 2]
 
-    floor = {}
-    if DEVICE.type == "cpu":  # the CPU's own floor (a GPU row's floors are benchmarks/targets')
-        floor = cpu_floor(model.right, smoother.latent(xs[0]), chosen, precision, N0 + SAMPLES)
-        floor["ours_vs_floor"] = median(ours_times) / REAL_IMAGES / floor["floor_s_per_image"]
-        assert floor["ours_vs_floor"] > 0 and floor["floor_layers"]
-        layers = "; ".join(f"{layer['name']} {layer['best_layout']} " + "/".join(
-            f"{g:.0f}" for g in layer["gflops_by_layout"].values()) for layer in floor["floor_layers"])
-        print(f"\n  floor ({precision}, batch {chosen}): layers {floor['layer_floor_s_per_sample'] * 1e6:.1f} us + "
-              f"RNG {floor['rng_floor_s_per_sample'] * 1e6:.1f} us per sample = {floor['floor_s_per_image']:.3f} "
-              f"s/image; ours {floor['ours_vs_floor']:.2f}x it (GFLOP/s contiguous/channels_last: {layers})")
+    floor = _cpu_floor_columns(model, smoother, xs[0], chosen, precision, N0 + SAMPLES,
+                               median(ours_times) / REAL_IMAGES)
     _report(record_env, f"trained LeNet s={split_index} ({source}), real MNIST", REAL_IMAGES, SAMPLES, precision,
             False, chosen, setup_s, median(ours_times), {b: median(t) for b, t in loop_times.items()},
             model="lenet", split_index=split_index, weights=source, repeats=REPEATS,
-            certified=sum(r.prediction != sz.ABSTAIN for r in results), load_average=os.getloadavg(), **floor)
+            certified=sum(r.prediction != sz.ABSTAIN for r in results), load_average=os.getloadavg(), **floor,
+            **_engine_choices(smoother))
 
 
 def test_splitz_training_step_vs_gaussian_augmentation_step(benchmark, record_env):

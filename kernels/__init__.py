@@ -30,6 +30,9 @@ Native (C++) kernels live in ``csrc/`` and are built and loaded by ``native`` (:
   (``conv_power.py``: the masked convolution power step and norm of the Lipschitz estimate, fused per image, with the
   weight gradient), ``clip_mask`` (``clip_mask.py``: the first layer's clipped ReLU and varying mask in one pass, with
   its backward), ``train_noise`` (``train_noise.py``: the training noise from the Philox stream, a seed per step).
+* ``conv_relu_maxpool2`` on CPU tensors (``csrc/conv_pool_cpu.cpp``, a third module): a thin convolution of ``f_R``
+  (LeNet's first layer) with its ReLU and 2x2 max pool in one pass that writes only the pooled activation; the
+  sampling engine's fused copy of ``f_R`` uses it at a site where it measures faster (``epilogues.FusionChoice``).
 
 Dispatch is explicit: Triton for CUDA tensors where an op has a kernel that beats its reference there
 (``AUTO_TRITON_OPS``), the native kernel for CPU tensors where an op has one (``NATIVE_OPS``) and it could be built,

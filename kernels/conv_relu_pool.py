@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from . import interpreting
 
-__all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_reference", "conv_relu_maxpool2_triton", "check_geometry",
-           "needs_int64", "reduction_step", "tuned_configs"]
+__all__ = ["conv_relu_maxpool2", "conv_relu_maxpool2_native", "conv_relu_maxpool2_reference",
+           "conv_relu_maxpool2_triton", "check_geometry", "needs_int64", "reduction_step", "tuned_configs"]
 
 OP_NAME = "conv_relu_maxpool2"
 BLOCK_KS = (32, 16)  # reduction steps: one tap of 32 (or 16) channels, or several taps of a thin input
@@ -282,12 +282,57 @@ def conv_relu_maxpool2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch
     return out
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Native CPU kernel (csrc/conv_pool_cpu.cpp)
+# --------------------------------------------------------------------------------------------------------------------
+
+NATIVE_BLOCK = 32  # output channels per accumulator block of the C++ kernel (its kBlock)
+
+
+def conv_relu_maxpool2_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              padding: tuple[int, int]) -> torch.Tensor:
+    """The C++ kernel on CPU tensors (float32 or bfloat16 ``x``, any strides): per pooled pixel four accumulators per
+    block of 32 output channels, float32 sums, only the pooled activation written (channels_last). Made for thin
+    inputs (a first layer: LeNet's one channel, 3x3), where oneDNN's convolution runs far below its rate on wider
+    ones; the sampling engine uses it at a site only where it measures faster (:class:`~splitz_fast.sampling.
+    epilogues.FusionChoice`). The weight and bias are rounded to ``x``'s dtype first, as autocast and the reference
+    round them, then packed as ``[ceil(C_out / 32), C_in·KH·KW, 32]`` float32 at every call (a few kB: the kernel
+    always reads the module's current parameters)."""
+    from .native import conv_module
+
+    module = conv_module()
+    if module is None:
+        raise RuntimeError(f"{OP_NAME}'s native kernel could not be built (see the warning above)")
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.ndim != 4 \
+            or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{OP_NAME}'s native kernel needs a float32/bfloat16 CPU input [B, {weight.shape[1]}, H, W], "
+                         f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    ph, pw = check_geometry(weight, (1, 1), padding, (1, 1), 1)
+    hp, wp = _pooled_size(x, weight, padding)
+    c_out, c_in, kh, kw = weight.shape
+    blocks = -(-c_out // NATIVE_BLOCK)
+    taps = c_in * kh * kw
+    rows = torch.zeros(blocks * NATIVE_BLOCK, taps, dtype=torch.float32)
+    rows[:c_out] = weight.detach().to(x.dtype).reshape(c_out, taps)  # tap k = (c·KH + ky)·KW + kx
+    packed = rows.reshape(blocks, NATIVE_BLOCK, taps).transpose(1, 2).contiguous()
+    padded_bias = torch.zeros(blocks * NATIVE_BLOCK, dtype=torch.float32)
+    if bias is not None:
+        padded_bias[:c_out] = bias.detach().to(x.dtype)
+    out = torch.empty((x.shape[0], c_out, hp, wp), dtype=x.dtype, memory_format=torch.channels_last)
+    module.conv_relu_maxpool2(x, packed, padded_bias, kh, kw, ph, pw, out)
+    return out
+
+
 def conv_relu_maxpool2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        padding: tuple[int, int], tf32: bool = False) -> torch.Tensor:
     """``maxpool2(relu(conv2d(x) + b))`` by the backend :func:`~splitz_fast.kernels.select_backend` picks for
-    ``x``'s device (Triton where this op is among ``AUTO_TRITON_OPS`` or forced, else the reference)."""
+    ``x``'s device (Triton on CUDA where this op is among ``AUTO_TRITON_OPS`` or forced; the C++ kernel on the CPU
+    for float32/bfloat16 inputs where it was built; else the reference)."""
     from . import select_backend
 
-    if select_backend(OP_NAME, x.device) == "triton":
+    backend = select_backend(OP_NAME, x.device)
+    if backend == "triton":
         return conv_relu_maxpool2_triton(x, weight, bias, padding, tf32)
+    if backend == "native" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        return conv_relu_maxpool2_native(x, weight, bias, padding)
     return conv_relu_maxpool2_reference(x, weight, bias, padding, tf32)

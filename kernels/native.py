@@ -15,8 +15,10 @@ Ops: ``noisy_latents`` (CPU; csrc/noise_cpu.cpp, contract in csrc/philox.h and k
 step's ops in a second module built from csrc/train_cpu.cpp (:func:`train_module`): ``conv_power`` (the masked
 convolution Gram step and norm of the Lipschitz estimate, kernels/conv_power.py), ``clip_mask`` (the first layer's
 clipped ReLU and varying mask, kernels/clip_mask.py) and ``train_noise`` (the training noise,
-kernels/train_noise.py). Two modules, because ``load`` builds one module (one ``PYBIND11_MODULE``) per list of
-sources: each family keeps its own binding list, and a build failure in one leaves the other usable.
+kernels/train_noise.py); and ``conv_relu_maxpool2`` (a thin first convolution of ``f_R`` with its ReLU and 2x2 max
+pool, kernels/conv_relu_pool.py) in a third, built from csrc/conv_pool_cpu.cpp (:func:`conv_module`). One module per
+family, because ``load`` builds one module (one ``PYBIND11_MODULE``) per list of sources: each family keeps its own
+binding list, and a build failure in one leaves the others usable.
 """
 from __future__ import annotations
 
@@ -37,15 +39,21 @@ NATIVE_ENV = "SPLITZ_NATIVE"
 SOURCES = ("noise_cpu.cpp",)
 HEADERS = ("philox.h", "philox_cpu.h")
 TRAIN_SOURCES = ("train_cpu.cpp",)  # the training step's module (train_module)
+CONV_SOURCES = ("conv_pool_cpu.cpp",)  # f_R's fused convolution + ReLU + pool (conv_module)
 # Ops with a native CPU kernel, and the sources of the module that holds each.
 OP_SOURCES: dict[str, tuple[str, ...]] = {"noisy_latents": SOURCES, "noisy_latents_maxpool2": SOURCES,
                                           "conv_power": TRAIN_SOURCES,
-                                          "train_noise": TRAIN_SOURCES, "clip_mask": TRAIN_SOURCES}
+                                          "train_noise": TRAIN_SOURCES, "clip_mask": TRAIN_SOURCES,
+                                          "conv_relu_maxpool2": CONV_SOURCES}
 NATIVE_OPS: frozenset[str] = frozenset(OP_SOURCES)
 # -ffp-contract=off: no FMA contraction, so the float32 roundings are the ones the contract writes down;
 # -fno-math-errno: sqrtf without errno, so the loops vectorise; target_clones in the source picks the ISA at load time.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+# Per module, where they differ: the convolution's sums may contract to FMA (it has no bitwise contract: its result is
+# checked against the unfused layers within their rounding, as oneDNN's own FMA sums are), which doubles its rate.
+MODULE_CFLAGS: dict[tuple[str, ...], tuple[str, ...]] = {CONV_SOURCES: ("-O3", "-ffp-contract=fast", "-fno-math-errno",
+                                                                        "-fopenmp")}
 
 
 def csrc_dir() -> Path:
@@ -62,7 +70,7 @@ def _build_name(directory: Path, sources: tuple[str, ...] = SOURCES) -> str:
     digest = hashlib.sha256()
     for name in sources + HEADERS:
         digest.update((directory / name).read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(" ".join(_cflags(sources) + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     # The source folder too: torch rebuilds a named extension whose include paths changed, so two checkouts sharing
     # one name would rebuild each other's build at every switch (seen: a 33 s rebuild in the first training step).
@@ -83,6 +91,20 @@ def train_module() -> ModuleType | None:
     """The compiled training-step extension (csrc/train_cpu.cpp), built if needed; ``None`` (after one warning) where
     it cannot be built, or when ``SPLITZ_NATIVE=0``."""
     return _load(TRAIN_SOURCES)
+
+
+@functools.cache
+def conv_module() -> ModuleType | None:
+    """The compiled convolution + ReLU + pool extension (csrc/conv_pool_cpu.cpp), built if needed; ``None`` (after one
+    warning) where it cannot be built, or when ``SPLITZ_NATIVE=0``."""
+    return _load(CONV_SOURCES)
+
+
+_MODULE_OF_SOURCES = {SOURCES: native_module, TRAIN_SOURCES: train_module, CONV_SOURCES: conv_module}
+
+
+def _cflags(sources: tuple[str, ...]) -> tuple[str, ...]:
+    return MODULE_CFLAGS.get(sources, CFLAGS)
 
 
 def extensions_root() -> Path:
@@ -171,7 +193,7 @@ def _load(sources: tuple[str, ...]) -> ModuleType | None:
             name=build,
             sources=[str(directory / name) for name in sources],
             extra_include_paths=[str(directory)],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(_cflags(sources)),
             extra_ldflags=list(LDFLAGS),
             verbose=False,
         )
@@ -191,12 +213,13 @@ def native_available(op: str = "noisy_latents") -> bool:
     """Whether the native module holding ``op`` is built and loaded (builds it on the first call)."""
     if op not in OP_SOURCES:
         raise ValueError(f"op {op!r} has no native kernel; native ops: {sorted(OP_SOURCES)}")
-    return (native_module() if OP_SOURCES[op] == SOURCES else train_module()) is not None
+    return _MODULE_OF_SOURCES[OP_SOURCES[op]]() is not None
 
 
 def main() -> int:
     """``python -m splitz_fast.kernels.native``: build (or find) the extension and say where it stands."""
-    for label, module in (("noise", native_module()), ("training step", train_module())):
+    for label, module in (("noise", native_module()), ("training step", train_module()),
+                          ("convolution + pool", conv_module())):
         if module is None:
             print(f"splitz_fast native {label} kernels: not available (see the warning above); the PyTorch reference "
                   "path is used")

@@ -20,12 +20,14 @@ sum; on CUDA the fused call rounds as cuDNN's epilogue does (within the rounding
 :func:`~splitz_fast.sampling.score_checks.copy_tolerance`; tested), elsewhere the modules run the unfused operations, bitwise the unfused result.
 
 A convolution followed by its ReLU and a 2x2 max pool (LeNet's layers) goes further: :class:`ConvReLUMaxPool2` runs
-all three as one Triton kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`;
-the prepared chain's rewrite, :func:`~splitz_fast.sampling.prepared.fused_conv_pools`).
+all three as one kernel that writes only the pooled activation (:mod:`splitz_fast.kernels.conv_relu_pool`: Triton on
+CUDA, C++ on the CPU; the prepared chain's rewrite, :func:`~splitz_fast.sampling.prepared.fused_conv_pools`). It is
+the only fused site of a copy prepared for the CPU, where oneDNN's convolutions add their bias already and a cuDNN
+epilogue has nothing to fuse.
 
 Each fused module is a *site* that runs either its fused form or the unfused operations it replaces (``fused``).
 Which sites the sampling engine runs fused is decided by measurement, at run time, site by site (:class:`FusionChoice`,
-the engine's ``fused_kernels`` setting): on CUDA, per layout and batch, a site's fused form must compute what its
+the engine's ``fused_kernels`` setting): on CUDA, and on the CPU where the C++ kernel is built, per layout and batch, a site's fused form must compute what its
 unfused operations compute on the activation it sees (within the plain copy's own rounding,
 :func:`~splitz_fast.sampling.score_checks.copy_tolerance`) and take less time, and the copy with the chosen sites fused
 must score a noisy batch like the plain copy. One slow or failing site leaves the others fused.
@@ -45,9 +47,10 @@ import torch.nn.functional as F
 from . import choices
 from .choices import CandidateFailed, Decision, MeasuredChoice, Option, Variant, score_mismatch
 from .folding import free_submodule_name, has_forward_hooks
+from .pooling import max_pool2x2
 from .score_checks import score_gap
 from ..cuda_math import convolutions_use_tf32
-from ..kernels import conv_relu_pool
+from ..kernels import conv_relu_pool, select_backend
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _RELU_METHODS = ("relu", "relu_")
@@ -128,14 +131,19 @@ class ConvAddReLU(_CudnnEpilogue):
 
 class ConvReLUMaxPool2(_FusedSite):
     """``MaxPool2d(2)(relu(conv(x)))`` of a stride-1 ``Conv2d`` (its parameters shared) as one op,
-    :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2`: on CUDA one Triton kernel that writes only the
-    pooled activation. Under autocast the operands are cast as autocast casts a convolution; float32 multiplies as
-    TF32 exactly where cuDNN's convolutions would (:func:`~splitz_fast.cuda_math.convolutions_use_tf32`, which the
-    sampling engine sets from its precision)."""
+    :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2`: on CUDA one Triton kernel, on the CPU one C++
+    kernel, each writing only the pooled activation (channels_last). Under autocast the operands are cast as autocast
+    casts a convolution; float32 multiplies as TF32 exactly where cuDNN's convolutions would
+    (:func:`~splitz_fast.cuda_math.convolutions_use_tf32`, which the sampling engine sets from its precision). The
+    unfused form pools as the plain prepared chain does on that device (on the CPU: :func:`~splitz_fast.sampling.
+    pooling.max_pool2x2`, channels_last), so a site left unfused costs what the plain chain costs there."""
 
-    def __init__(self, conv: nn.Conv2d):
+    def __init__(self, conv: nn.Conv2d, *, unfused_channels_last: bool = True):
         conv_relu_pool.check_geometry(conv.weight, conv.stride, conv.padding, conv.dilation, conv.groups)
         super().__init__(conv)
+        # the layout the unfused form's CPU pool writes: NCHW before a Flatten, which then needs no copy (as the
+        # plain chain's pool there, prepared._cheaper_chain)
+        self.unfused_channels_last = unfused_channels_last
 
     @staticmethod
     def takes(conv: nn.Module) -> bool:
@@ -152,7 +160,9 @@ class ConvReLUMaxPool2(_FusedSite):
 
     def unfused_forward(self, x: torch.Tensor) -> torch.Tensor:
         # max pool and ReLU commute (prepared._cheaper_chain): the pool first touches 4x fewer values with the ReLU
-        return F.relu(F.max_pool2d(self.conv(x), 2))
+        y = self.conv(x)
+        pooled = max_pool2x2(y, self.unfused_channels_last) if y.device.type == "cpu" else F.max_pool2d(y, 2)
+        return F.relu(pooled)
 
 
 FUSED_MODULES = (ConvReLU, ConvAddReLU, ConvReLUMaxPool2)
@@ -188,10 +198,18 @@ def with_sites_as(module: nn.Module, like: nn.Module) -> nn.Module:
 class FusionChoice(MeasuredChoice):
     """A sampling engine's use of ``f_R``'s fused sites (its ``fused_kernels`` setting), one decision per
     :class:`~splitz_fast.sampling.choices.Variant` of the plain copy (layout and batch of rows), made site by site:
-    one slow, failing or differing site stays unfused while the others run fused. Off CUDA it is not considered: the
-    CPU's convolutions add their bias already, and the fused modules would run their unfused reference there."""
+    one slow, failing or differing site stays unfused while the others run fused. On the CPU it is considered where
+    the C++ convolution + ReLU + pool kernel is built (:func:`cpu_sites_have_a_kernel`), for those sites only; there
+    ``fused_kernels=True`` is refused (a site's fused form is a measured choice on the CPU)."""
 
     OPTION = Option("fused_kernels", "plain", "fused")
+    AUTO_DEVICES = ("cuda", "cpu")
+
+    @property
+    def considered(self) -> bool:
+        if self.device.type == "cpu":
+            return self.setting is None and cpu_sites_have_a_kernel()
+        return super().considered
 
     def choose(self, variant: Variant, plain: Callable[[torch.Tensor], torch.Tensor], fused: nn.Module,
                scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
@@ -317,6 +335,13 @@ class FusionChoice(MeasuredChoice):
         return f"f_R's fused kernels are not used ({reason}); sampling runs the plain f_R"
 
 
+def cpu_sites_have_a_kernel() -> bool:
+    """Whether a fused site of a copy prepared for the CPU (:class:`ConvReLUMaxPool2`) has a fused form there: the
+    C++ kernel of :func:`~splitz_fast.kernels.conv_relu_pool.conv_relu_maxpool2` is selected and built. Without it
+    the fused form would be the reference, and the engine neither builds the fused copy nor measures it."""
+    return select_backend(conv_relu_pool.OP_NAME, torch.device("cpu")) == "native"
+
+
 def _failure(err: Exception) -> str:
     return f"failed: {type(err).__name__}: {str(err).strip()[:160]}"
 
@@ -417,5 +442,5 @@ def _conv_add(node: torch.fx.Node, modules) -> tuple[torch.fx.Node, torch.fx.Nod
     return None
 
 
-__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSED_MODULES", "FusionChoice", "fuse_conv_epilogues",
-           "fused_sites", "has_fused_modules", "sharing_copy", "with_sites_as"]
+__all__ = ["ConvReLU", "ConvAddReLU", "ConvReLUMaxPool2", "FUSED_MODULES", "FusionChoice", "cpu_sites_have_a_kernel",
+           "fuse_conv_epilogues", "fused_sites", "has_fused_modules", "sharing_copy", "with_sites_as"]

@@ -6,8 +6,9 @@ attributes), so the votes of a call come from ``f_R`` as it was when the call st
 modified or run. Per ``(channels_last, pooled)`` layout it keeps a prepared module made from that copy — eval mode,
 BatchNorm folded (:mod:`splitz_fast.sampling.folding`), on the device, channels_last for image latents, rearranged to cost less
 where that was measured (:func:`_cheaper_chain`) — where ``f_R`` has no hooks or replaced methods (a rewrite would drop
-or move them), else the copy exactly as it is. On CUDA a second, fused copy (convolution epilogues as single cuDNN
-calls or Triton kernels, :mod:`splitz_fast.sampling.epilogues`) is used per layout and batch where the engine measures it faster
+or move them), else the copy exactly as it is. A second, fused copy (on CUDA convolution epilogues as single cuDNN
+calls or Triton kernels, on the CPU a thin convolution + ReLU + pool as one C++ kernel;
+:mod:`splitz_fast.sampling.epilogues`) is used per layout and batch where the engine measures it faster
 and scoring alike to rounding (:meth:`PreparedClassifier.chosen`), and either copy runs through ``torch.compile`` at a
 batch size where the engine's :class:`~splitz_fast.sampling.compiled.CompileChoice` says so
 (:meth:`PreparedClassifier.compiled_if_chosen`). An ``f_R`` whose votes would depend on the batch is refused: from its
@@ -31,6 +32,7 @@ from .compiled import CompiledOrEager
 from .epilogues import ConvReLUMaxPool2, FusionChoice, fuse_conv_epilogues, has_fused_modules, with_sites_as
 from .folding import folded_copy, unfolded_batchnorms
 from .graphs import GraphedScores
+from .pooling import MaxPool2x2
 from .score_checks import MeasuredTolerances, score_gap
 from ..model.layers import find_rule
 from ..model.snapshot import ModuleSnapshot, hooked_modules, instance_overrides
@@ -135,7 +137,7 @@ class PreparedClassifier:
                 prepared = _cheaper_chain(folded.to(self.device), channels_last, device=self.device, fused=fused)
                 if channels_last:
                     prepared = prepared.to(memory_format=torch.channels_last)
-                if fused:
+                if fused and self.device.type == "cuda":  # cuDNN's epilogues: on the CPU the bias is fused already
                     prepared = fuse_conv_epilogues(prepared)
             self._prepared[key] = prepared
         return self._prepared[key]
@@ -161,10 +163,10 @@ class PreparedClassifier:
     def cast_if_chosen(self, net: nn.Module, variant: Variant, casting: CastChoice, dtype: torch.dtype,
                        scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
                        tolerance: Callable[[], float]) -> nn.Module:
-        """``net`` (the plain prepared module of ``variant``) or its copy with the weights cast once to ``dtype``
+        """``net`` (the prepared module of ``variant``, plain or fused) or its copy with the weights cast once to ``dtype``
         (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant; only where every
         layer is PyTorch's or this library's and cast computes what autocast does (:meth:`CastChoice.takes`)."""
-        if not casting.considered or not self.rewritable or variant.fused:
+        if not casting.considered or not self.rewritable:
             return net
         if variant not in self._cast:  # decided once per variant (the module walk too: the loop asks every window)
             self._cast[variant] = None
@@ -307,7 +309,7 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
       values behind a 2x2 pool (LeNet at s = 0: the sampling engine 1.4x faster, the same votes);
     * the ReLUs run in place (one large allocation less per layer): in such a chain no ReLU input is used again;
     * on the CPU only (``device``, where the copy runs: :func:`_pools_as_strided_maxima`), every plain 2x2 max pool
-      of stride 2 (:func:`_is_maxpool2`) runs as :class:`_MaxPool2x2`: two elementwise maxima of strided views,
+      of stride 2 (:func:`_is_maxpool2`) runs as :class:`MaxPool2x2`: two elementwise maxima of strided views,
       bitwise the same values as ``F.max_pool2d`` (max is exact; NaN propagates through both), without its index
       bookkeeping, and written channels_last where the chain runs channels_last (NCHW where a Flatten follows, which
       then needs no copy). ATen's CPU max pool computes indices it then drops, and for a 1-channel input (LeNet at
@@ -315,7 +317,7 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
       its slow NCHW loop and hands the next convolution an NCHW activation (measured, one thread: the pool after
       LeNet's first convolution 105 → 8 us per sample in NCHW, 8.5 → 4.1 in channels_last). On CUDA ``nn.MaxPool2d``
       stays (measured on an H100: the two strided maxima cost 31 % of LeNet's GPU time);
-    * in the fused copy (``fused``: CUDA, where the engine measured it faster), every ``Conv2d`` + ``ReLU`` +
+    * in the fused copy (``fused``: where the engine measures it faster, site by site), every ``Conv2d`` + ``ReLU`` +
       ``MaxPool2d(2)`` is one :class:`~splitz_fast.sampling.epilogues.ConvReLUMaxPool2` (:func:`fused_conv_pools`): one kernel
       that writes only the pooled activation;
     * on CUDA only (:func:`_bias_after_pools`), a convolution's bias that reaches a ``MaxPool2d`` directly is added
@@ -350,7 +352,7 @@ def _cheaper_chain(module: nn.Module, channels_last: bool = False, *, device: to
         if _is_maxpool2(layer) and _pools_as_strided_maxima(device):
             # a pool that feeds a Flatten (through in-place ReLUs) writes NCHW: the Flatten is then a view, not a copy
             rest = [m for m in layers[i + 1:] if type(m) is not nn.ReLU]
-            layers[i] = _MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
+            layers[i] = MaxPool2x2(channels_last and not (rest and type(rest[0]) is nn.Flatten))
     return nn.Sequential(*layers)
 
 
@@ -365,7 +367,8 @@ def fused_conv_pools(layers: list[nn.Module]) -> list[nn.Module]:
         layer, pair = layers[i], layers[i + 1:i + 3]
         if (type(layer) is nn.Conv2d and len(pair) == 2 and {type(m) for m in pair} == {nn.ReLU, nn.MaxPool2d}
                 and all(_is_maxpool2(m) for m in pair if type(m) is nn.MaxPool2d) and ConvReLUMaxPool2.takes(layer)):
-            out.append(ConvReLUMaxPool2(layer))
+            rest = [m for m in layers[i + 3:] if type(m) is not nn.ReLU]
+            out.append(ConvReLUMaxPool2(layer, unfused_channels_last=not (rest and type(rest[0]) is nn.Flatten)))
             i += 3
             continue
         out.append(layer)
@@ -374,7 +377,7 @@ def fused_conv_pools(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def _pools_as_strided_maxima(device: torch.device) -> bool:
-    """Whether a prepared chain on ``device`` runs its plain 2x2 max pools as :class:`_MaxPool2x2`: on the CPU only,
+    """Whether a prepared chain on ``device`` runs its plain 2x2 max pools as :class:`MaxPool2x2`: on the CPU only,
     where it was measured to win (:func:`_cheaper_chain`). On CUDA the pooling kernel stays: measured on an H100, the
     two strided maxima (two ``aten::maximum`` kernels) cost 31 % of LeNet's GPU time."""
     return torch.device(device).type == "cpu"
@@ -406,7 +409,7 @@ def _move_biases_after_pools(layers: list[nn.Module]) -> list[nn.Module]:
 def _flatten_in_storage_order(device: torch.device) -> bool:
     """Whether a channels_last chain on ``device`` flattens into its linear layer in storage order
     (:class:`_FlattenLinear`): on CUDA, where the pool before the ``Flatten`` keeps channels_last. On the CPU that
-    pool writes NCHW (:class:`_MaxPool2x2`), so the ``Flatten`` is a view already."""
+    pool writes NCHW (:class:`MaxPool2x2`), so the ``Flatten`` is a view already."""
     return torch.device(device).type == "cuda"
 
 
@@ -469,32 +472,6 @@ class _ChannelBias(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype).view(1, -1, 1, 1)
         return x.add_(bias) if not (x.requires_grad and torch.is_grad_enabled()) else x + bias
-
-
-class _MaxPool2x2(nn.Module):
-    """``F.max_pool2d(x, 2)`` (kernel 2, stride 2, no padding, floor mode) as two elementwise maxima of strided views
-    (rows, then columns): the same values bitwise, no indices computed; 4-D output is written channels_last when
-    ``channels_last``, else contiguous (NCHW: a following Flatten is a view). See :func:`_cheaper_chain`."""
-
-    def __init__(self, channels_last: bool):
-        super().__init__()
-        self.channels_last = channels_last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode: an odd last row/column is dropped
-        rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
-        if x.ndim != 4 or (x.requires_grad and torch.is_grad_enabled()):  # out= is not differentiable
-            return torch.maximum(rows[..., 0::2], rows[..., 1::2])
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        if torch.compiler.is_compiling():
-            # under torch.compile in inference mode out='s layout is lost (inductor then views a channels_last result
-            # as NCHW at the Flatten, and fails): the layout is asked for instead
-            return torch.maximum(rows[..., 0::2], rows[..., 1::2]).contiguous(memory_format=layout)
-        out = torch.empty((*x.shape[:2], h // 2, w // 2), dtype=x.dtype, device=x.device, memory_format=layout)
-        return torch.maximum(rows[..., 0::2], rows[..., 1::2], out=out)
-
-    def extra_repr(self) -> str:
-        return f"kernel_size=2, stride=2, channels_last={self.channels_last}"
 
 
 def check_batch_independent(module: nn.Module) -> None:

@@ -166,11 +166,15 @@ def test_the_tuned_tiles_are_reported_per_layer_shape(monkeypatch):
 
 def test_dispatch_runs_the_kernel_on_cuda_and_the_reference_where_asked(monkeypatch):
     """The fused module's op: Triton on CUDA under auto (the module exists only in the fused copy of f_R, which the
-    engine uses where it measured it faster), the reference on the CPU and under SPLITZ_BACKEND=reference."""
+    engine uses where it measured it faster), the C++ kernel on the CPU where it is built (else the reference), the
+    reference under SPLITZ_BACKEND=reference."""
+    from splitz_fast.kernels.native import native_available
+
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
     assert OP_NAME in kernels.AUTO_TRITON_OPS
     assert kernels.select_backend(OP_NAME, torch.device("cuda")) == "triton"
-    assert kernels.select_backend(OP_NAME, torch.device("cpu")) == "reference"
+    assert kernels.select_backend(OP_NAME, torch.device("cpu")) == ("native" if native_available(OP_NAME) else
+                                                                    "reference")
     monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
     assert kernels.select_backend(OP_NAME, torch.device("cuda")) == "reference"
 

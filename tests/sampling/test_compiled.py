@@ -450,11 +450,11 @@ def test_compile_none_on_cuda_compiles_after_the_threshold_and_certifies_like_ea
 def test_the_strided_pool_asks_for_its_layout_where_torch_compile_traces_it(monkeypatch):
     """Under torch.compile (inference mode) an out= tensor's layout is lost and inductor failed to view the zoo
     LeNet's channels_last pool output at its Flatten: traced, the pool asks for the layout instead, the same values."""
-    from splitz_fast.sampling.prepared import _MaxPool2x2
+    from splitz_fast.sampling.pooling import MaxPool2x2
 
     x = torch.randn(4, 8, 7, 9).contiguous(memory_format=torch.channels_last)
     for channels_last in (False, True):
-        pool = _MaxPool2x2(channels_last)
+        pool = MaxPool2x2(channels_last)
         with torch.inference_mode():
             eager = pool(x)
             monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

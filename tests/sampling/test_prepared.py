@@ -23,7 +23,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
-    """The 2x2 max pool runs as two strided maxima (_MaxPool2x2) on the CPU only; a copy prepared for CUDA keeps
+    """The 2x2 max pool runs as two strided maxima (MaxPool2x2) on the CPU only; a copy prepared for CUDA keeps
     nn.MaxPool2d (decided from the device; nothing is allocated on it here)."""
     from splitz_fast.sampling import prepared as preparing
 
@@ -32,7 +32,7 @@ def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
     assert preparing._pools_as_strided_maxima(cpu) and not preparing._pools_as_strided_maxima(cuda)
     on_cpu = preparing._cheaper_chain(copy.deepcopy(right), True, device=cpu)
     on_cuda = preparing._cheaper_chain(copy.deepcopy(right), True, device=cuda)
-    assert [type(m).__name__ for m in on_cpu][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "_MaxPool2x2", "ReLU"]
+    assert [type(m).__name__ for m in on_cpu][:6] == ["Conv2d", "MaxPool2x2", "ReLU", "Conv2d", "MaxPool2x2", "ReLU"]
     assert [type(m).__name__ for m in on_cuda][:8] == ["Conv2d", "MaxPool2d", "_ChannelBias", "ReLU", "Conv2d",
                                                        "MaxPool2d", "_ChannelBias", "ReLU"]
     # the engine passes its own device: with moves to the device stubbed out, a CUDA engine prepares MaxPool2d
@@ -40,7 +40,7 @@ def test_prepared_chain_keeps_the_max_pool_kernel_on_cuda(monkeypatch):
     engine = SamplingEngine(right, 10, 0.25, cuda)
     prepared = engine.prepared.get(channels_last=True)
     assert sum(type(m) is nn.MaxPool2d for m in prepared) == 2
-    assert not any(isinstance(m, preparing._MaxPool2x2) for m in prepared)
+    assert not any(isinstance(m, preparing.MaxPool2x2) for m in prepared)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -232,7 +232,7 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
                           nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), nn.Flatten(),
                           nn.Linear(54, 5))
     prepared = preparing._cheaper_chain(copy.deepcopy(right), device=CPU)
-    assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "_MaxPool2x2", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    assert [type(m).__name__ for m in prepared][:6] == ["Conv2d", "MaxPool2x2", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))
     assert not any(m.inplace for m in right if isinstance(m, nn.ReLU))  # the user's chain is untouched
     x = torch.randn(16, 1, 8, 8)
@@ -254,10 +254,10 @@ def test_prepared_chain_pools_before_its_relus_with_the_same_function_and_votes(
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("shape", [(5, 3, 8, 8), (4, 6, 7, 9), (3, 1, 28, 28), (2, 5, 6)])
 def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
-    """The prepared chain's 2x2 max pool (_MaxPool2x2: two maxima of strided views) gives bitwise F.max_pool2d's
+    """The prepared chain's 2x2 max pool (MaxPool2x2: two maxima of strided views) gives bitwise F.max_pool2d's
     values, NaN and infinities included, odd sizes floored, for contiguous and channels_last inputs (1-channel ones
     too); its 4-D output is channels_last when the chain runs channels_last."""
-    from splitz_fast.sampling.prepared import _MaxPool2x2
+    from splitz_fast.sampling.pooling import MaxPool2x2
 
     x = torch.randn(*shape, generator=_gen(5))
     x.view(-1)[::7] = float("nan")
@@ -265,7 +265,7 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
     x.view(-1)[5::13] = -float("inf")
     if channels_last and x.ndim == 4:
         x = x.contiguous(memory_format=torch.channels_last)
-    want, got = nn.functional.max_pool2d(x, 2), _MaxPool2x2(channels_last)(x)
+    want, got = nn.functional.max_pool2d(x, 2), MaxPool2x2(channels_last)(x)
     assert got.shape == want.shape
     assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
     if channels_last and x.ndim == 4:
@@ -274,7 +274,7 @@ def test_prepared_2x2_max_pool_is_bitwise_max_pool2d(shape, channels_last):
 
     chain = preparing._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2, 1),
                                                   nn.MaxPool2d(2, ceil_mode=True)), channels_last, device=CPU)
-    assert [type(m).__name__ for m in chain] == ["Conv2d", "_MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
+    assert [type(m).__name__ for m in chain] == ["Conv2d", "MaxPool2x2", "MaxPool2d", "MaxPool2d", "ReLU"]
     flat = preparing._cheaper_chain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), True,
                                    device=CPU)
     assert flat[1].channels_last is False  # feeds a Flatten (through the ReLU): NCHW, so the Flatten is a view
