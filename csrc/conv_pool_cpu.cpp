@@ -185,7 +185,10 @@ void conv_relu_maxpool2(const torch::Tensor& x, const torch::Tensor& weight, con
 
 }  // namespace
 
+// The GIL is released while the kernel runs (it touches no Python object): the sampling engine runs its batches on
+// several worker threads, which a held GIL would run one at a time.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_relu_maxpool2", &conv_relu_maxpool2,
-        "maxpool2(relu(conv2d(x) + b)) of a thin stride-1 convolution, pooled output channels_last, into out");
+        "maxpool2(relu(conv2d(x) + b)) of a thin stride-1 convolution, pooled output channels_last, into out",
+        py::call_guard<py::gil_scoped_release>());
 }

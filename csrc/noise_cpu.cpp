@@ -283,10 +283,13 @@ torch::Tensor philox_words(const torch::Tensor& counters, uint64_t seed) {
 
 }  // namespace
 
+// The drawing ops release the GIL (they touch no Python object): the sampling engine draws each batch's noise on its
+// own worker thread, and a held GIL ran those draws one at a time.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "splitz_fast native CPU kernels (csrc/)";
-  m.def("noisy_latents", &noisy_latents, "num noisy copies of a latent from the Philox stream, into out");
+  m.def("noisy_latents", &noisy_latents, "num noisy copies of a latent from the Philox stream, into out",
+        py::call_guard<py::gil_scoped_release>());
   m.def("noisy_latents_maxpool2", &noisy_latents_maxpool2,
-        "max_pool2d(noisy latents, 2) in one pass, channels_last, into out");
+        "max_pool2d(noisy latents, 2) in one pass, channels_last, into out", py::call_guard<py::gil_scoped_release>());
   m.def("philox_words", &philox_words, "Philox4x32-10 words (w0, w1, w2) at int64 counters");
 }
