@@ -231,3 +231,57 @@ def test_a_leftover_lock_file_is_named_before_torchs_older_builder_waits_on_it(t
     assert len(named) == (1 if older_builder else 0), [str(w.message) for w in caught]
     if older_builder:
         assert "delete that file" in str(named[0].message)
+
+
+def _largest_pause_of_python_while(run) -> tuple[float, float]:
+    """``(longest stretch without a step of a Python loop on this thread, seconds run() took on another thread)``:
+    a native call that holds the GIL stops this thread's Python for as long as the call runs."""
+    import threading
+    import time
+
+    started, took = threading.Event(), []
+
+    def worker():
+        started.set()
+        start = time.perf_counter()
+        run()
+        took.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=worker)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel on one core, this loop on the other
+    try:
+        thread.start()
+        started.wait()
+        last, pause = time.perf_counter(), 0.0
+        while thread.is_alive():
+            now = time.perf_counter()
+            pause, last = max(pause, now - last), now
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    return pause, took[0]
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("op", ["noisy_latents", "conv_relu_maxpool2"])
+def test_native_kernels_release_the_gil_while_they_run(op):
+    """The sampling engine runs its CPU batches on several worker threads; a kernel that held the GIL would run them
+    one at a time (measured: the second core then gave nothing to the conv + pool kernel). While one long call runs on
+    another thread, this thread's Python keeps running: its longest pause is a small part of the call. (The noise
+    call writes 260 MB: long enough to tell.)"""
+    if not native_available(op):
+        pytest.skip("native kernels unavailable")
+    if op == "noisy_latents":
+        latent = torch.zeros(16, 32, 32)
+        run = lambda: noisy_latents_native(latent, 4000, 1.0, 0, 0)  # noqa: E731 — 65 M normals
+    else:
+        from splitz_fast.kernels.conv_relu_pool import conv_relu_maxpool2_native
+
+        x, weight = torch.rand(200, 64, 28, 28), torch.randn(32, 64, 3, 3)
+        run = lambda: conv_relu_maxpool2_native(x, weight, None, (1, 1))  # noqa: E731
+    run()  # built and warm
+    pause, took = _largest_pause_of_python_while(run)
+    assert took > 0.05, f"the call took {took:.3f} s: too short to tell"
+    # released: pauses of about 0.1 ms here; held: the C++ part of the call, half or more of it
+    assert pause < 0.25 * took, f"Python paused {pause:.3f} s of the {took:.3f} s call: the kernel holds the GIL"
