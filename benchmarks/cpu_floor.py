@@ -4,10 +4,12 @@ every layout the CPU offers, at the precision of the row (benchmarks/test_bench_
 **What is measured** (:func:`cpu_floor`): each ``Conv2d`` and ``Linear`` of ``f_R`` (the layers that carry its FLOPs)
 at the input shape it sees in one forward of a sample, run alone on a batch of random rows of that shape — the row's
 dtype (float32, or bfloat16 with the weights cast once: the form oneDNN's bf16 kernels take), contiguous (NCHW) and
-channels_last for convolutions — under ``torch.inference_mode`` with the process's thread count, the best of
-:data:`ROUNDS` rounds of at least :data:`ROUND_S` seconds each, after a warm-up call. The **layer floor** per sample is
-the sum over the layers of the best layout's seconds per row: no implementation of this ``f_R`` on this CPU, in this
-precision, with torch's kernels, computes those layers faster, whatever it does with the rest. Not in it: ReLUs,
+channels_last for convolutions, at the engine's batch and at smaller ones (:func:`floor_batches`: a large batch can
+cost a layer more per row, e.g. a first convolution whose output no longer stays in cache) — under
+``torch.inference_mode`` with the process's thread count, the best of :data:`ROUNDS` rounds of at least
+:data:`ROUND_S` seconds each, after a warm-up call. The **layer floor** per sample is the sum over the layers of the
+best (layout, batch)'s seconds per row: no implementation of this ``f_R`` on this CPU, in this precision, with torch's
+kernels, computes those layers faster at any of those batches, whatever it does with the rest. Not in it: ReLUs,
 pools, flattening, the votes (cheap next to the layers, and fusable away), so the floor is a lower bound, not an
 estimate of what eager PyTorch can reach.
 
@@ -19,8 +21,8 @@ it draws (``noisy_latents_maxpool2_native``, a quarter written: the drawing rate
 engine reaches on an ``f_R`` that starts with that pool).
 
 **Floor per image** = ``(n0 + n) × (layer floor + RNG floor)``; the benchmark reports its time as a multiple of it.
-Also per layer: its FLOPs per sample (2 per multiply-accumulate), the GFLOP/s of each layout and which layout won —
-the layout a prepared ``f_R`` should run each layer in on this CPU.
+Also per layer: its FLOPs per sample (2 per multiply-accumulate), the GFLOP/s of each layout (at its best batch) and
+which layout and batch won — the layout a prepared ``f_R`` should run each layer in on this CPU.
 """
 from __future__ import annotations
 
@@ -81,6 +83,11 @@ def seconds_per_row(layer: nn.Module, input_shape: tuple[int, ...], batch: int, 
     return best / batch
 
 
+def floor_batches(batch: int) -> tuple[int, ...]:
+    """The batches each layer of the floor is timed at: the engine's ``batch`` and the smaller of 64 and 256 below it."""
+    return tuple(sorted({batch, *(b for b in (64, 256) if b < batch)}))
+
+
 def _flops_per_row(layer: nn.Module, input_shape: tuple[int, ...]) -> float:
     if isinstance(layer, nn.Linear):
         return 2.0 * layer.in_features * layer.out_features
@@ -123,12 +130,15 @@ def cpu_floor(right: nn.Module, latent: torch.Tensor, batch: int, precision: str
     with torch.no_grad():
         for name, layer, shape in heavy_layers(right, latent):
             flops = _flops_per_row(layer, shape)
-            times = {("channels_last" if layout is torch.channels_last else "contiguous"):
-                     seconds_per_row(layer, shape, batch, dtype, layout) for layout in _layouts(layer)}
-            best = min(times, key=times.get)
-            layer_floor += times[best]
+            times = {(("channels_last" if layout is torch.channels_last else "contiguous"), rows):
+                     seconds_per_row(layer, shape, rows, dtype, layout)
+                     for layout in _layouts(layer) for rows in floor_batches(batch)}
+            (best_layout, best_batch) = min(times, key=times.get)
+            layer_floor += times[best_layout, best_batch]
+            by_layout = {layout: min(t for (lay, _), t in times.items() if lay == layout) for layout, _ in times}
             layers.append(dict(name=name, kind=type(layer).__name__, input_shape=list(shape), flops_per_sample=flops,
-                               gflops_by_layout={k: flops / t / 1e9 for k, t in times.items()}, best_layout=best))
+                               gflops_by_layout={k: flops / t / 1e9 for k, t in by_layout.items()},
+                               best_layout=best_layout, best_batch=best_batch))
     if normal_rate is None:
         rates = {"torch": measure_normal_rate(torch.device("cpu"), count=1 << 22), **native_noise_rates()}
         source = max(rates, key=rates.get)
@@ -141,4 +151,4 @@ def cpu_floor(right: nn.Module, latent: torch.Tensor, batch: int, precision: str
                 normal_rate_source=source, floor_s_per_image=samples * (layer_floor + rng), floor_layers=layers)
 
 
-__all__ = ["cpu_floor", "heavy_layers", "native_noise_rates", "seconds_per_row"]
+__all__ = ["cpu_floor", "floor_batches", "heavy_layers", "native_noise_rates", "seconds_per_row"]

@@ -139,15 +139,15 @@ def _engine_choices(smoother: sz.Smoother) -> dict:
 
 def _cpu_floor_columns(model: sz.SplitModel, smoother: sz.Smoother, x: torch.Tensor, chosen: int, precision: str,
                        samples: int, ours_s_per_image: float) -> dict:
-    """On the CPU, the floor of the row (benchmarks/cpu_floor.py: f_R's own layers alone at the engine's batch in
-    their best layout, plus the RNG) and our time as a multiple of it, printed; ``{}`` on a GPU (its floors are
+    """On the CPU, the floor of the row (benchmarks/cpu_floor.py: f_R's own layers alone at their best layout and
+    batch up to the engine's, plus the RNG) and our time as a multiple of it, printed; ``{}`` on a GPU (its floors are
     benchmarks/targets')."""
     if DEVICE.type != "cpu":
         return {}
     floor = cpu_floor(model.right, smoother.latent(x), chosen, precision, samples)
     floor["ours_vs_floor"] = ours_s_per_image / floor["floor_s_per_image"]
     assert floor["ours_vs_floor"] > 0 and floor["floor_layers"]
-    layers = "; ".join(f"{layer['name']} {layer['best_layout']} " + "/".join(
+    layers = "; ".join(f"{layer['name']} {layer['best_layout']} b{layer['best_batch']} " + "/".join(
         f"{g:.0f}" for g in layer["gflops_by_layout"].values()) for layer in floor["floor_layers"][:6])
     more = len(floor["floor_layers"]) - 6
     print(f"\n  floor ({precision}, batch {chosen}): layers {floor['layer_floor_s_per_sample'] * 1e6:.1f} us + "
@@ -214,7 +214,7 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
     inputs), n = SPLITZ_BENCH_SAMPLES, ``certify_many`` at its measured batch with an fp32 or a bf16 ``f_R`` (a
     labelled base classifier of its own) against the fp32 Cohen-style loop at batch 100, 250 and 1000 (its best
     taken), interleaved over SPLITZ_BENCH_REPEATS repeats (medians), the same process; then, on the CPU, the floor of
-    the row (benchmarks/cpu_floor.py: f_R's own layers alone at the engine's batch in their best layout, plus the RNG)
+    the row (benchmarks/cpu_floor.py: f_R's own layers alone at their best layout and batch, plus the RNG)
     and our time as a multiple of it. Quick mode: split 0 only, the loop at batch 100 only."""
     if QUICK and split_index:
         pytest.skip("quick mode: split 0 only (test_certify_dataset_vs_cohen_loop keeps an s = 1 smoke row)")

@@ -253,8 +253,8 @@ def test_count_cost_counts_flops_and_activation_writes_of_each_op():
 
 def test_the_cpu_floor_times_every_heavy_layer_of_f_r_and_counts_its_flops():
     """benchmarks/cpu_floor.py on LeNet's f_R at s = 0: its four Conv2d / Linear layers in forward order, their
-    FLOPs summing to what FlopCounterMode counts for the whole f_R, both layouts timed for each convolution (the
-    best one taken), and the floor per image = samples × (layer floor + RNG floor)."""
+    FLOPs summing to what FlopCounterMode counts for the whole f_R, both layouts timed for each convolution at each
+    of its batches (the best taken), and the floor per image = samples × (layer floor + RNG floor)."""
     import cpu_floor
 
     import splitz_fast as sz
@@ -269,6 +269,10 @@ def test_the_cpu_floor_times_every_heavy_layer_of_f_r_and_counts_its_flops():
         ["contiguous"]] * 2
     assert all(layer["best_layout"] == max(layer["gflops_by_layout"], key=layer["gflops_by_layout"].get)
                for layer in layers)
+    # each layer at its best batch too: a large batch can cost more per row than a smaller one
+    assert all(layer["best_batch"] == 8 for layer in layers)
+    assert cpu_floor.floor_batches(512) == (64, 256, 512) and cpu_floor.floor_batches(100) == (64, 100)
+    assert cpu_floor.floor_batches(32) == (32,)
     assert result["rng_floor_s_per_sample"] == 784 / 1e9 and result["normal_rate_source"] == "given"
     from splitz_fast.kernels.native import native_available
 

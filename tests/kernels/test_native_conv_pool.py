@@ -19,6 +19,7 @@ from splitz_fast.kernels.conv_relu_pool import conv_relu_maxpool2, conv_relu_max
     conv_relu_maxpool2_reference
 from splitz_fast.kernels.native import native_available
 from splitz_fast.sampling.epilogues import ConvReLUMaxPool2, FusionChoice, fused_sites
+from splitz_fast.sampling.prepared import fused_conv_pools
 
 from test_kernels_conv_relu_pool import SHAPES, TOLERANCE, _problem
 
@@ -144,18 +145,20 @@ def test_a_cpu_site_whose_kernel_measures_slower_is_not_fused(lenient, monkeypat
 
 def test_the_cpu_fused_copy_holds_only_the_pool_sites_and_their_unfused_pools_write_what_the_plain_chain_writes():
     """LeNet's fused copy for the CPU: its two conv + ReLU + pool sites and no cuDNN epilogue (the fc ReLU stays a
-    ReLU); a site left unfused pools into NCHW before the Flatten (a view there, as in the plain chain) and into
-    channels_last before the next convolution."""
+    ReLU); the Flatten is read in storage order by the first linear (_FlattenLinear), so a site left unfused pools
+    into channels_last as the fused form writes; a plain Flatten would have it pool into NCHW (a view there)."""
     smoother = _lenet_smoother("float32")
     engine = smoother.engine()
     engine.prepared.check_current()
     fused = engine.prepared.get(channels_last=True, fused=True)
     sites = list(fused_sites(fused).values())
-    assert [type(m).__name__ for m in fused] == ["ConvReLUMaxPool2", "ConvReLUMaxPool2", "Flatten", "Linear", "ReLU",
+    assert [type(m).__name__ for m in fused] == ["ConvReLUMaxPool2", "ConvReLUMaxPool2", "_FlattenLinear", "ReLU",
                                                  "Linear"]
-    assert [site.unfused_channels_last for site in sites] == [True, False]
+    assert [site.unfused_channels_last for site in sites] == [True, True]
     x = torch.rand(4, 1, 28, 28).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         first = sites[0].unfused_forward(x)
         assert first.is_contiguous(memory_format=torch.channels_last)
-        assert sites[1].unfused_forward(first).is_contiguous()
+        assert sites[1].unfused_forward(first).is_contiguous(memory_format=torch.channels_last)
+    plain_flatten = fused_conv_pools([nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 2)])
+    assert plain_flatten[0].unfused_channels_last is False

@@ -88,7 +88,7 @@ def test_prepared_resnets_fold_every_batchnorm_at_both_splits(name, shape, split
 @pytest.mark.parametrize("split,pooled", [(0, False), (1, False), (1, True)])
 def test_lenet_is_prepared_on_the_cpu_as_before(split, pooled):
     """LeNet has no BatchNorm: folding changes nothing, and on the CPU its prepared chain is the same as ever (2x2
-    pools as strided maxima, ReLUs after them and in place)."""
+    pools as strided maxima, ReLUs after them and in place, the Flatten read in storage order by the first linear)."""
     model = sz.build_model("lenet", split_index=split)
     assert unfolded_batchnorms(model.right) == {}
     folded = fold_batchnorm(model.right)
@@ -96,7 +96,7 @@ def test_lenet_is_prepared_on_the_cpu_as_before(split, pooled):
     engine = SamplingEngine(model.right, 10, 0.25, CPU)
     engine.prepared.check_current()
     prepared = engine.prepared.get(channels_last=True, pooled=pooled)
-    chain = ["Conv2d", "MaxPool2x2", "ReLU", "Flatten", "Linear", "ReLU", "Linear"]
+    chain = ["Conv2d", "MaxPool2x2", "ReLU", "_FlattenLinear", "ReLU", "Linear"]
     want = {0: ["Conv2d", "MaxPool2x2", "ReLU"] + chain, 1: ["MaxPool2x2"] + chain}[split][int(pooled):]
     assert [type(m).__name__ for m in prepared] == want and engine.prepared.batchnorm_folded
     assert all(m.inplace for m in prepared if isinstance(m, nn.ReLU))

@@ -124,24 +124,29 @@ def test_flatten_linear_reads_a_channels_last_activation_without_copying_it(dtyp
         torch.testing.assert_close(fused(x.flatten(1)), want, **tolerance)  # already flat: as the Linear
 
 
-def test_chain_flattens_in_storage_order_on_cuda_only():
-    """A channels_last chain prepared for CUDA replaces Flatten + Linear with _FlattenLinear (the Linear's parameters
-    shared, the channels those of the last convolution); CPU and NCHW chains keep both; the function is the same."""
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_channels_last_chain_flattens_in_storage_order(device):
+    """A channels_last chain prepared for CUDA or the CPU replaces Flatten + Linear with _FlattenLinear (the Linear's
+    parameters shared, the channels those of the last convolution), and the pool before it writes channels_last (on
+    the CPU: MaxPool2x2); an NCHW chain keeps both; the function is the same."""
     from splitz_fast.sampling import prepared as preparing
 
     right = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3), nn.ReLU(),
-                          nn.Flatten(), nn.Linear(6 * 2 * 2, 3), nn.ReLU(), nn.Linear(3, 2)).double().eval()
-    cuda, source = torch.device("cuda"), copy.deepcopy(right)
-    chain = preparing._cheaper_chain(source, True, device=cuda)
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 2 * 2, 3), nn.ReLU(),
+                          nn.Linear(3, 2)).double().eval()
+    target, source = torch.device(device), copy.deepcopy(right)
+    chain = preparing._cheaper_chain(source, True, device=target)
     names = [type(m).__name__ for m in chain]
     assert names[-3:] == ["_FlattenLinear", "ReLU", "Linear"] and chain[-3].channels == 6
-    assert chain[-3].linear is source[6] and "Flatten" not in names
-    for channels_last, device in ((False, cuda), (True, CPU)):
-        kept = [type(m).__name__ for m in preparing._cheaper_chain(copy.deepcopy(right), channels_last, device=device)]
-        assert "_FlattenLinear" not in kept and kept[-4:] == ["Flatten", "Linear", "ReLU", "Linear"]
-    x = torch.randn(5, 2, 8, 8, generator=_gen(32), dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    assert chain[-3].linear is source[7] and "Flatten" not in names
+    if device == "cpu":
+        assert [m.channels_last for m in chain if isinstance(m, preparing.MaxPool2x2)] == [True, True]
+    kept = [type(m).__name__ for m in preparing._cheaper_chain(copy.deepcopy(right), False, device=target)]
+    assert "_FlattenLinear" not in kept and kept[-4:] == ["Flatten", "Linear", "ReLU", "Linear"]
+    x = torch.randn(5, 2, 12, 12, generator=_gen(32), dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(chain(x), right(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(chain(x.contiguous(memory_format=torch.channels_last)), right(x), rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_flatten_linear_of_a_cuda_copy_follows_edits_of_the_users_linear(monkeypatch):
