@@ -281,9 +281,10 @@ def _add_certify_predict_parser(sub) -> None:
                        help="on CUDA, replay f_R as a CUDA graph at the static batch: auto (default) where it measures "
                             "faster than eager, on, off (the same base classifier either way)")
         c.add_argument("--fused-kernels", choices=tuple(_AUTO_ON_OFF), default="auto",
-                       help="on CUDA, sample through f_R with its convolution epilogues fused (conv + bias + ReLU "
-                            "(+ shortcut) as one cuDNN call, conv + ReLU + 2x2 pool as one Triton kernel): auto "
-                            "(default) where it scores like the plain f_R and measures faster, on, off (the same "
+                       help="sample through f_R with its convolution epilogues fused (on CUDA conv + bias + ReLU "
+                            "(+ shortcut) as one cuDNN call and conv + ReLU + 2x2 pool as one Triton kernel; on the "
+                            "CPU a thin conv + ReLU + 2x2 pool as one C++ kernel): auto (default) site by site where "
+                            "it scores like the plain f_R and measures faster, on (needs CUDA), off (the same "
                             "function; rounding may differ in the last bits)")
         c.add_argument("--seed", type=int, default=0, help="base seed; image i uses SEED+i")
         c.add_argument("--resume", action="store_true", help=_RESUME_HELP)
