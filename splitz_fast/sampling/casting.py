@@ -9,7 +9,7 @@ with its parameters and buffers in the precision's dtype, still channels_last. I
 autocast scores by :class:`CastChoice`), so it is the same base classifier: the precision the result is labelled
 with. The noise is still drawn and added to the latent in float32 and cast after the sum (SPEC §2).
 
-Measured on an AMD EPYC (Zen 5, AVX-512 BF16, no AMX), one thread, advertorch's LeNet at s = 0: 37.0 against 38.5 us
+Measured on an AMD EPYC (Zen 4, AVX-512 BF16, no AMX), one thread, advertorch's LeNet at s = 0: 37.0 against 38.5 us
 per sample at batch 64, 38.9 against 45.3 at batch 256 — a few percent, which is why it is a measured choice and
 not a rule; float32 ``f_R`` is 64-71 us per sample there.
 """

@@ -245,10 +245,9 @@ class SamplingEngine:
         cuda_graphs: on CUDA, replay ``f_R`` as a CUDA graph captured at the batch size (shorter batches run eagerly):
             ``None`` (default) where measured faster than eager, ``True`` (needs CUDA), ``False``; a failed capture
             warns once and stays eager (:class:`~splitz_fast.sampling.graphs.GraphChoice`; its choices: ``graphs.decisions``).
-        fused_kernels: sample through ``f_R``'s fused copy (:mod:`~splitz_fast.sampling.epilogues`: on CUDA convolution +
-            bias + ReLU (+ shortcut) as one cuDNN call and convolution + ReLU + 2x2 pool as one Triton kernel, on the
-            CPU a thin convolution + ReLU + 2x2 pool as one C++ kernel): ``None`` (default) site by site where it
-            scores like the plain copy and measures faster, ``True`` (needs CUDA; still checked),
+        fused_kernels: sample through ``f_R``'s fused copy (:mod:`~splitz_fast.sampling.epilogues`: on CUDA cuDNN and
+            Triton kernels, on the CPU a thin convolution + ReLU + 2x2 pool in C++): ``None`` (default) site by site
+            where it scores like the plain copy and measures faster, ``True`` (needs CUDA; still checked),
             ``False`` (:class:`~splitz_fast.sampling.epilogues.FusionChoice`; its choices: ``fusion.decisions``).
     """
 
