@@ -112,7 +112,9 @@ def test_quick_mode_end_to_end_writes_the_target_table(tmp_path: Path):
     table = [line.split(" | ") for line in md.splitlines() if "| s = " in line]
     for cells, r in zip(table, rows):
         assert cells[FLOOR_COLUMNS] == ["—", "— / —", "—", "—"], cells
-        assert cells[-2:] == ["no", "— |"] and cells[7] == f"{r['flops_per_sample'] / 1e9:.3g}", cells
+        # no CUDA graph or compiled copy on the CPU; the fused copy where the C++ conv + pool site measured faster
+        assert cells[-2] == "no" and cells[7] == f"{r['flops_per_sample'] / 1e9:.3g}", cells
+        assert cells[-1] == "— |" or (cells[-1].startswith("fused ") and "graph" not in cells[-1]), cells
 
 
 @pytest.mark.slow
