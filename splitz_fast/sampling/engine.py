@@ -258,7 +258,7 @@ class SamplingEngine:
         self.num_classes, self.sigma, self.device, self.precision = num_classes, sigma, torch.device(device), precision
         self.dtype = PRECISIONS[precision]
         self.graphs = GraphChoice(cuda_graphs, self.device)
-        self.fusion = FusionChoice(fused_kernels, self.device)
+        self.fusion = FusionChoice(fused_kernels, self.device, compile=compile)
         self.compiling = CompileChoice(compile, self.device)
         self.casting = CastChoice(self.dtype, self.device, compile)  # bf16/fp16 weights cast once on the CPU
         self.prepared = PreparedClassifier(right, self.device)

@@ -199,16 +199,22 @@ class FusionChoice(MeasuredChoice):
     """A sampling engine's use of ``f_R``'s fused sites (its ``fused_kernels`` setting), one decision per
     :class:`~splitz_fast.sampling.choices.Variant` of the plain copy (layout and batch of rows), made site by site:
     one slow, failing or differing site stays unfused while the others run fused. On the CPU it is considered where
-    the C++ convolution + ReLU + pool kernel is built (:func:`cpu_sites_have_a_kernel`), for those sites only; there
-    ``fused_kernels=True`` is refused (a site's fused form is a measured choice on the CPU)."""
+    the C++ convolution + ReLU + pool kernel is built (:func:`cpu_sites_have_a_kernel`), for those sites only, unless
+    ``f_R`` runs compiled (``compile=True``: the compiled copy is made from the plain one, whose pools the compiler
+    fuses itself, and the C++ kernel would break its graph); there ``fused_kernels=True`` is refused (a site's fused
+    form is a measured choice on the CPU)."""
 
     OPTION = Option("fused_kernels", "plain", "fused")
     AUTO_DEVICES = ("cuda", "cpu")
 
+    def __init__(self, setting: bool | None, device: torch.device, *, compile: bool | None = None):
+        super().__init__(setting, device)
+        self.compile = compile
+
     @property
     def considered(self) -> bool:
         if self.device.type == "cpu":
-            return self.setting is None and cpu_sites_have_a_kernel()
+            return self.setting is None and not self.compile and cpu_sites_have_a_kernel()
         return super().considered
 
     def choose(self, variant: Variant, plain: Callable[[torch.Tensor], torch.Tensor], fused: nn.Module,

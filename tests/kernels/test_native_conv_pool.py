@@ -104,6 +104,9 @@ def _lenet_smoother(precision: str, fused_kernels=None) -> sz.Smoother:
 def test_on_the_cpu_fusion_is_considered_only_where_the_kernel_is_built(monkeypatch):
     assert FusionChoice(None, torch.device("cpu")).considered
     assert not FusionChoice(False, torch.device("cpu")).considered
+    # compiled: the compiled copy is made from the plain one (a C++ call would break its graph)
+    assert not FusionChoice(None, torch.device("cpu"), compile=True).considered
+    assert FusionChoice(None, torch.device("cuda"), compile=True).considered
     monkeypatch.setattr(epilogues, "select_backend", lambda op, device: "reference")  # no C++ compiler, say
     assert not FusionChoice(None, torch.device("cpu")).considered
 
