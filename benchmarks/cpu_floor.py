@@ -84,7 +84,7 @@ def seconds_per_row(layer: nn.Module, input_shape: tuple[int, ...], batch: int, 
 
 
 def floor_batches(batch: int) -> tuple[int, ...]:
-    """The batches each layer of the floor is timed at: the engine's ``batch`` and the smaller of 64 and 256 below it."""
+    """The batches each layer of the floor is timed at: the engine's ``batch`` and those of 64 and 256 below it."""
     return tuple(sorted({batch, *(b for b in (64, 256) if b < batch)}))
 
 

@@ -27,10 +27,10 @@ epilogue has nothing to fuse.
 
 Each fused module is a *site* that runs either its fused form or the unfused operations it replaces (``fused``).
 Which sites the sampling engine runs fused is decided by measurement, at run time, site by site (:class:`FusionChoice`,
-the engine's ``fused_kernels`` setting): on CUDA, and on the CPU where the C++ kernel is built, per layout and batch, a site's fused form must compute what its
-unfused operations compute on the activation it sees (within the plain copy's own rounding,
-:func:`~splitz_fast.sampling.score_checks.copy_tolerance`) and take less time, and the copy with the chosen sites fused
-must score a noisy batch like the plain copy. One slow or failing site leaves the others fused.
+the engine's ``fused_kernels`` setting): on CUDA, and on the CPU where the C++ kernel is built, per layout and batch,
+a site's fused form must compute what its unfused operations compute on the activation it sees (within the plain
+copy's own rounding, :func:`~splitz_fast.sampling.score_checks.copy_tolerance`) and take less time, and the copy with
+the chosen sites fused must score a noisy batch like the plain copy. One slow or failing site leaves the others fused.
 """
 from __future__ import annotations
 
@@ -135,14 +135,14 @@ class ConvReLUMaxPool2(_FusedSite):
     kernel, each writing only the pooled activation (channels_last). Under autocast the operands are cast as autocast
     casts a convolution; float32 multiplies as TF32 exactly where cuDNN's convolutions would
     (:func:`~splitz_fast.cuda_math.convolutions_use_tf32`, which the sampling engine sets from its precision). The
-    unfused form pools as the plain prepared chain does on that device (on the CPU: :func:`~splitz_fast.sampling.
-    pooling.max_pool2x2`, channels_last), so a site left unfused costs what the plain chain costs there."""
+    unfused form pools as the plain prepared chain does on that device (on the CPU:
+    :func:`~splitz_fast.sampling.pooling.max_pool2x2`), so a site left unfused costs what the plain chain costs."""
 
     def __init__(self, conv: nn.Conv2d, *, unfused_channels_last: bool = True):
         conv_relu_pool.check_geometry(conv.weight, conv.stride, conv.padding, conv.dilation, conv.groups)
         super().__init__(conv)
-        # the layout the unfused form's CPU pool writes: NCHW before a Flatten, which then needs no copy (as the
-        # plain chain's pool there, prepared._cheaper_chain)
+        # the layout the unfused form's CPU pool writes: NCHW before a plain Flatten, which then needs no copy (as
+        # the plain chain's pool there, prepared._cheaper_chain), else channels_last
         self.unfused_channels_last = unfused_channels_last
 
     @staticmethod

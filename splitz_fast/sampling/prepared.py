@@ -163,9 +163,9 @@ class PreparedClassifier:
     def cast_if_chosen(self, net: nn.Module, variant: Variant, casting: CastChoice, dtype: torch.dtype,
                        scores: Callable[[nn.Module, torch.Tensor], torch.Tensor], example: Callable[[], torch.Tensor],
                        tolerance: Callable[[], float]) -> nn.Module:
-        """``net`` (the prepared module of ``variant``, plain or fused) or its copy with the weights cast once to ``dtype``
-        (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant; only where every
-        layer is PyTorch's or this library's and cast computes what autocast does (:meth:`CastChoice.takes`)."""
+        """``net`` (the prepared module of ``variant``, plain or fused) or its copy with the weights cast once to
+        ``dtype`` (:func:`~splitz_fast.sampling.casting.cast_copy`), as ``casting`` decides once per variant; only where
+        every layer is PyTorch's or this library's and cast computes what autocast does (:meth:`CastChoice.takes`)."""
         if not casting.considered or not self.rewritable:
             return net
         if variant not in self._cast:  # decided once per variant (the module walk too: the loop asks every window)
