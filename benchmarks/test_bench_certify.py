@@ -66,6 +66,21 @@ def cohen_style_counts(model: sz.SplitModel, x: torch.Tensor, num: int, batch: i
     return counts
 
 
+def art_smoother(model: sz.SplitModel, n0: int, alpha: float, sigma: float = SIGMA):
+    """IBM ART's randomized smoothing (``PyTorchRandomizedSmoothing``) of the whole model, or ``None`` where ART is
+    not installed (``pip install adversarial-robustness-toolbox statsmodels``; not a requirement). ART adds the noise to the input,
+    so at s = 0 (``f_L`` the identity) it smooths the same base classifier; its ``certify`` draws with numpy, runs the
+    model through its numpy ``predict`` and counts on the host."""
+    try:
+        from art.estimators.certification.randomized_smoothing import PyTorchRandomizedSmoothing
+        import statsmodels  # noqa: F401 — ART's certify imports it for its confidence bound
+    except ImportError:
+        return None
+    return PyTorchRandomizedSmoothing(model=model, loss=torch.nn.CrossEntropyLoss(), input_shape=(1, 28, 28),
+                                      nb_classes=model.num_classes, sample_size=n0, scale=sigma, alpha=alpha,
+                                      device_type="gpu" if DEVICE.type == "cuda" else "cpu")
+
+
 def _time(fn, repeats: int = 1 if QUICK else 3) -> float:
     times = []
     for _ in range(repeats):
@@ -213,7 +228,8 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
     """Trained LeNets, real MNIST test digits (most of them certified, so the radius search runs, unlike on random
     inputs), n = SPLITZ_BENCH_SAMPLES, ``certify_many`` at its measured batch with an fp32 or a bf16 ``f_R`` (a
     labelled base classifier of its own) against the fp32 Cohen-style loop at batch 100, 250 and 1000 (its best
-    taken), interleaved over SPLITZ_BENCH_REPEATS repeats (medians), the same process; then, on the CPU, the floor of
+    taken) and, at s = 0 where it is installed, IBM ART's ``certify`` at the same batches, interleaved over
+    SPLITZ_BENCH_REPEATS repeats (medians), the same process; then, on the CPU, the floor of
     the row (benchmarks/cpu_floor.py: f_R's own layers alone at their best layout and batch, plus the RNG)
     and our time as a multiple of it. Quick mode: split 0 only, the loop at batch 100 only."""
     if QUICK and split_index:
@@ -228,6 +244,9 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
     radius = _radius_of(smoother)
     loop_batches = [100] if QUICK else sorted({*MODELS["lenet"][3], COHEN_DEFAULT_BATCH})
     ours_times, loop_times, results = [], {b: [] for b in loop_batches}, []
+    art = None if QUICK or split_index else art_smoother(model, N0, ALPHA)  # s = 0 only: ART smooths the input
+    art_times, art_predictions = {b: [] for b in (loop_batches if art is not None else [])}, {}
+    xs_numpy = xs.cpu().numpy()
 
     def ours():
         results[:] = smoother.certify_many(xs, N0, SAMPLES, ALPHA, seeds=range(REAL_IMAGES))
@@ -240,6 +259,9 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
             ours_times.append(_time(ours, 1))
         for b in loop_batches:
             loop_times[b].append(_time(lambda b=b: cohen_style_certify(model, xs, N0, SAMPLES, ALPHA, b, radius), 1))
+        for b in art_times:
+            art_times[b].append(_time(lambda b=b: art_predictions.update(
+                {b: art.certify(xs_numpy, n=SAMPLES, batch_size=b)[0]}), 1))
     assert len(results) == REAL_IMAGES and all(r.n == SAMPLES for r in results)
 
     def median(values):
@@ -247,11 +269,22 @@ def test_certify_trained_lenet_real_mnist_vs_cohen_loop(benchmark, record_env, s
 
     floor = _cpu_floor_columns(model, smoother, xs[0], chosen, precision, N0 + SAMPLES,
                                median(ours_times) / REAL_IMAGES)
+    versus_art = {}
+    if art_times:
+        art_s = {b: median(t) / REAL_IMAGES for b, t in art_times.items()}
+        agree = min(sum(int(p) == r.prediction for p, r in zip(predicted, results)) for predicted in
+                    art_predictions.values())
+        versus_art = dict(art_s_per_image=art_s, ratio_vs_best_art=min(art_s.values()) * REAL_IMAGES /
+                          median(ours_times), art_predictions_agreeing=agree)
+        timings = ", ".join(f"batch {b}: {t:.3f} s" for b, t in art_s.items())
+        print(f"\n  IBM ART PyTorchRandomizedSmoothing.certify (fp32): {timings} per image; ours "
+              f"{versus_art['ratio_vs_best_art']:.2f}x faster than its best; {agree} of {REAL_IMAGES} predictions "
+              "the same")
     _report(record_env, f"trained LeNet s={split_index} ({source}), real MNIST", REAL_IMAGES, SAMPLES, precision,
             False, chosen, setup_s, median(ours_times), {b: median(t) for b, t in loop_times.items()},
             model="lenet", split_index=split_index, weights=source, repeats=REPEATS,
             certified=sum(r.prediction != sz.ABSTAIN for r in results), load_average=os.getloadavg(), **floor,
-            **_engine_choices(smoother))
+            **versus_art, **_engine_choices(smoother))
 
 
 def test_splitz_training_step_vs_gaussian_augmentation_step(benchmark, record_env):
