@@ -140,6 +140,7 @@ def test_every_failed_row_is_recorded_and_the_next_one_runs(tmp_path: Path):
     assert data["parts"]["native"]["rows"][0]["status"] == "skipped"  # the other part's rows are kept
 
 
+@pytest.mark.slow  # about 15-25 s on the 2-core machine: make test-slow runs it
 def test_the_targets_part_runs_the_named_workloads_and_precisions_in_order(tmp_path: Path):
     """--workloads and --precisions (what gpu_checks.sh's WORKLOADS and PRECISIONS pass): the named groups in the given
     order, only the named precisions, recorded in the settings; an unknown name is a usage error that lists the known
@@ -467,6 +468,7 @@ def test_a_row_that_compiled_in_a_timed_region_meets_no_target():
     assert ours_compiled["all_targets_met"] is False and loop_compiled["all_targets_met"] is False
 
 
+@pytest.mark.slow  # about 15-25 s on the 2-core machine: make test-slow runs it
 def test_the_fused_kernel_rows_measure_both_settings(tmp_path: Path):
     """The A/B rows of the fused f_R copy against the plain one (stage 2b runs them on CUDA; the default measures the
     same choice at run time) in quick mode on the CPU, in a process of their own (as the script runs them): one row
