@@ -333,6 +333,6 @@ def conv_relu_maxpool2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     backend = select_backend(OP_NAME, x.device)
     if backend == "triton":
         return conv_relu_maxpool2_triton(x, weight, bias, padding, tf32)
-    if backend == "native" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    if backend == "native" and x.dtype in (torch.float32, torch.bfloat16):  # "native" only for CPU tensors
         return conv_relu_maxpool2_native(x, weight, bias, padding)
     return conv_relu_maxpool2_reference(x, weight, bias, padding, tf32)

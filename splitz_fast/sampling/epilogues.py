@@ -161,8 +161,9 @@ class ConvReLUMaxPool2(_FusedSite):
     def unfused_forward(self, x: torch.Tensor) -> torch.Tensor:
         # max pool and ReLU commute (prepared._cheaper_chain): the pool first touches 4x fewer values with the ReLU
         y = self.conv(x)
-        pooled = max_pool2x2(y, self.unfused_channels_last) if y.device.type == "cpu" else F.max_pool2d(y, 2)
-        return F.relu(pooled, inplace=True)  # the pool's fresh output: nobody else reads it
+        if y.device.type == "cpu":  # the pool's fresh output: nobody else reads it
+            return F.relu(max_pool2x2(y, self.unfused_channels_last), inplace=True)
+        return F.relu(F.max_pool2d(y, 2))
 
 
 FUSED_MODULES = (ConvReLU, ConvAddReLU, ConvReLUMaxPool2)

@@ -165,3 +165,22 @@ def test_the_cpu_fused_copy_holds_only_the_pool_sites_and_their_unfused_pools_wr
         assert sites[1].unfused_forward(first).is_contiguous(memory_format=torch.channels_last)
     plain_flatten = fused_conv_pools([nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 2)])
     assert plain_flatten[0].unfused_channels_last is False
+
+
+def test_after_an_edit_of_the_users_first_layer_the_fused_copy_samples_the_edited_f_r():
+    """The fused copy is rebuilt from f_R as it is at each call: after an in-place edit of the user's first
+    convolution (and a new bias), the fused copy the engine samples through scores like the edited f_R, not the old."""
+    smoother = _lenet_smoother("float32")
+    x = torch.rand(1, 1, 28, 28)
+    list(smoother.certify_many(x, 100, 200, 0.001, seeds=[0]))
+    conv = smoother.model.right[0]
+    with torch.no_grad():
+        conv.weight.mul_(-1.5)
+        conv.bias.add_(0.25)
+    list(smoother.certify_many(x, 100, 200, 0.001, seeds=[0]))
+    net = smoother.engine().prepared.get(channels_last=True, fused=True)  # the copy the fused sites come from
+    for site in fused_sites(net).values():
+        site.fused = True  # every site through the C++ kernel, whatever the timing decided
+    batch = torch.rand(16, 1, 28, 28).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(net(batch), smoother.model.right(batch), rtol=1e-4, atol=1e-4)
